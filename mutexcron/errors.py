@@ -1,0 +1,40 @@
+"""Every exception mutexcron raises, rooted at :class:`MutexcronError`."""
+
+from __future__ import annotations
+
+
+class MutexcronError(Exception):
+    """Base class of every mutexcron error."""
+
+
+class ConfigurationError(MutexcronError, ValueError):
+    """Bad configuration: a URL, an option, a cron field, a missing driver.
+
+    The message always says what to change.
+    """
+
+
+class JobsFileError(ConfigurationError):
+    """The jobs file could not be found, imported or understood."""
+
+    def __init__(self, message: str, *, filename: str | None = None, lineno: int | None = None) -> None:
+        self.filename = filename
+        self.lineno = lineno
+        where = f"{filename}:{lineno}: " if filename and lineno else (f"{filename}: " if filename else "")
+        super().__init__(f"{where}{message}")
+
+
+class StoreError(MutexcronError):
+    """The lock store failed in a way that is not a plain outage."""
+
+
+class StoreUnavailableError(StoreError):
+    """The lock store cannot be reached right now. Guarded jobs do not run until it can."""
+
+
+class AttrsError(MutexcronError, TypeError):
+    """Lock attrs that cannot be stored as JSON."""
+
+
+class LeaseError(MutexcronError):
+    """A lease operation was used outside the context that supports it."""

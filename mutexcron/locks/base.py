@@ -1,0 +1,188 @@
+"""The lock store interface every backend implements.
+
+Rules every implementation follows (the contract suite in ``tests/test_contract.py`` checks them):
+
+* Each method is **one atomic operation** in the store (a conditional UPDATE or upsert, a Lua
+  script, a ``find_one_and_update``); writes compare the holder and, after acquisition, the
+  fencing token. A read that only builds the returned record may follow a write.
+* Staleness is judged by **the store's clock**, against the ``ttl`` the current holder stored
+  with its lease. Never the node's wall clock.
+* The fencing token goes up by one on every change of holder (including from "released") and
+  survives a release; it never goes down.
+* Fire claims: ``acquire_or_renew(..., claim=FireClaim(job, fire_us, nonce))`` records
+  ``fires[job] = [fire_us, nonce]`` in the same atomic operation, only if the lease is acquired
+  and ``fire_us`` is greater than the stored one. ``AcquireResult.claimed`` is True only if this
+  call wrote that claim (the stored nonce is ours).
+* A store that cannot be reached raises :class:`~mutexcron.errors.StoreUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import secrets
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, ClassVar
+
+from ..record import LockRecord, utc_from_us
+from ..urls import mask_url
+
+
+@dataclass(frozen=True)
+class Node:
+    """Who is asking: the node id (unique per process) and the IP shown as ``active_ip``."""
+
+    node_id: str
+    ip: str
+
+
+@dataclass(frozen=True)
+class FireClaim:
+    """A claim on one scheduled fire time of one job, made atomically with the lease."""
+
+    job: str
+    fire_us: int
+    nonce: str
+
+    @classmethod
+    def new(cls, job: str, fire_us: int) -> FireClaim:
+        return cls(job=job, fire_us=fire_us, nonce=secrets.token_hex(8))
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a finished run reports with its heartbeat.
+
+    ``duration`` is measured with the node's monotonic clock; the store stamps
+    ``last_run_finished`` with its own clock and ``last_run_started`` as that minus ``duration``.
+    """
+
+    duration: float
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class AcquireResult:
+    """The outcome of :meth:`LockStore.acquire_or_renew`."""
+
+    acquired: bool
+    record: LockRecord
+    claimed: bool = False
+
+    @property
+    def token(self) -> int:
+        return self.record.token
+
+
+def fire_times_from_json(fires: Mapping[str, Any] | None) -> dict[str, datetime]:
+    """``{job: [fire_us, nonce]}`` as stored -> ``{job: datetime}``."""
+    out: dict[str, datetime] = {}
+    for job, value in (fires or {}).items():
+        fire_us = value[0] if isinstance(value, (list, tuple)) else value
+        when = utc_from_us(fire_us)
+        if when is not None:
+            out[job] = when
+    return out
+
+
+def claim_won(fires: Mapping[str, Any] | None, claim: FireClaim | None) -> bool:
+    """True if the stored claim for ``claim.job`` is exactly ours (same time and nonce)."""
+    if claim is None or not fires:
+        return False
+    value = fires.get(claim.job)
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and int(value[0]) == claim.fire_us
+        and value[1] == claim.nonce
+    )
+
+
+class LockStore(ABC):
+    """A store of named, leased lock records.
+
+    Subclasses declare their URL ``schemes`` and are built from a URL by
+    :func:`mutexcron.locks.lock_store_from_url`.
+    """
+
+    schemes: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    @property
+    def masked_url(self) -> str:
+        """The URL with any password replaced by ``***``: safe for logs and ``status``."""
+        return mask_url(self.url)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.masked_url!r})"
+
+    @abstractmethod
+    def acquire_or_renew(
+        self, name: str, node: Node, ttl: float, claim: FireClaim | None = None
+    ) -> AcquireResult:
+        """Take the lock if it is free, released or stale, or renew it if ``node`` holds it.
+
+        Args:
+            name: lock name.
+            node: the caller.
+            ttl: lease length in seconds; stored with the lease, and used by *other* nodes to
+                judge this holder stale.
+            claim: optionally claim a fire time in the same atomic operation.
+
+        Returns:
+            Whether the lease is held, the record after the operation, and whether the claim
+            was won.
+        """
+
+    @abstractmethod
+    def heartbeat(
+        self,
+        name: str,
+        node: Node,
+        token: int,
+        attrs: Mapping[str, Any] | None = None,
+        run: RunInfo | None = None,
+    ) -> bool:
+        """Refresh the lease and optionally store attrs and run info.
+
+        Conditional on holder **and** token: returns False (and changes nothing) if another
+        node took the lock since ``token`` was issued. ``attrs=None`` keeps the stored attrs.
+        """
+
+    @abstractmethod
+    def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
+        """Refresh every lease in ``{name: token}`` held by ``node``, in one round trip.
+
+        Returns the names that were renewed; the others were lost.
+        """
+
+    @abstractmethod
+    def release(self, name: str, node: Node, token: int) -> bool:
+        """Mark the lock free if ``node`` holds it with ``token``. Keeps token, attrs and fire times."""
+
+    @abstractmethod
+    def read(self, name: str) -> LockRecord | None:
+        """The record of one lock (``heartbeat_age`` by the store's clock), or None."""
+
+    @abstractmethod
+    def list(self) -> list[LockRecord]:
+        """Every lock record in the store, sorted by name."""
+
+    def read_many(self, names: Iterable[str]) -> dict[str, LockRecord]:
+        """Records for several locks; stores override this with one round trip."""
+        out: dict[str, LockRecord] = {}
+        for name in names:
+            record = self.read(name)
+            if record is not None:
+                out[name] = record
+        return out
+
+    @abstractmethod
+    def ping(self) -> None:
+        """One raw round trip to the server (``SELECT 1``, ``PING``...): health check and benchmark baseline."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections. The store must not be used afterwards."""

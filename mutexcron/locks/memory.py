@@ -1,0 +1,157 @@
+"""``memory://``: an in-process lock store for tests and single-process use.
+
+``memory://`` gives a private store; ``memory://NAME`` shares one store between every
+``memory://NAME`` in the same process (handy for several schedulers in one test).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, ClassVar
+
+from ..record import LockRecord, dump_attrs
+from .base import AcquireResult, FireClaim, LockStore, Node, RunInfo, claim_won, fire_times_from_json
+
+
+@dataclass
+class _Row:
+    holder: str | None
+    active_ip: str | None
+    token: int
+    hb: float
+    ttl: float
+    attrs: str = "{}"
+    fires: dict[str, list[Any]] = field(default_factory=dict)
+    last_run_started: float | None = None
+    last_run_finished: float | None = None
+    last_error: str | None = None
+
+
+class _Shared:
+    def __init__(self) -> None:
+        self.rows: dict[str, _Row] = {}
+        self.mutex = threading.Lock()
+
+
+class MemoryLockStore(LockStore):
+    """A dict behind a mutex. Its clock is ``clock`` (monotonic seconds), injectable for tests."""
+
+    schemes = ("memory",)
+    _named: ClassVar[dict[str, _Shared]] = {}
+    _named_mutex: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, url: str = "memory://", *, clock: Callable[[], float] | None = None) -> None:
+        super().__init__(url)
+        self.clock = clock or time.monotonic
+        name = url.partition("://")[2].strip("/")
+        if name:
+            with self._named_mutex:
+                self._shared = self._named.setdefault(name, _Shared())
+        else:
+            self._shared = _Shared()
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _wall(self, at: float | None, now: float) -> datetime | None:
+        if at is None:
+            return None
+        return datetime.now(timezone.utc) - timedelta(seconds=now - at)
+
+    def _record(self, name: str, row: _Row, now: float) -> LockRecord:
+        return LockRecord(
+            name=name,
+            holder=row.holder,
+            active_ip=row.active_ip,
+            token=row.token,
+            update_time=self._wall(row.hb, now),
+            heartbeat_age=max(0.0, now - row.hb),
+            ttl=row.ttl,
+            fire_times=fire_times_from_json(row.fires),
+            last_run_started=self._wall(row.last_run_started, now),
+            last_run_finished=self._wall(row.last_run_finished, now),
+            last_error=row.last_error,
+            attrs=json.loads(row.attrs),
+        )
+
+    # -- LockStore ---------------------------------------------------------------------------
+    def acquire_or_renew(
+        self, name: str, node: Node, ttl: float, claim: FireClaim | None = None
+    ) -> AcquireResult:
+        with self._shared.mutex:
+            now = self.clock()
+            row = self._shared.rows.get(name)
+            if row is None:
+                row = _Row(holder=None, active_ip=None, token=0, hb=now, ttl=ttl)
+                self._shared.rows[name] = row
+            free = row.holder is None or row.holder == node.node_id or now - row.hb > row.ttl
+            if free:
+                if row.holder != node.node_id:
+                    row.token += 1
+                row.holder, row.active_ip, row.hb, row.ttl = node.node_id, node.ip, now, ttl
+                if claim is not None:
+                    stored = row.fires.get(claim.job)
+                    if stored is None or int(stored[0]) < claim.fire_us:
+                        row.fires[claim.job] = [claim.fire_us, claim.nonce]
+            record = self._record(name, row, now)
+            return AcquireResult(free, record, free and claim_won(copy.deepcopy(row.fires), claim))
+
+    def heartbeat(
+        self,
+        name: str,
+        node: Node,
+        token: int,
+        attrs: Mapping[str, Any] | None = None,
+        run: RunInfo | None = None,
+    ) -> bool:
+        text = dump_attrs(attrs, job=name) if attrs is not None else None
+        with self._shared.mutex:
+            now = self.clock()
+            row = self._shared.rows.get(name)
+            if row is None or row.holder != node.node_id or row.token != token:
+                return False
+            row.hb = now
+            if text is not None:
+                row.attrs = text
+            if run is not None:
+                row.last_run_finished = now
+                row.last_run_started = now - run.duration
+                row.last_error = run.error
+            return True
+
+    def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
+        renewed: set[str] = set()
+        with self._shared.mutex:
+            now = self.clock()
+            for name, token in leases.items():
+                row = self._shared.rows.get(name)
+                if row is not None and row.holder == node.node_id and row.token == token:
+                    row.hb = now
+                    renewed.add(name)
+        return renewed
+
+    def release(self, name: str, node: Node, token: int) -> bool:
+        with self._shared.mutex:
+            row = self._shared.rows.get(name)
+            if row is None or row.holder != node.node_id or row.token != token:
+                return False
+            row.holder = None
+            return True
+
+    def read(self, name: str) -> LockRecord | None:
+        with self._shared.mutex:
+            row = self._shared.rows.get(name)
+            return None if row is None else self._record(name, row, self.clock())
+
+    def list(self) -> list[LockRecord]:
+        with self._shared.mutex:
+            now = self.clock()
+            return [self._record(n, r, now) for n, r in sorted(self._shared.rows.items())]
+
+    def ping(self) -> None:
+        with self._shared.mutex:
+            pass

@@ -1,0 +1,197 @@
+"""The backends the contract suite runs on, and how to open an isolated store on each.
+
+Each backend gets a fresh namespace per test (a table, a key namespace or a collection) and
+cleans it up afterwards. Real servers come from ``MUTEXCRON_TEST_<KIND>_URL`` or the local
+defaults below. A missing server skips the test with the reason, except under ``CI=true``,
+where it fails the run (MongoDB is the one exception: no server can be installed on CI).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from mutexcron.locks import LockStore, lock_store_from_url
+
+DEFAULT_URLS = {
+    "mysql": "mysql://root@127.0.0.1:3306/test",
+    "postgresql": "postgresql://postgres@127.0.0.1:5432/test",
+    "redis": "redis://127.0.0.1:6379/0",
+}
+
+
+def server_url(kind: str) -> str | None:
+    return os.environ.get(f"MUTEXCRON_TEST_{kind.upper()}_URL") or DEFAULT_URLS.get(kind)
+
+
+def _reachable(url: str) -> bool:
+    parts = urlsplit(url)
+    hosts = (parts.netloc.rpartition("@")[2] or "127.0.0.1").split(",")
+    for hostport in hosts:
+        host, _, port = hostport.partition(":")
+        try:
+            with socket.create_connection((host or "127.0.0.1", int(port or 0) or 27017), timeout=1.0):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def require_server(kind: str) -> str:
+    """The server URL for ``kind``, or skip (fail under CI=true) with a visible reason."""
+    url = server_url(kind)
+    if kind == "mongodb" and not url:
+        pytest.skip("no MongoDB server here: set MUTEXCRON_TEST_MONGODB_URL to run against one (README, Testing)")
+    assert url is not None
+    if not _reachable(url):
+        reason = f"{kind} server not reachable at {urlsplit(url).netloc.rpartition('@')[2]}"
+        if os.environ.get("CI", "").lower() == "true" and kind != "mongodb":
+            pytest.fail(f"{reason} (CI=true: a missing server fails the run; .ci/run starts it)")
+        pytest.skip(reason)
+    return url
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+
+
+@dataclass
+class StoreCtx:
+    """An isolated store on one backend; ``make()`` opens another client on the same data."""
+
+    kind: str
+    url: str | None
+    factory: Callable[[], LockStore]
+    clock: FakeClock | None = None
+    opened: list[LockStore] = field(default_factory=list)
+
+    def make(self) -> LockStore:
+        store = self.factory()
+        self.opened.append(store)
+        return store
+
+    def wait_stale(self, ttl: float) -> None:
+        """Let a lease of ``ttl`` seconds go stale: move the fake clock, or sleep on a real server."""
+        if self.clock is not None:
+            self.clock.advance(ttl * 1.5 + 0.01)
+        else:
+            time.sleep(ttl * 1.5 + 0.05)
+
+    @property
+    def in_process(self) -> bool:
+        return self.url is None
+
+
+def _sql_cleanup(url: str) -> None:
+    import sqlalchemy
+
+    from mutexcron.locks.sql import SQLLockStore
+
+    store = SQLLockStore(url)
+    try:
+        with store.engine.connect() as conn:
+            conn.execute(sqlalchemy.text(f"DROP TABLE IF EXISTS {store.table}"))
+            conn.commit()
+    finally:
+        store.close()
+
+
+def _redis_cleanup(url: str) -> None:
+    from mutexcron.locks.redis import RedisLockStore
+
+    store = RedisLockStore(url)
+    try:
+        store.destroy_namespace()
+    finally:
+        store.close()
+
+
+def _mongodb_cleanup(url: str) -> None:
+    from mutexcron.locks.mongodb import MongoDBLockStore
+
+    store = MongoDBLockStore(url)
+    try:
+        store.collection.drop()
+    finally:
+        store.close()
+
+
+@contextmanager
+def open_backend(kind: str, tmp_path: Path) -> Iterator[StoreCtx]:
+    """Yield a StoreCtx for ``kind``, isolated for this test, and clean up afterwards."""
+    tag = secrets.token_hex(4)
+    cleanup: Callable[[], Any] | None = None
+    if kind == "memory":
+        clock = FakeClock()
+        from mutexcron.locks.memory import MemoryLockStore
+
+        ctx = StoreCtx(kind, None, lambda: MemoryLockStore(f"memory://test-{tag}", clock=clock), clock=clock)
+    elif kind == "mongomock":
+        pytest.importorskip("mongomock")
+        from tests.mongomock_support import open_mongomock
+
+        ctx_factory, clock = open_mongomock(tag)
+        ctx = StoreCtx(kind, None, ctx_factory, clock=clock)
+    elif kind == "sqlite":
+        url = f"sqlite:///{tmp_path}/locks-{tag}.db"
+        ctx = StoreCtx(kind, url, lambda: lock_store_from_url(url))
+    elif kind in ("mysql", "postgresql"):
+        base = require_server(kind)
+        url = f"{base}{'&' if '?' in base else '?'}table=mc_test_{tag}"
+        ctx = StoreCtx(kind, url, lambda: lock_store_from_url(url))
+        cleanup = lambda: _sql_cleanup(url)  # noqa: E731
+    elif kind == "redis":
+        base = require_server(kind)
+        url = f"{base}{'&' if '?' in base else '?'}namespace=test-{tag}"
+        ctx = StoreCtx(kind, url, lambda: lock_store_from_url(url))
+        cleanup = lambda: _redis_cleanup(url)  # noqa: E731
+    elif kind == "mongodb":
+        base = require_server(kind)
+        url = f"{base}{'&' if '?' in base else '?'}collection=mc_test_{tag}"
+        ctx = StoreCtx(kind, url, lambda: lock_store_from_url(url))
+        cleanup = lambda: _mongodb_cleanup(url)  # noqa: E731
+    else:  # pragma: no cover - a typo in a test
+        raise ValueError(kind)
+    try:
+        yield ctx
+    finally:
+        for store in ctx.opened:
+            try:
+                store.close()
+            except Exception:  # noqa: BLE001 - cleanup must go on
+                pass
+        if cleanup is not None:
+            cleanup()
+
+
+def backend_params(*kinds: str) -> list[Any]:
+    """``pytest.param(kind, marks=pytest.mark.<kind>, id=kind)`` for each kind."""
+    marks = {"mongomock": "mongodb"}
+    return [pytest.param(k, marks=getattr(pytest.mark, marks.get(k, k)), id=k) for k in kinds]
+
+
+ALL_BACKENDS = ("memory", "sqlite", "mysql", "postgresql", "redis", "mongomock", "mongodb")
+SERVER_BACKENDS = ("sqlite", "mysql", "postgresql", "redis")
