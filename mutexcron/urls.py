@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode
 
 # scheme://user:password@host  ->  scheme://user:***@host   (also for comma-separated host lists)
 _USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^:@/]*):(?P<password>[^@/]*)@")
@@ -27,13 +27,18 @@ def url_scheme(url: str) -> str:
 
 
 def pop_query(url: str, *names: str) -> tuple[str, dict[str, str]]:
-    """Remove mutexcron's own query options from a URL; return the rest and the options."""
-    parts = urlsplit(url)
+    """Remove mutexcron's own query options from a URL; return the rest and the options.
+
+    The URL is split by hand (not by urlsplit) so ``sqlite:////abs/path`` keeps its slashes.
+    """
+    base, sep, query = url.partition("?")
+    if not sep:
+        return url, {}
     kept: list[tuple[str, str]] = []
     found: dict[str, str] = {}
-    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+    for key, value in parse_qsl(query, keep_blank_values=True):
         if key in names:
             found[key] = value
         else:
             kept.append((key, value))
-    return urlunsplit(parts._replace(query=urlencode(kept))), found
+    return (f"{base}?{urlencode(kept)}" if kept else base), found
