@@ -2,4 +2,39 @@
 
 from __future__ import annotations
 
+from .errors import (
+    AttrsError,
+    ConfigurationError,
+    JobsFileError,
+    LeaseError,
+    MutexcronError,
+    StoreError,
+    StoreUnavailableError,
+)
+from .lease import Lease, current_lease
+from .locks import LockStore, lock_store_from_url
+from .record import LockRecord
+from .scheduler import BlockingMutexScheduler, MutexConfig, MutexScheduler, MutexSchedulerMixin, MutexThreadPoolExecutor
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "AttrsError",
+    "BlockingMutexScheduler",
+    "ConfigurationError",
+    "JobsFileError",
+    "Lease",
+    "LeaseError",
+    "LockRecord",
+    "LockStore",
+    "MutexConfig",
+    "MutexScheduler",
+    "MutexSchedulerMixin",
+    "MutexThreadPoolExecutor",
+    "MutexcronError",
+    "StoreError",
+    "StoreUnavailableError",
+    "__version__",
+    "current_lease",
+    "lock_store_from_url",
+]

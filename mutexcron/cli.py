@@ -1,0 +1,239 @@
+"""The ``mutexcron`` command: ``run`` a jobs file, show ``status``, print the SQL ``ddl``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, NoReturn, TypeVar
+
+import click
+from click.core import ParameterSource
+
+from . import __version__
+from .errors import ConfigurationError, MutexcronError, StoreError
+from .locks import DEFAULT_LOCK_URL, SCHEMES, lock_store_from_url
+from .record import LockRecord
+
+log = logging.getLogger("mutexcron.cli")
+F = TypeVar("F", bound=Callable[..., Any])
+
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+    if level != "debug":  # APScheduler logs every run at INFO; keep ours readable
+        logging.getLogger("apscheduler").setLevel(logging.WARNING)
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    click.echo(f"mutexcron: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _lock_url_option(func: F) -> F:
+    return click.option(
+        "--lock-url",
+        envvar="MUTEXCRON_LOCK_URL",
+        metavar="URL",
+        help=f"Lock store URL [env MUTEXCRON_LOCK_URL; default {DEFAULT_LOCK_URL}]. "
+        f"Schemes: {', '.join(SCHEMES)}.",
+    )(func)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="mutexcron")
+def main() -> None:
+    """Run one APScheduler jobs file on several servers; each guarded job runs once per fire time."""
+
+
+@main.command()
+@click.argument("jobs")
+@_lock_url_option
+@click.option("--node-id", envvar="MUTEXCRON_NODE_ID", help="This node's id [env MUTEXCRON_NODE_ID; default hostname:pid:random].")
+@click.option(
+    "--unactive-interval",
+    type=click.FloatRange(min=0.1),
+    envvar="MUTEXCRON_UNACTIVE_INTERVAL",
+    help="Default lease length in seconds for guarded jobs that set none [default 10].",
+)
+@click.option(
+    "--shutdown-timeout",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM/SIGINT, how long to wait for running guarded jobs before releasing their locks.",
+)
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
+@click.pass_context
+def run(
+    ctx: click.Context,
+    jobs: str,
+    lock_url: str | None,
+    node_id: str | None,
+    unactive_interval: float | None,
+    shutdown_timeout: float,
+    log_level: str,
+) -> None:
+    """Run the scheduler in JOBS (a path to a .py file, or module:attr) until SIGTERM/SIGINT."""
+    _setup_logging(log_level)
+    debug = log_level == "debug"
+    from .loader import load_scheduler
+
+    try:
+        if lock_url:
+            lock_store_from_url(lock_url).close()  # a bad URL is a startup error, before the jobs file runs
+        sched = load_scheduler(jobs)
+        # Options given on the command line win over the jobs file; environment variables were
+        # already read by MutexScheduler() as defaults, below its explicit arguments.
+        explicit = {
+            name: value
+            for name, value in (("lock_url", lock_url), ("node_id", node_id), ("unactive_interval", unactive_interval))
+            if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+        }
+        sched.configure_mutex(shutdown_timeout=shutdown_timeout, **explicit)
+        stop = threading.Event()
+        signals: list[tuple[int, float]] = []
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            # A second signal forces the exit; one that arrives within a second of the first is
+            # the same stop delivered twice (e.g. to the process and to its process group).
+            now = time.monotonic()
+            if signals and now - signals[0][1] > 1.0:
+                log.error("second signal: exiting now without waiting for jobs or releasing locks")
+                os._exit(128 + signum)
+            signals.append((signum, now))
+            stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        sched.start()
+    except ConfigurationError as exc:
+        if debug:
+            log.exception("startup failed")
+        _fail(str(exc))
+    except MutexcronError as exc:
+        if debug:
+            log.exception("startup failed")
+        _fail(str(exc), 1)
+    except Exception as exc:
+        log.error("startup failed: %s: %s%s", type(exc).__name__, exc, "" if debug else " (--log-level debug shows the traceback)",
+                  exc_info=debug)
+        sys.exit(1)
+    while not stop.wait(3600):
+        pass
+    name = signal.Signals(signals[0][0]).name if signals else "stop"
+    log.info("%s received: stopping (waiting up to %ss for running guarded jobs)", name, shutdown_timeout)
+    sched.shutdown(wait=True)
+    running = {k: v for k, v in (sched._leases.running() if sched._leases else {}).items()}
+    if running:
+        log.warning("exiting with guarded jobs still running: %s", ", ".join(running))
+        logging.shutdown()
+        os._exit(1)
+    log.info("stopped")
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.0f}h"
+
+
+def _when(value: datetime | None) -> str:
+    return value.strftime("%Y-%m-%d %H:%M:%S") if value else "-"
+
+
+def _clip(text: str | None, width: int) -> str:
+    text = "-" if text in (None, "") else " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def format_status(records: list[LockRecord]) -> str:
+    """The ``status`` table."""
+    header = ("NAME", "HOLDER", "ACTIVE_IP", "HEARTBEAT", "STATE", "TOKEN", "LAST FIRE (UTC)", "LAST ERROR", "ATTRS")
+    rows = [
+        (
+            _clip(r.name, 32),
+            _clip(r.holder, 36),
+            r.active_ip or "-",
+            _age(r.heartbeat_age),
+            r.state,
+            str(r.token),
+            _when(r.last_fire_time),
+            _clip(r.last_error, 30),
+            _clip(json.dumps(dict(r.attrs), ensure_ascii=False, sort_keys=True) if r.attrs else "", 40),
+        )
+        for r in records
+    ]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in (header, *rows)]
+    return "\n".join(lines)
+
+
+@main.command()
+@click.argument("jobs", required=False)
+@_lock_url_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(jobs: str | None, lock_url: str | None, as_json: bool) -> None:
+    """Show every lock in the store: holder, heartbeat age, state, token, last run.
+
+    With JOBS (a jobs file), use that scheduler's lock store unless --lock-url is given.
+    """
+    _setup_logging("warning")
+    try:
+        if not lock_url and jobs:
+            from .loader import load_scheduler
+
+            lock_url = load_scheduler(jobs).lock_url
+        store = lock_store_from_url(lock_url or DEFAULT_LOCK_URL)
+    except ConfigurationError as exc:
+        _fail(str(exc))
+    try:
+        records = store.list()
+    except StoreError as exc:
+        _fail(str(exc), 1)
+    finally:
+        store.close()
+    if as_json:
+        click.echo(json.dumps({"store": store.masked_url, "locks": [r.to_json() for r in records]}, indent=2))
+        return
+    click.echo(f"lock store: {store.masked_url}  ({len(records)} lock{'s' if len(records) != 1 else ''})")
+    if records:
+        click.echo(format_status(records))
+
+
+@main.command()
+@_lock_url_option
+def ddl(lock_url: str | None) -> None:
+    """Print the CREATE TABLE statements for a SQL lock store (for teams that manage their schema)."""
+    from .locks.sql import SQLLockStore
+
+    try:
+        store = lock_store_from_url(lock_url or DEFAULT_LOCK_URL)
+    except ConfigurationError as exc:
+        _fail(str(exc))
+    if not isinstance(store, SQLLockStore):
+        _fail(f"{store.masked_url} is not a SQL store; only SQL stores have a schema")
+    for statement in store.ddl():
+        click.echo(statement.strip() + ";\n")
+    store.close()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
