@@ -430,14 +430,14 @@ class MutexSchedulerMixin:
             id = self._stable_id(func)  # noqa: A001
         if id is not None:
             self._used_ids.add(id)
+            if misfire_grace_time is not undefined:  # the user's choice wins, even if mutex() comes later
+                self._user_misfire.add(id)
         if config is not None:
             guard = GuardedJob(self, raw, config, key=str(id))
             func = guard
             if coalesce is undefined:
                 coalesce = True
-            if misfire_grace_time is not undefined:
-                self._user_misfire.add(str(id))
-            elif self._leases is not None:
+            if misfire_grace_time is undefined and self._leases is not None:
                 misfire_grace_time = self._guard_misfire(guard)
         try:
             job = super().add_job(  # type: ignore[misc]
