@@ -240,7 +240,7 @@ class SQLLockStore(LockStore):
         scheme = url_scheme(rest)
         try:
             sa_url = make_url(rest)
-        except ArgumentError as exc:
+        except (ArgumentError, ValueError) as exc:
             raise ConfigurationError(f"cannot parse lock URL {mask_url(url)}: {exc}") from None
         connect_args: dict[str, Any] = {}
         options_: dict[str, Any] = {
