@@ -213,7 +213,7 @@ class LeaseManager:
             log.exception("heartbeat round failed")
         self._expire()
         if self._store_up is False:
-            backoff = min(MAX_BACKOFF, self.period * 2 ** min(self._failures, 8))
+            backoff = min(MAX_BACKOFF, self.period * 2.0 ** min(self._failures, 8))
             return min(backoff, self.period) if self.held() else backoff
         return self.period
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-import math
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -281,6 +281,8 @@ class MutexSchedulerMixin:
         Other arguments go to the APScheduler scheduler.
     """
 
+    _executors: dict[str, Any]  # APScheduler's, on the scheduler class this mixes into
+
     def __init__(
         self,
         *args: Any,
@@ -402,13 +404,13 @@ class MutexSchedulerMixin:
 
         return decorate
 
-    def add_job(  # type: ignore[override]
+    def add_job(
         self,
         func: Any,
         trigger: Any = None,
         args: Any = None,
         kwargs: Any = None,
-        id: str | None = None,  # noqa: A002 - APScheduler's name
+        id: str | None = None,
         name: str | None = None,
         misfire_grace_time: Any = undefined,
         coalesce: Any = undefined,
@@ -427,7 +429,7 @@ class MutexSchedulerMixin:
         config = _as_config(mutex) or getattr(func, "__mutexcron_mutex__", None)
         raw = func
         if id is None and callable(func):
-            id = self._stable_id(func)  # noqa: A001
+            id = self._stable_id(func)
         if id is not None:
             self._used_ids.add(id)
             if misfire_grace_time is not undefined:  # the user's choice wins, even if mutex() comes later
@@ -489,12 +491,12 @@ class MutexSchedulerMixin:
         return max(int(default), math.ceil(2 * guard.ttl))
 
     # -- running ---------------------------------------------------------------------------------
-    def start(self, paused: bool = False) -> None:  # type: ignore[override]
+    def start(self, paused: bool = False) -> None:
         """Open the lock store, start the heartbeat thread and the scheduler."""
         with self._setup_lock:
             for alias, executor in list(getattr(self, "_executors", {}).items()):
                 if type(executor) is ThreadPoolExecutor:
-                    self._executors[alias] = MutexThreadPoolExecutor(executor._pool._max_workers)  # type: ignore[attr-defined]
+                    self._executors[alias] = MutexThreadPoolExecutor(executor._pool._max_workers)
             self._check_guarded_executors()
             locks = {g.lock: g.ttl for g in self._guarded.values() if not g.config.seed_mode}
             store = self.lock_store  # a bad URL fails here, before anything starts
@@ -531,7 +533,7 @@ class MutexSchedulerMixin:
     def _create_default_executor(self) -> Any:
         return MutexThreadPoolExecutor()
 
-    def shutdown(self, wait: bool = True) -> None:  # type: ignore[override]
+    def shutdown(self, wait: bool = True) -> None:
         """Stop scheduling, wait (up to ``shutdown_timeout``) for guarded jobs, release the leases."""
         leases = self._leases
         if leases is not None:

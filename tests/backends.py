@@ -181,7 +181,7 @@ def open_backend(kind: str, tmp_path: Path) -> Iterator[StoreCtx]:
         for store in ctx.opened:
             try:
                 store.close()
-            except Exception:  # noqa: BLE001 - cleanup must go on
+            except Exception:
                 pass
         if cleanup is not None:
             cleanup()

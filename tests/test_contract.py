@@ -223,7 +223,7 @@ def test_concurrent_threads_one_winner_per_round(ctx: StoreCtx) -> None:
                 barrier.wait(timeout=30)
                 if stores[i].acquire_or_renew(f"{prefix}-{r}", nodes[i], ttl=60).acquired:
                     wins[i][r] = 1
-        except BaseException as exc:  # noqa: BLE001 - surfaced below
+        except BaseException as exc:
             errors.append(exc)
             barrier.abort()
 

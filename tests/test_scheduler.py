@@ -133,7 +133,7 @@ def test_bad_mutex_arguments_are_configuration_errors() -> None:
         sched.mutex(unactive_interval=0)
     with pytest.raises(ConfigurationError, match="lock_else"):
         sched.mutex(lock_else="nope")  # type: ignore[arg-type]
-    with pytest.raises(ConfigurationError, match="unsupported lock URL .*scheme 'ftp'"):
+    with pytest.raises(ConfigurationError, match=r"unsupported lock URL .*scheme 'ftp'"):
         MutexScheduler(lock_url="ftp://x", node_id="n").start()
 
 

@@ -10,13 +10,13 @@ from ..urls import mask_url, url_scheme
 from .base import AcquireResult, FireClaim, LockStore, Node, RunInfo
 
 __all__ = [
+    "DEFAULT_LOCK_URL",
+    "SCHEMES",
     "AcquireResult",
     "FireClaim",
     "LockStore",
     "Node",
     "RunInfo",
-    "DEFAULT_LOCK_URL",
-    "SCHEMES",
     "lock_store_from_url",
 ]
 
