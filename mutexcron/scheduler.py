@@ -168,28 +168,30 @@ class GuardedJob:
         manager = self.scheduler._leases
         assert manager is not None
         lease = Lease(self.lock, token, manager.node.node_id, fire_time, self.key, manager.holds)
-        ctx = _enter(lease)
+        # The run counts as running until its result is saved, so a graceful stop never releases
+        # the lease between the job's return and its attrs hand-off.
         manager.begin_run(self.lock)
-        started = manager.clock()
         try:
-            result = self.func(*args, **{**self._attr_kwargs(record.attrs), **kwargs})
-        except BaseException as exc:
-            manager.finish(self.lock, token, None, RunInfo(manager.clock() - started, _describe(exc)), self.key)
-            raise
-        finally:
-            _exit(ctx)
-            manager.end_run(self.lock)
-        duration = manager.clock() - started
-        attrs: Mapping[str, Any] | None = None
-        if result is not None:
+            ctx = _enter(lease)
+            started = manager.clock()
             try:
-                dump_attrs(result, job=self.key)
-            except AttrsError as exc:
-                manager.finish(self.lock, token, None, RunInfo(duration, _describe(exc)), self.key)
+                result = self.func(*args, **{**self._attr_kwargs(record.attrs), **kwargs})
+            except BaseException as exc:
+                manager.finish(self.lock, token, None, RunInfo(manager.clock() - started, _describe(exc)), self.key)
                 raise
-            attrs = result
-        manager.finish(self.lock, token, attrs, RunInfo(duration, None), self.key)
-        return result
+            finally:
+                _exit(ctx)
+            run = RunInfo(manager.clock() - started, None)
+            if result is not None:
+                try:
+                    dump_attrs(result, job=self.key)
+                except AttrsError as exc:
+                    manager.finish(self.lock, token, None, RunInfo(run.duration, _describe(exc)), self.key)
+                    raise
+            manager.finish(self.lock, token, result, run, self.key)
+            return result
+        finally:
+            manager.end_run(self.lock)
 
     def _run_seed(self, *args: Any, **kwargs: Any) -> Any:
         """The seed's algorithm with the user's own functions. Not atomic: see the README."""

@@ -436,3 +436,27 @@ def test_seed_compatible_mode_calls_the_users_functions() -> None:
     table["update_time"] = datetime.now() - timedelta(seconds=60)
     guard()
     assert calls[-1] == ("run", {"n": 2}), "stale by the seed's rule: runs"
+
+
+def test_blocking_scheduler_runs_guarded_jobs_and_stops(shared_url: str) -> None:
+    from mutexcron import BlockingMutexScheduler
+
+    sched = BlockingMutexScheduler(lock_url=shared_url, node_id="blocking")
+    runs: list[int] = []
+    stopper = threading.Thread(target=sched.shutdown)
+
+    @sched.mutex(lock="blocking")
+    @sched.interval_schedule(seconds=0.1)
+    def job(**attrs: Any) -> dict[str, int]:
+        runs.append(attrs.get("n", 0))
+        if len(runs) == 3:
+            stopper.start()
+        return {"n": attrs.get("n", 0) + 1}
+
+    thread = threading.Thread(target=sched.start)
+    thread.start()
+    thread.join(timeout=10)
+    stopper.join(timeout=10)
+    assert not thread.is_alive() and runs[:3] == [0, 1, 2]
+    rec = sched.lock_store.read("blocking")
+    assert rec is not None and rec.holder is None and rec["n"] >= 3
