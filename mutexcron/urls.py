@@ -20,6 +20,18 @@ def mask_url(url: str) -> str:
     return masked
 
 
+def redact(text: str, url: str) -> str:
+    """``text`` (e.g. a driver's error message) with the password of ``url`` replaced by ``***``."""
+    match = _USERINFO.match(url)
+    if match and match["password"]:
+        from urllib.parse import unquote
+
+        for secret in {match["password"], unquote(match["password"])}:
+            if len(secret) >= 2:
+                text = text.replace(secret, "***")
+    return text
+
+
 def url_scheme(url: str) -> str:
     """The lower-cased scheme of ``url`` ('' if it has none)."""
     head, sep, _ = url.partition("://")

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..errors import ConfigurationError, StoreError, StoreUnavailableError
 from ..record import LockRecord, dump_attrs, load_attrs
-from ..urls import mask_url, pop_query, url_scheme
+from ..urls import mask_url, pop_query, redact, url_scheme
 from .base import AcquireResult, FireClaim, LockStore, Node, RunInfo, claim_won, fire_times_from_json
 
 log = logging.getLogger(__name__)
@@ -310,9 +310,13 @@ class SQLLockStore(LockStore):
     def _sql(self, template: str, **extra: str) -> str:
         return template.format(t=self.table, cols=_COLUMNS, **extra)
 
+    def _detail(self, exc: BaseException) -> str:
+        """The driver's message, first line, without the password."""
+        lines = str(getattr(exc, "orig", None) or exc).splitlines() or [type(exc).__name__]
+        return redact(lines[0][:300], self.url)
+
     def _unavailable(self, exc: BaseException, what: str) -> StoreUnavailableError:
-        detail = str(getattr(exc, "orig", None) or exc).splitlines()[0][:300]
-        return StoreUnavailableError(f"{what} failed on {self.masked_url}: {detail}")
+        return StoreUnavailableError(f"{what} failed on {self.masked_url}: {self._detail(exc)}")
 
     def _execute(self, sql: str, params: Mapping[str, Any], what: str) -> Any:
         """Run one statement on a pooled autocommit connection; return the fetched rows and rowcount."""
@@ -331,7 +335,7 @@ class SQLLockStore(LockStore):
         except sa_exc.IntegrityError as exc:
             raise _Conflict from exc
         except sa_exc.DBAPIError as exc:
-            raise StoreError(f"{what} failed on {self.masked_url}: {str(exc.orig).splitlines()[0][:300]}") from exc
+            raise StoreError(f"{what} failed on {self.masked_url}: {self._detail(exc)}") from exc
 
     def _ensure_table(self) -> None:
         if self._ready:
@@ -357,7 +361,7 @@ class SQLLockStore(LockStore):
                 raise self._unavailable(exc, "connecting") from exc
             except sa_exc.DBAPIError as exc:
                 raise StoreError(
-                    f"cannot create or use table {self.table!r} on {self.masked_url}: {str(exc.orig).splitlines()[0]}; "
+                    f"cannot create or use table {self.table!r} on {self.masked_url}: {self._detail(exc)}; "
                     "create it yourself with the DDL in the README (or `mutexcron ddl`)"
                 ) from exc
             self._ready = True

@@ -1,0 +1,48 @@
+"""URL masking and parsing helpers, and the scheme registry's errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from mutexcron.errors import ConfigurationError
+from mutexcron.locks import lock_store_from_url
+from mutexcron.urls import mask_url, pop_query, redact
+
+pytestmark = pytest.mark.memory
+
+
+@pytest.mark.parametrize(
+    ("url", "masked"),
+    [
+        ("postgresql://app:s3cr%40t@db:5432/ops", "postgresql://app:***@db:5432/ops"),
+        ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
+        ("redis+sentinel://u:pw@h1:26379,h2:26379/mymaster", "redis+sentinel://u:***@h1:26379,h2:26379/mymaster"),
+        ("mongodb://u:pw@h1,h2/db?replicaSet=rs0&password=x", "mongodb://u:***@h1,h2/db?replicaSet=rs0&password=***"),
+        ("sqlite:////var/lib/x.db", "sqlite:////var/lib/x.db"),
+        ("mysql://root@127.0.0.1/test", "mysql://root@127.0.0.1/test"),
+    ],
+)
+def test_mask_url(url: str, masked: str) -> None:
+    assert mask_url(url) == masked
+
+
+def test_redact_removes_the_password_from_driver_messages() -> None:
+    url = "postgresql://app:hunter2@db/ops"
+    assert redact('FATAL: password "hunter2" rejected', url) == 'FATAL: password "***" rejected'
+
+
+def test_pop_query_keeps_absolute_sqlite_paths() -> None:
+    assert pop_query("sqlite:////abs/x.db?table=t", "table") == ("sqlite:////abs/x.db", {"table": "t"})
+    assert pop_query("mysql://h/db?charset=utf8&table=t", "table") == ("mysql://h/db?charset=utf8", {"table": "t"})
+
+
+def test_unknown_scheme_lists_the_supported_ones() -> None:
+    with pytest.raises(ConfigurationError) as info:
+        lock_store_from_url("ftp://u:hunter2@h/x")
+    message = str(info.value)
+    assert "hunter2" not in message and "postgresql://" in message and "redis+sentinel://" in message
+
+
+def test_bad_table_name_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="table"):
+        lock_store_from_url("sqlite:///x.db?table=locks;drop")
