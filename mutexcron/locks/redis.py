@@ -62,32 +62,43 @@ _NOW = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.f
 
 # acquire_or_renew: take the lock if it is free, released, ours or stale by the *holder's* stored
 # ttl (new token on every change of holder), claim a fire time if asked; return the whole record.
-# KEYS: hash, token counter, names set. ARGV: node_id, ip, ttl_ms, token floor, job, fire_us, nonce.
+# KEYS: hash, token counter, names set. ARGV: node_id, ip, ttl_ms, token floor, name[, job, fire_us, nonce].
 ACQUIRE_LUA = (
     _NOW
     + """
 local h = redis.call('HMGET', KEYS[1], 'holder', 'hb', 'ttl', 'token')
 local holder, hb, ttl, token = h[1], tonumber(h[2]), tonumber(h[3]), tonumber(h[4]) or 0
-local counter = tonumber(redis.call('GET', KEYS[2])) or 0
--- Never issue a token at or below one already seen: the hash's own, or the client's floor
--- (the highest token that client process saw, which survives an unpersisted server restart).
-local base = math.max(counter, token, tonumber(ARGV[4]) or 0)
-if base > counter then redis.call('SET', KEYS[2], string.format('%d', base)) end
+local floor = tonumber(ARGV[4]) or 0
 local acquired = 0
-if (not holder) or holder == '' or holder == ARGV[1] or (not hb) or now - hb > (ttl or 0) then
+if holder == ARGV[1] then
   acquired = 1
-  if holder ~= ARGV[1] then token = redis.call('INCR', KEYS[2]) end
+  redis.call('HSET', KEYS[1], 'hb', string.format('%d', now), 'ttl', ARGV[3], 'active_ip', ARGV[2])
+elseif (not holder) or holder == '' or (not hb) or now - hb > (ttl or 0) then
+  acquired = 1
+  -- Never issue a token at or below one already issued: the counter's, the hash's own, or the
+  -- client's floor (the highest token that client process saw: it survives a server restart).
+  local counter = tonumber(redis.call('GET', KEYS[2])) or 0
+  local base = math.max(counter, token, floor)
+  if base > counter then redis.call('SET', KEYS[2], string.format('%d', base)) end
+  token = redis.call('INCR', KEYS[2])
   redis.call('HSET', KEYS[1], 'holder', ARGV[1], 'active_ip', ARGV[2], 'hb', string.format('%d', now),
              'ttl', ARGV[3], 'token', string.format('%d', token))
-  redis.call('SADD', KEYS[3], ARGV[8])
-  if ARGV[5] ~= '' then
+  redis.call('SADD', KEYS[3], ARGV[5])
+elseif floor > token then
+  -- Refused, but this client saw a higher token (the data was lost): lift the counter so the
+  -- next holder, whoever it is, still gets a token above it.
+  local counter = tonumber(redis.call('GET', KEYS[2])) or 0
+  if floor > counter then redis.call('SET', KEYS[2], string.format('%d', floor)) end
+end
+if acquired == 1 then
+  if ARGV[6] then
     local raw = redis.call('HGET', KEYS[1], 'fires')
     local ok, fires = pcall(cjson.decode, raw or '{}')
     if not ok or type(fires) ~= 'table' then fires = {} end
-    local cur = fires[ARGV[5]]
-    local fire_us = tonumber(ARGV[6])
+    local cur = fires[ARGV[6]]
+    local fire_us = tonumber(ARGV[7])
     if type(cur) ~= 'table' or (tonumber(cur[1]) or 0) < fire_us then
-      fires[ARGV[5]] = {fire_us, ARGV[7]}
+      fires[ARGV[6]] = {fire_us, ARGV[8]}
       -- Encoded by hand: cjson prints numbers with 14 digits, epoch microseconds need 16.
       local parts = {}
       for job, v in pairs(fires) do
@@ -150,6 +161,10 @@ return 1
 """
 
 
+# The password of ``scheme://user:password@hosts``, as mutexcron.urls.mask_url finds it.
+_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://[^:@/]*:([^@/]*)@")
+
+
 def _config_error(url: str, why: str) -> NoReturn:
     raise ConfigurationError(f"bad Redis lock URL {mask_url(url)!r}: {why}. Accepted forms: {URL_FORMS}")
 
@@ -162,16 +177,6 @@ def _positive_float(url: str, key: str, value: Any) -> float:
     if not math.isfinite(number) or number <= 0:
         _config_error(url, f"{key}={value!r} must be a positive number of seconds")
     return number
-
-
-def _pop_options(url: str) -> tuple[str, dict[str, str]]:
-    """``pop_query`` for our own options, keeping the ``scheme://`` form redis-py insists on."""
-    rest, found = pop_query(url, *_OWN_OPTIONS)
-    scheme = url_scheme(url)
-    # urlunsplit writes ``unix:/path`` (no netloc), which redis-py's parser refuses.
-    if scheme and not rest.lower().startswith(f"{scheme}://"):
-        rest = f"{scheme}://{rest.partition(':')[2]}"
-    return rest, found
 
 
 def _explain(exc: Exception) -> str:
@@ -235,7 +240,7 @@ class RedisLockStore(LockStore):
         scheme = url_scheme(url)
         if scheme not in self.schemes:
             _config_error(url, f"scheme {scheme or '(none)'!r} is not one of {', '.join(self.schemes)}")
-        rest, found = _pop_options(url)
+        rest, found = pop_query(url, *_OWN_OPTIONS)
         namespace = found.get("namespace", options.pop("namespace", DEFAULT_NAMESPACE))
         if not namespace or any(c in namespace for c in "{}"):
             _config_error(url, f"namespace {namespace!r} must be non-empty and must not contain '{{' or '}}'")
@@ -300,9 +305,11 @@ class RedisLockStore(LockStore):
     def _sentinel_client(
         self, url: str, rest: str, conn: dict[str, Any], sentinel_kwargs: dict[str, Any]
     ) -> redis.Redis:
-        parts = urlsplit(rest)
-        username, password, hosts = _parse_sentinel_hosts(url, parts.netloc)
-        segments = [unquote(s) for s in parts.path.split("/") if s]
+        # Split by hand: urllib refuses a host list with a bracketed IPv6 sentinel in it.
+        body, _, query = rest.partition("://")[2].partition("?")
+        netloc, _, path = body.partition("/")
+        username, password, hosts = _parse_sentinel_hosts(url, netloc)
+        segments = [unquote(s) for s in path.split("/") if s]
         if not segments or len(segments) > 2:
             _config_error(url, "redis+sentinel:// needs /service_name or /service_name/db after the hosts")
         service = segments[0]
@@ -310,7 +317,7 @@ class RedisLockStore(LockStore):
             if not segments[1].isdigit():
                 _config_error(url, f"the database {segments[1]!r} must be a number")
             conn["db"] = int(segments[1])
-        for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        for key, value in parse_qsl(query, keep_blank_values=True):
             parser = cast("Callable[[str], Any] | None", URL_QUERY_ARGUMENT_PARSERS.get(key))
             if key == "ssl":
                 parser = to_bool
@@ -341,7 +348,8 @@ class RedisLockStore(LockStore):
 
     def _scrub(self, text: str) -> str:
         """Remove the URL's password from a driver message (belt and braces: redis-py omits it)."""
-        secret = urlsplit(self.url).password
+        found = _PASSWORD.match(self.url)
+        secret = found[1] if found else None
         if secret:
             text = text.replace(secret, "***").replace(unquote(secret), "***")
         return text
@@ -419,9 +427,9 @@ class RedisLockStore(LockStore):
         self, name: str, node: Node, ttl: float, claim: FireClaim | None = None
     ) -> AcquireResult:
         ttl_ms = max(1, round(ttl * 1000))
-        args: list[str | int] = [node.node_id, node.ip, ttl_ms, self.token_floor(name)]
-        args += [claim.job, claim.fire_us, claim.nonce] if claim is not None else ["", 0, ""]
-        args.append(name)
+        args: list[str | int] = [node.node_id, node.ip, ttl_ms, self.token_floor(name), name]
+        if claim is not None:
+            args += [claim.job, claim.fire_us, claim.nonce]
         with self._errors("acquire_or_renew"):
             reply = self._acquire(keys=[self._lock_key(name), self._token_key(name), self._names_key], args=args)
         acquired, now_ms, flat = json.loads(reply)
