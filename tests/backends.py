@@ -105,7 +105,7 @@ class StoreCtx:
         return self.url is None
 
 
-def _sql_cleanup(url: str) -> None:
+def cleanup_sql(url: str) -> None:
     import sqlalchemy
 
     from mutexcron.locks.sql import SQLLockStore
@@ -119,7 +119,7 @@ def _sql_cleanup(url: str) -> None:
         store.close()
 
 
-def _redis_cleanup(url: str) -> None:
+def cleanup_redis(url: str) -> None:
     from mutexcron.locks.redis import RedisLockStore
 
     store = RedisLockStore(url)
@@ -162,12 +162,12 @@ def open_backend(kind: str, tmp_path: Path) -> Iterator[StoreCtx]:
         base = require_server(kind)
         url = f"{base}{'&' if '?' in base else '?'}table=mc_test_{tag}"
         ctx = StoreCtx(kind, url, lambda: lock_store_from_url(url))
-        cleanup = lambda: _sql_cleanup(url)  # noqa: E731
+        cleanup = lambda: cleanup_sql(url)  # noqa: E731
     elif kind == "redis":
         base = require_server(kind)
         url = f"{base}{'&' if '?' in base else '?'}namespace=test-{tag}"
         ctx = StoreCtx(kind, url, lambda: lock_store_from_url(url))
-        cleanup = lambda: _redis_cleanup(url)  # noqa: E731
+        cleanup = lambda: cleanup_redis(url)  # noqa: E731
     elif kind == "mongodb":
         base = require_server(kind)
         url = f"{base}{'&' if '?' in base else '?'}collection=mc_test_{tag}"

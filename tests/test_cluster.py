@@ -11,30 +11,39 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from collections.abc import Iterator
 
 import pytest
 
 from mutexcron.drill import run_drill
-from tests.backends import backend_params, require_server
+from tests.backends import backend_params, cleanup_redis, cleanup_sql, require_server
 
 UNACTIVE_INTERVAL = 2.0
 
 pytestmark = pytest.mark.cluster
 
 
-def _url(kind: str, tmp_path) -> str:
+@pytest.fixture
+def cluster_url(kind: str, tmp_path) -> Iterator[str]:
+    """An isolated store URL for one cluster run; its table or namespace is dropped afterwards."""
     if kind == "sqlite":
-        return f"sqlite:///{tmp_path}/cluster.db"
+        yield f"sqlite:///{tmp_path}/cluster.db"
+        return
     base = require_server(kind)
     sep = "&" if "?" in base else "?"
     if kind == "redis":
-        return f"{base}{sep}namespace=cluster-{secrets.token_hex(3)}"
-    return f"{base}{sep}table=mc_cluster_{secrets.token_hex(3)}"
+        url = f"{base}{sep}namespace=cluster-{secrets.token_hex(3)}"
+        yield url
+        cleanup_redis(url)
+    else:
+        url = f"{base}{sep}table=mc_cluster_{secrets.token_hex(3)}"
+        yield url
+        cleanup_sql(url)
 
 
 @pytest.mark.parametrize("kind", backend_params("sqlite", "mysql", "postgresql", "redis"))
-def test_failover_freeze_and_graceful_stop(kind: str, tmp_path) -> None:
-    url = _url(kind, tmp_path)
+def test_failover_freeze_and_graceful_stop(kind: str, cluster_url: str) -> None:
+    url = cluster_url
     progress: list[str] = []
     report = run_drill(url, nodes=3, unactive_interval=UNACTIVE_INTERVAL, duration=20, progress=progress.append)
     summary = json.dumps(report.to_json(), indent=1)
