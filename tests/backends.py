@@ -36,6 +36,8 @@ def server_url(kind: str) -> str | None:
 
 
 def _reachable(url: str) -> bool:
+    if "+srv://" in url:  # hosts come from DNS: let the driver find them
+        return True
     parts = urlsplit(url)
     hosts = (parts.netloc.rpartition("@")[2] or "127.0.0.1").split(",")
     for hostport in hosts:

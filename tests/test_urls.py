@@ -46,3 +46,12 @@ def test_unknown_scheme_lists_the_supported_ones() -> None:
 def test_bad_table_name_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="table"):
         lock_store_from_url("sqlite:///x.db?table=locks;drop")
+
+
+def test_missing_driver_is_a_configuration_error_with_the_pip_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "redis", None)  # makes `import redis` fail
+    monkeypatch.delitem(sys.modules, "mutexcron.locks.redis", raising=False)
+    with pytest.raises(ConfigurationError, match=r'pip install "mutexcron\[redis\]"'):
+        lock_store_from_url("redis://127.0.0.1:6379/0")

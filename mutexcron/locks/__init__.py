@@ -59,9 +59,8 @@ def lock_store_from_url(url: str, **options: Any) -> LockStore:
         )
     target, extra = SCHEMES[scheme]
     module_name, _, class_name = target.partition(":")
-    module = importlib.import_module(module_name)
-    cls: type[LockStore] = getattr(module, class_name)
     try:
+        cls: type[LockStore] = getattr(importlib.import_module(module_name), class_name)
         return cls(url, **options)
     except ModuleNotFoundError as exc:  # a driver the extra provides
         hint = f'pip install "mutexcron[{extra}]"' if extra else "reinstall mutexcron"

@@ -122,7 +122,9 @@ def parse_url(url: str, options: Iterable[str] = ()) -> MongoURL:
     _check_name("database", database, '/\\. "$\x00', url)
     _check_name("collection", collection, "$\x00", url)
     if collection.startswith("system."):
-        raise ConfigurationError(f"collection {collection!r} in {mask_url(url)!r} is reserved by MongoDB; pick another ?collection=")
+        raise ConfigurationError(
+            f"collection {collection!r} in {mask_url(url)!r} is reserved by MongoDB; pick another ?collection="
+        )
     given = {key.lower() for key, _ in parse_qsl(query, keep_blank_values=True)} | {k.lower() for k in options}
     defaults = {
         key: value
@@ -148,7 +150,7 @@ def _aware(value: Any) -> datetime | None:
 
 
 def _ms(seconds: float) -> int:
-    return int(round(seconds * 1000))
+    return round(seconds * 1000)
 
 
 class MongoDBLockStore(LockStore):
@@ -167,9 +169,7 @@ class MongoDBLockStore(LockStore):
 
     schemes = ("mongodb", "mongodb+srv")
 
-    def __init__(
-        self, url: str, *, client: Any = None, now: Callable[[], Any] | None = None, **options: Any
-    ) -> None:
+    def __init__(self, url: str, *, client: Any = None, now: Callable[[], Any] | None = None, **options: Any) -> None:
         super().__init__(url)
         parsed = parse_url(url, options)
         self.database_name = parsed.database
@@ -182,7 +182,7 @@ class MongoDBLockStore(LockStore):
             kwargs: dict[str, Any] = {"connect": False, "tz_aware": True, **parsed.defaults, **options}
             try:
                 client = pymongo.MongoClient(parsed.client_url, **kwargs)
-            except pymongo.errors.ConfigurationError as exc:  # InvalidURI, bad option, missing dnspython
+            except (pymongo.errors.ConfigurationError, ValueError, TypeError) as exc:  # InvalidURI, bad port, no dnspython
                 raise ConfigurationError(
                     f"bad MongoDB lock URL {self.masked_url!r}: {self._scrub(exc)}; use {URL_FORMS}"
                 ) from exc
@@ -193,9 +193,7 @@ class MongoDBLockStore(LockStore):
         )
         # Re-reads after an unknown write outcome see only majority-committed data.
         self._committed = self.collection.with_options(read_concern=ReadConcern("majority"))
-        logger.debug(
-            "MongoDB lock store %s: database %r, collection %r", self.masked_url, parsed.database, parsed.collection
-        )
+        logger.debug("MongoDB lock store %s: database %r, collection %r", self.masked_url, parsed.database, parsed.collection)
 
     # -- the one seam ------------------------------------------------------------------------
     def now_expr(self) -> Any:
@@ -238,9 +236,7 @@ class MongoDBLockStore(LockStore):
         except _UNAVAILABLE as exc:
             self._unavailable(op, exc)
         except pymongo.errors.PyMongoError as exc:
-            raise StoreError(
-                f"MongoDB lock store {self.masked_url} ({op}): {type(exc).__name__}: {self._scrub(exc)}"
-            ) from exc
+            raise StoreError(f"MongoDB lock store {self.masked_url} ({op}): {type(exc).__name__}: {self._scrub(exc)}") from exc
 
     # -- reading -----------------------------------------------------------------------------
     def _record(self, doc: Mapping[str, Any], age_ms: Any = None) -> LockRecord:
@@ -298,9 +294,7 @@ class MongoDBLockStore(LockStore):
             self.client.admin.command("ping")
 
     # -- writing -----------------------------------------------------------------------------
-    def acquire_or_renew(
-        self, name: str, node: Node, ttl: float, claim: FireClaim | None = None
-    ) -> AcquireResult:
+    def acquire_or_renew(self, name: str, node: Node, ttl: float, claim: FireClaim | None = None) -> AcquireResult:
         now = self.now_expr()
         me = {"$literal": node.node_id}
         # Free, ours, or stale by the ttl the current holder stored, judged by the server clock.
@@ -406,7 +400,7 @@ class MongoDBLockStore(LockStore):
             with self._errors("release (re-read)"):
                 stored = self._committed.find_one({"_id": name}, {"holder": True, "token": True})
             return stored is not None and stored.get("holder") is None and stored.get("token") == token
-        return result.matched_count == 1
+        return bool(result.matched_count == 1)
 
     def close(self) -> None:
         if self._owns_client:
