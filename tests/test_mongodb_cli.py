@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 
 pytest.importorskip("mongomock")
-import mongomock  # noqa: E402
-from click.testing import CliRunner  # noqa: E402
+import mongomock
+from click.testing import CliRunner
 
-from mutexcron.cli import main  # noqa: E402
-from mutexcron.locks import lock_store_from_url  # noqa: E402
-from mutexcron.locks.mongodb import MongoDBLockStore  # noqa: E402
-from tests.mongomock_support import SerializedClient  # noqa: E402
+from mutexcron.cli import main
+from mutexcron.locks import lock_store_from_url
+from mutexcron.locks.mongodb import MongoDBLockStore
+from tests.mongomock_support import SerializedClient
 
 pytestmark = pytest.mark.mongodb
 URL = "mongodb://ops:hunter2@mongo1.invalid,mongo2.invalid/jobs?replicaSet=rs0&collection=locks"
