@@ -108,22 +108,33 @@ class LeaseManager:
                 )
         self._store_up = up
 
-    def _set_held(self, name: str, token: int, sent_at: float, ttl: float, previous: LockRecord | None) -> None:
+    def _set_held(self, name: str, token: int, sent_at: float, ttl: float, previous: LockRecord | None) -> bool:
+        """Record a held lease; True if this node just became the holder (then logs it once)."""
         with self._mutex:
             old = self._held.get(name)
             self._held[name] = _Held(token, sent_at + ttl)
-        if old is None or old.token != token:
-            if previous is not None and previous.holder and previous.holder != self.node.node_id:
-                log.warning(
-                    "took over lock %r (token %d) from %s (%s), whose heartbeat was %.1fs old",
-                    name,
-                    token,
-                    previous.holder,
-                    previous.active_ip,
-                    previous.heartbeat_age or 0.0,
-                )
-            else:
-                log.info("acquired lock %r (token %d)", name, token)
+        if old is not None and old.token == token:
+            return False
+        if previous is not None and previous.holder and previous.holder != self.node.node_id:
+            log.warning(
+                "took over lock %r (token %d) from %s (%s), whose heartbeat was %.1fs old",
+                name,
+                token,
+                previous.holder,
+                previous.active_ip,
+                previous.heartbeat_age or 0.0,
+            )
+        else:
+            log.info("acquired lock %r (token %d)", name, token)
+        return True
+
+    def _acquired(self, name: str, before: LockRecord | None) -> None:
+        """A change of holder, by a tick or by the heartbeat thread: let the scheduler catch up."""
+        if self.on_acquired is not None:
+            try:
+                self.on_acquired(name, before)
+            except Exception:
+                log.exception("catch-up after acquiring %r failed", name)
 
     def _drop(self, name: str, why: str) -> None:
         with self._mutex:
@@ -143,7 +154,10 @@ class LeaseManager:
             return None
         self._store_state(True)
         if result.acquired:
-            self._set_held(name, result.token, sent_at, ttl, None)
+            if self._set_held(name, result.token, sent_at, ttl, None):
+                # Another job of the same lock group may have missed a fire time during the
+                # failover; this job's own fire time is already claimed, so it is not repeated.
+                self._acquired(name, result.record)
         else:
             self._drop(name, f"held by {result.record.holder} (token {result.record.token})")
         return result
@@ -243,13 +257,8 @@ class LeaseManager:
                 continue
             sent_at = self.clock()
             result = self.store.acquire_or_renew(name, self.node, self.locks[name])
-            if result.acquired:
-                self._set_held(name, result.token, sent_at, self.locks[name], record)
-                if self.on_acquired is not None:
-                    try:
-                        self.on_acquired(name, record)
-                    except Exception:
-                        log.exception("catch-up after acquiring %r failed", name)
+            if result.acquired and self._set_held(name, result.token, sent_at, self.locks[name], record):
+                self._acquired(name, record)
 
     def _expire(self) -> None:
         now = self.clock()

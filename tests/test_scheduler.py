@@ -460,3 +460,42 @@ def test_blocking_scheduler_runs_guarded_jobs_and_stops(shared_url: str) -> None
     assert not thread.is_alive() and runs[:3] == [0, 1, 2]
     rec = sched.lock_store.read("blocking")
     assert rec is not None and rec.holder is None and rec["n"] >= 3
+
+
+def test_catch_up_also_when_another_job_of_the_group_takes_the_lock_over(
+    schedulers: list[MutexScheduler], shared_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lock group {hourly, frequent}: the takeover comes from `frequent`'s tick, and `hourly`'s
+    fire time missed during the failover still runs once."""
+    monkeypatch.setattr(LeaseManager, "_take_over", lambda self: None)  # only ticks acquire here
+    store = MemoryLockStore(shared_url)
+    dead = Node("dead", "10.9.9.9")
+    assert store.acquire_or_renew("group", dead, ttl=1.0).acquired
+    keep_alive = threading.Event()
+
+    def renew_dead() -> None:
+        while not keep_alive.wait(0.2):
+            store.heartbeat("group", dead, 1)
+
+    threading.Thread(target=renew_dead, daemon=True).start()
+    hourly_runs: list[datetime] = []
+    refused: list[float] = []
+    sched = make(schedulers, shared_url, "standby", unactive_interval=1.0)
+
+    @sched.mutex(lock="group", lock_else=lambda rec: refused.append(time.monotonic()))
+    @sched.interval_schedule(seconds=3, id="hourly")
+    def hourly() -> None:
+        hourly_runs.append(current_lease().fire_time)
+
+    @sched.mutex(lock="group")
+    @sched.interval_schedule(seconds=0.25, id="frequent")
+    def frequent() -> None: ...
+
+    sched.start()
+    fire = sched.get_job("hourly").next_run_time
+    wait_for(lambda: sched.get_job("hourly").next_run_time != fire and refused, timeout=8)
+    keep_alive.set()
+    wait_for(lambda: hourly_runs, timeout=4)
+    assert hourly_runs[0] == fire, "the hourly fire time missed during the failover ran"
+    time.sleep(0.5)
+    assert hourly_runs.count(fire) == 1
