@@ -15,6 +15,7 @@ schema can create it beforehand and the store will use it.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -245,7 +246,12 @@ class SQLLockStore(LockStore):
         connect_args: dict[str, Any] = {}
         options_: dict[str, Any] = {
             "isolation_level": "AUTOCOMMIT",
-            "pool_pre_ping": True,
+            # No pre-ping: it would add a round trip to every operation. A pooled connection the
+            # server dropped fails its statement with a disconnect; _execute retries that once.
+            "pool_pre_ping": False,
+            # Autocommit leaves no transaction open, so the ROLLBACK a pool sends on every
+            # check-in would only be another round trip.
+            "pool_reset_on_return": None,
             "pool_timeout": connect_timeout,
         }
         if scheme == "sqlite":
@@ -278,7 +284,8 @@ class SQLLockStore(LockStore):
         options_["connect_args"] = {**connect_args, **engine_options.pop("connect_args", {})}
         options_.update(engine_options)
         self.engine = sqlalchemy.create_engine(sa_url, **options_)
-        self._text = sqlalchemy.text
+        # text() parses bind parameters with a regex on every call: build each statement once.
+        self._text = functools.lru_cache(maxsize=256)(sqlalchemy.text)
         self._bindparam = sqlalchemy.bindparam
         self._ready = False
         self._ready_lock = threading.Lock()
@@ -319,23 +326,35 @@ class SQLLockStore(LockStore):
         return StoreUnavailableError(f"{what} failed on {self.masked_url}: {self._detail(exc)}")
 
     def _execute(self, sql: str, params: Mapping[str, Any], what: str) -> Any:
-        """Run one statement on a pooled autocommit connection; return the fetched rows and rowcount."""
+        """Run one statement on a pooled autocommit connection; return the fetched rows and rowcount.
+
+        A statement that fails because the server dropped the pooled connection (a restart, an
+        idle timeout) is sent once more on a fresh connection. Every statement here may be repeated:
+        an acquire repeats with the same claim nonce, the others are conditional on holder and token.
+        """
         from sqlalchemy import exc as sa_exc
 
         self._ensure_table()
-        try:
-            with self.engine.connect() as conn:
-                result = conn.execute(self._text(sql), dict(params))
-                rows = result.fetchall() if result.returns_rows else []
-                return rows, result.rowcount
-        except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError) as exc:
-            if _is_lock_conflict(exc):
+        for attempt in (1, 2):
+            try:
+                with self.engine.connect() as conn:
+                    result = conn.execute(self._text(sql), dict(params))
+                    rows = result.fetchall() if result.returns_rows else []
+                    return rows, result.rowcount
+            except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError) as exc:
+                if _is_lock_conflict(exc):
+                    raise _Conflict from exc
+                if attempt == 1 and getattr(exc, "connection_invalidated", False):
+                    log.debug("%s: pooled connection to %s was dropped; retrying once", what, self.masked_url)
+                    continue
+                raise self._unavailable(exc, what) from exc
+            except sa_exc.IntegrityError as exc:
                 raise _Conflict from exc
-            raise self._unavailable(exc, what) from exc
-        except sa_exc.IntegrityError as exc:
-            raise _Conflict from exc
-        except sa_exc.DBAPIError as exc:
-            raise StoreError(f"{what} failed on {self.masked_url}: {self._detail(exc)}") from exc
+            except sa_exc.DBAPIError as exc:
+                if attempt == 1 and exc.connection_invalidated:
+                    continue
+                raise StoreError(f"{what} failed on {self.masked_url}: {self._detail(exc)}") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _ensure_table(self) -> None:
         if self._ready:
