@@ -1,0 +1,362 @@
+"""What a lock costs: p50/p99 of each store operation next to the raw round trip of the same server.
+
+    python benchmarks/overhead.py [--stores sqlite,mysql,postgresql,redis,memory] [--iterations 1000]
+
+For each reachable store it times, in one run and on one connection pool:
+
+* the raw round trip: ``SELECT 1`` on a connection already checked out (SQL), ``PING`` (Redis),
+  ``{ping: 1}`` (MongoDB), and ``store.ping()`` (the same through the store's own plumbing);
+* ``acquire_or_renew`` as the holder renewing with a fire claim (the per-tick hot path), and as
+  a standby that is refused;
+* ``heartbeat`` with attrs and run info (what a run does when it finishes);
+* ``renew_many`` with 1, 100 and 10,000 held locks,
+
+and counts the round trips each operation makes: SQL statements (a ``before_cursor_execute``
+listener on ``store.engine``) plus the pool's pre-ping on checkout (``dialect.do_ping``), Redis
+packets written (``Connection.send_packed_command``; a pipeline or a script is one).
+
+Every store gets its own table / namespace (SQLite: a file in a temp dir), dropped at the end.
+Server URLs: ``MUTEXCRON_TEST_<KIND>_URL`` or the local defaults below; MongoDB only when
+``MUTEXCRON_TEST_MONGODB_URL`` is set. Prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from mutexcron.drill import percentile
+from mutexcron.errors import MutexcronError
+from mutexcron.locks import FireClaim, LockStore, Node, RunInfo, lock_store_from_url
+
+log = logging.getLogger("benchmarks.overhead")
+
+DEFAULT_URLS = {
+    "mysql": "mysql://root@127.0.0.1:3306/test",
+    "postgresql": "postgresql://postgres@127.0.0.1:5432/test",
+    "redis": "redis://127.0.0.1:6379/0",
+}
+ALL_STORES = ("memory", "sqlite", "mysql", "postgresql", "redis", "mongodb")
+BIG = 10_000
+NONE = "-"
+
+
+# -- shared with scale.py and failover.py ---------------------------------------------------------
+def server_url(kind: str) -> str | None:
+    """The base URL of a server store: ``MUTEXCRON_TEST_<KIND>_URL`` or the local default."""
+    return os.environ.get(f"MUTEXCRON_TEST_{kind.upper()}_URL") or DEFAULT_URLS.get(kind)
+
+
+@dataclass
+class Isolated:
+    """A store URL of its own (a table, namespace, collection or file) and how to remove it."""
+
+    kind: str
+    url: str
+    cleanup: Callable[[], None] = lambda: None
+
+
+def isolated(kind: str, tag: str | None = None) -> Isolated:
+    """A fresh, isolated URL for ``kind``.
+
+    Raises:
+        MutexcronError: no URL is configured for ``kind`` (MongoDB without its variable).
+    """
+    tag = tag or secrets.token_hex(3)
+    if kind == "memory":
+        return Isolated(kind, f"memory://bench-{tag}")
+    if kind == "sqlite":
+        tmp = tempfile.mkdtemp(prefix="mutexcron-bench-")
+        return Isolated(kind, f"sqlite:///{tmp}/locks.db", lambda: shutil.rmtree(tmp, ignore_errors=True))
+    base = server_url(kind)
+    if not base:
+        raise MutexcronError(f"no {kind} server: set MUTEXCRON_TEST_{kind.upper()}_URL")
+    sep = "&" if "?" in base else "?"
+    option = {"redis": f"namespace=bench-{tag}", "mongodb": f"collection=mc_bench_{tag}"}.get(kind, f"table=mc_bench_{tag}")
+    url = f"{base}{sep}{option}"
+    return Isolated(kind, url, lambda: drop(kind, url))
+
+
+def drop(kind: str, url: str) -> None:
+    """Remove the table, namespace or collection of an isolated URL."""
+    store: Any = lock_store_from_url(url)
+    try:
+        if kind in ("mysql", "postgresql"):
+            import sqlalchemy
+
+            with store.engine.connect() as conn:
+                conn.execute(sqlalchemy.text(f"DROP TABLE IF EXISTS {store.table}"))
+                conn.commit()
+        elif kind == "redis":
+            store.destroy_namespace()
+        elif kind == "mongodb":
+            store.collection.drop()
+    finally:
+        store.close()
+
+
+def server_version(kind: str, store: LockStore) -> str:
+    """The server's version string, for the tables' captions."""
+    s: Any = store
+    try:
+        if kind in ("sqlite", "mysql", "postgresql"):
+            import sqlalchemy
+
+            query = {"sqlite": "SELECT sqlite_version()", "mysql": "SELECT VERSION()", "postgresql": "SHOW server_version"}
+            with s.engine.connect() as conn:
+                return f"{kind} {conn.execute(sqlalchemy.text(query[kind])).scalar()}"
+        if kind == "redis":
+            return f"redis {s._client.info('server')['redis_version']}"
+        if kind == "mongodb":
+            return f"mongodb {s.collection.database.client.server_info()['version']}"
+    except Exception as exc:
+        return f"{kind} (version unknown: {exc})"
+    return kind
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if i else "---" for i in range(len(header))) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# -- counting round trips -------------------------------------------------------------------------
+@dataclass
+class RoundTrips:
+    """Counts what a store sends to its server."""
+
+    count: int = 0
+    statements: list[str] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.count = 0
+        self.statements.clear()
+
+
+@contextlib.contextmanager
+def counting(kind: str, store: LockStore) -> Iterator[RoundTrips | None]:
+    trips = RoundTrips()
+    s: Any = store
+    if kind in ("sqlite", "mysql", "postgresql"):
+        from sqlalchemy import event
+
+        def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+            trips.count += 1
+            trips.statements.append(statement.split(None, 1)[0].upper())
+
+        dialect = s.engine.dialect
+        original_ping = dialect.do_ping
+
+        def do_ping(dbapi_connection: Any) -> bool:
+            trips.count += 1
+            trips.statements.append("PRE-PING")
+            return bool(original_ping(dbapi_connection))
+
+        event.listen(s.engine, "before_cursor_execute", on_execute)
+        dialect.do_ping = do_ping
+        try:
+            yield trips
+        finally:
+            event.remove(s.engine, "before_cursor_execute", on_execute)
+            del dialect.do_ping
+    elif kind == "redis":
+        from redis.connection import AbstractConnection
+
+        original_send = AbstractConnection.send_packed_command
+
+        def send_packed_command(self: Any, command: Any, check_health: bool = True) -> None:
+            trips.count += 1
+            original_send(self, command, check_health)
+
+        AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign]
+        try:
+            yield trips
+        finally:
+            AbstractConnection.send_packed_command = original_send  # type: ignore[method-assign]
+    else:
+        yield None
+
+
+# -- timing ---------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    operation: str
+    samples: list[float]  # seconds
+    trips: float | None = None  # round trips per call
+    what: str = ""
+    cpu: float = 0.0  # this process's CPU seconds per call
+
+    @property
+    def p50_ms(self) -> float:
+        return percentile(self.samples, 50) * 1000
+
+    @property
+    def p99_ms(self) -> float:
+        return percentile(self.samples, 99) * 1000
+
+
+def timed(operation: str, call: Callable[[int], Any], iterations: int, trips: RoundTrips | None, warmup: int = 20) -> Row:
+    """Time ``call(i)``: latency samples, round trips per call, statement kinds, client CPU per call."""
+    for i in range(warmup):
+        call(-1 - i)
+    if trips is not None:
+        trips.reset()
+    samples = []
+    clock = time.perf_counter
+    cpu = time.process_time()
+    for i in range(iterations):
+        start = clock()
+        call(i)
+        samples.append(clock() - start)
+    cpu = (time.process_time() - cpu) / iterations
+    if trips is None:
+        return Row(operation, samples, None, "", cpu)
+    return Row(operation, samples, trips.count / iterations, "+".join(sorted(set(trips.statements))), cpu)
+
+
+@contextlib.contextmanager
+def raw_round_trip(kind: str, store: LockStore) -> Iterator[Callable[[int], Any]]:
+    """One raw round trip on a connection that is already open (no pool checkout, no pre-ping)."""
+    s: Any = store
+    if kind in ("sqlite", "mysql", "postgresql"):
+        with s.engine.connect() as conn:
+            yield lambda _i: conn.exec_driver_sql("SELECT 1").fetchall()
+    elif kind == "redis":
+        yield lambda _i: s._client.ping()
+    elif kind == "mongodb":
+        db = s.collection.database
+        yield lambda _i: db.command("ping")
+    else:
+        yield lambda _i: None
+
+
+@contextlib.contextmanager
+def raw_write(kind: str, store: LockStore) -> Iterator[Callable[[int], Any] | None]:
+    """The cheapest durable write of the same server: a one-row UPDATE in autocommit, or a Redis SET."""
+    s: Any = store
+    if kind in ("sqlite", "mysql", "postgresql"):
+        table = f"{s.table}_raw"
+        with s.engine.connect() as conn:
+            conn.exec_driver_sql(f"CREATE TABLE IF NOT EXISTS {table} (id INTEGER PRIMARY KEY, v BIGINT)")
+            conn.exec_driver_sql(f"INSERT INTO {table} (id, v) VALUES (1, 0)")
+            try:
+                yield lambda i: conn.exec_driver_sql(f"UPDATE {table} SET v = {i} WHERE id = 1")
+            finally:
+                conn.exec_driver_sql(f"DROP TABLE {table}")
+    elif kind == "redis":
+        key = f"mutexcron:{{{s.namespace}}}:bench-raw"
+        yield lambda i: s._client.set(key, i)
+    else:
+        yield None
+
+
+def bench_store(kind: str, iterations: int, big: int) -> tuple[str, list[Row]]:
+    iso = isolated(kind)
+    store = lock_store_from_url(iso.url)
+    holder, other = Node("bench-holder", "10.0.0.1"), Node("bench-standby", "10.0.0.2")
+    rows: list[Row] = []
+    try:
+        store.ping()
+        version = server_version(kind, store)
+        with counting(kind, store) as trips:
+            with raw_round_trip(kind, store) as raw:
+                rows.append(timed("raw round trip (SELECT 1 / PING)", raw, iterations, trips))
+            with raw_write(kind, store) as write:
+                if write is not None:
+                    rows.append(timed("raw write (1-row UPDATE / SET)", write, iterations, trips))
+            rows.append(timed("store.ping()", lambda _i: store.ping(), iterations, trips))
+
+            token = store.acquire_or_renew("hot", holder, 30.0).token
+            base_us = time.time_ns() // 1000
+            rows.append(timed(
+                "acquire_or_renew: holder + fire claim",
+                lambda i: store.acquire_or_renew("hot", holder, 30.0, FireClaim.new("job", base_us + 1_000_000 * (i + 100))),
+                iterations, trips,
+            ))
+            rows.append(timed(
+                "acquire_or_renew: standby, refused",
+                lambda i: store.acquire_or_renew("hot", other, 30.0, FireClaim.new("job", base_us)), iterations, trips,
+            ))
+            token = store.acquire_or_renew("hot", holder, 30.0).token
+            rows.append(timed(
+                "heartbeat: attrs + run info",
+                lambda i: store.heartbeat("hot", holder, token, {"n": i, "cursor": "x" * 32}, RunInfo(0.01)),
+                iterations, trips,
+            ))
+
+            held: dict[str, int] = {}
+            for size in (1, 100, big):
+                while len(held) < size:
+                    name = f"bulk-{len(held):05d}"
+                    held[name] = store.acquire_or_renew(name, holder, 600.0).token
+                leases = dict(list(held.items())[:size])
+                rounds = iterations if size <= 100 else max(5, iterations // 50)
+                rows.append(timed(
+                    f"renew_many: {size:,} held", lambda _i, leases=leases: store.renew_many(holder, leases),
+                    rounds, trips, warmup=2,
+                ))
+                renewed = store.renew_many(holder, leases)
+                assert renewed == set(leases), f"renew_many renewed {len(renewed)} of {len(leases)}"
+    finally:
+        store.close()
+        iso.cleanup()
+    return version, rows
+
+
+def render(kind: str, version: str, rows: list[Row]) -> str:
+    raw = rows[0].p50_ms
+    write = next((r.p50_ms for r in rows if r.operation.startswith("raw write")), None)
+    out = []
+    for row in rows:
+        reference = kind == "memory" or row.operation.startswith("raw ")
+        ratio = NONE if reference or raw <= 0 else f"{row.p50_ms / raw:.1f}x"
+        to_write = NONE if reference or not write else f"{row.p50_ms / write:.1f}x"
+        trips = NONE if row.trips is None else f"{row.trips:g}" + (f" ({row.what})" if row.what else "")
+        out.append([
+            row.operation, f"{row.p50_ms:.3f}", f"{row.p99_ms:.3f}", ratio, to_write, f"{row.cpu * 1000:.3f}", trips,
+            str(len(row.samples)),
+        ])
+    title = f"**{version}**" + (" (in-process reference: no server)" if kind == "memory" else "")
+    header = [
+        "operation", "p50 ms", "p99 ms", "p50 / raw RTT", "p50 / raw write", "client CPU ms", "round trips per call", "n"
+    ]
+    return f"{title}\n\n{md_table(header, out)}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stores", default="memory,sqlite,mysql,postgresql,redis,mongodb", help="comma-separated")
+    parser.add_argument("--iterations", type=int, default=1000, help="timed calls per operation [1000]")
+    parser.add_argument("--big", type=int, default=BIG, help=f"held locks in the largest renew_many [{BIG}]")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    kinds = [k.strip() for k in args.stores.split(",") if k.strip()]
+    unknown = set(kinds) - set(ALL_STORES)
+    if unknown:
+        parser.error(f"unknown store(s) {', '.join(sorted(unknown))}; choose from {', '.join(ALL_STORES)}")
+    print(f"# Lock overhead ({args.iterations} calls per operation, {os.cpu_count()} CPUs)\n")
+    for kind in kinds:
+        if kind == "mongodb" and not os.environ.get("MUTEXCRON_TEST_MONGODB_URL"):
+            print("_mongodb: skipped (set MUTEXCRON_TEST_MONGODB_URL)_\n")
+            continue
+        try:
+            version, rows = bench_store(kind, args.iterations, args.big)
+        except MutexcronError as exc:
+            print(f"_{kind}: skipped ({exc})_\n")
+            continue
+        print(render(kind, version, rows), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""``mutexcron drill`` end to end: the CLI as a subprocess, on SQLite and PostgreSQL, with skew and Ctrl-C.
+
+Each drill runs 3 nodes for about 20 s with a 2 s lease. The skew test needs libfaketime (Debian
+``faketime``); it is skipped without it, except under ``CI=true``, where ``.ci/run`` installs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from mutexcron import drill as drill_module
+from mutexcron.cli import main
+from mutexcron.locks import lock_store_from_url
+from tests.backends import cleanup_sql, require_server
+
+UNACTIVE_INTERVAL = 2.0
+
+
+def _postgresql_url() -> str:
+    base = require_server("postgresql")
+    return f"{base}{'&' if '?' in base else '?'}table=mc_drill_{secrets.token_hex(3)}"
+
+
+def run_drill_cli(url: str, *extra: str, cwd: Path, timeout: float = 120) -> tuple[dict, str]:
+    """Run ``python -m mutexcron drill --json``; return the JSON report and stderr (the progress)."""
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "mutexcron", "drill", "--lock-url", url, "--nodes", "3",
+            "--unactive-interval", str(UNACTIVE_INTERVAL), "--duration", "20", "--json", *extra,
+        ],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.stdout, f"no report (exit {proc.returncode}):\n{proc.stderr}"
+    report = json.loads(proc.stdout)
+    print(f"\n{proc.stderr}{json.dumps(report, indent=1)}")  # visible with -s
+    assert proc.returncode == (0 if report["verdict"] == "PASS" else 1), proc.stderr
+    return report, proc.stderr
+
+
+def assert_cleaned_up(stderr: str) -> None:
+    workdir = re.search(r" in (\S*mutexcron-drill-\S+)", stderr)
+    assert workdir, stderr
+    assert not Path(workdir[1]).exists(), f"temp dir {workdir[1]} left behind"
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert workdir[1] not in ps, f"drill nodes still running:\n{ps}"
+
+
+def assert_drill_passed(report: dict) -> None:
+    summary = json.dumps(report, indent=1)
+    assert report["verdict"] == "PASS", summary
+    assert report["ticks"]["duplicated"] == 0, summary
+    assert report["attrs"]["repeats"] == 0, summary
+    assert report["ticks"]["executed"] >= 10, summary
+    for phase in ("kill", "freeze"):
+        assert report["takeover_seconds"][phase] <= UNACTIVE_INTERVAL + 1.0, summary
+    assert report["takeover_seconds"]["term"] <= 1.5, summary
+    latency = report["store_latency_ms"]
+    assert latency["calls"] > 20 and 0 < latency["p50"] <= latency["p99"], summary
+    assert "released record" in report["lock_left"], summary
+
+
+def assert_lock_released(url: str, lock: str) -> None:
+    store = lock_store_from_url(url)
+    try:
+        record = store.read(lock)
+    finally:
+        store.close()
+    assert record is not None and record.holder is None, record
+
+
+@pytest.mark.cluster
+@pytest.mark.sqlite
+def test_drill_passes_on_sqlite(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/drill.db"
+    report, stderr = run_drill_cli(url, cwd=tmp_path)
+    assert_drill_passed(report)
+    assert report["gaps_seconds"]["kill"] <= UNACTIVE_INTERVAL + 1.0
+    assert_cleaned_up(stderr)
+    assert_lock_released(url, report["lock"])
+
+
+@pytest.mark.cluster
+@pytest.mark.postgresql
+def test_drill_passes_on_postgresql(tmp_path: Path) -> None:
+    url = _postgresql_url()
+    try:
+        report, stderr = run_drill_cli(url, cwd=tmp_path)
+        assert_drill_passed(report)
+        assert report["gaps_seconds"]["term"] <= 1.5
+        assert_cleaned_up(stderr)
+        assert_lock_released(url, report["lock"])
+    finally:
+        cleanup_sql(url)
+
+
+def _require_libfaketime() -> None:
+    try:
+        drill_module.libfaketime()
+    except Exception as exc:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{exc} (CI=true: .ci/run installs the faketime package)")
+        pytest.skip(str(exc))
+
+
+@pytest.mark.cluster
+@pytest.mark.postgresql
+def test_drill_with_skewed_node_clocks_passes_on_postgresql(tmp_path: Path) -> None:
+    """Node clocks at +0, +4 and +8 s: PostgreSQL's clock judges the leases, so takeovers keep their timing.
+
+    A run may wait for a lagging clock to pass fire times a faster node already claimed (the
+    drill allows that wait); nothing may run twice.
+    """
+    _require_libfaketime()
+    url = _postgresql_url()
+    try:
+        report, stderr = run_drill_cli(url, "--skew", "4", cwd=tmp_path)
+        assert_drill_passed(report)
+        offsets = sorted(report["clock_offsets_seconds"].values())
+        assert offsets == pytest.approx([0.0, 4.0, 8.0], abs=0.3), report
+        assert_cleaned_up(stderr)
+    finally:
+        cleanup_sql(url)
+
+
+@pytest.mark.sqlite
+@pytest.mark.parametrize(
+    ("url", "args", "message"),
+    [
+        ("postgresql://postgres@127.0.0.1:1/none", ["--skew", "4"], "--skew needs libfaketime, which is not installed"),
+        ("sqlite:///{tmp}/x.db", ["--skew", "4"], "--skew cannot be simulated with sqlite://"),
+        ("memory://", [], "memory:// is private to one process"),
+        ("", [], "drill needs the store to test: --lock-url URL"),
+    ],
+    ids=["no-libfaketime", "sqlite-skew", "memory", "no-url"],
+)
+def test_drill_refuses_what_it_cannot_run(
+    url: str, args: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No libfaketime: the real lookup, over a list of paths that do not exist.
+    monkeypatch.setattr(drill_module, "LIBFAKETIME_PATHS", (str(tmp_path / "libfaketime.so.1"),))
+    monkeypatch.delenv("MUTEXCRON_LOCK_URL", raising=False)
+    url_args = ["--lock-url", url.format(tmp=tmp_path)] if url else []
+    started = time.monotonic()
+    result = CliRunner().invoke(main, ["drill", *url_args, *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert time.monotonic() - started < 5, "a refused drill must not start nodes"
+    if "libfaketime" in message:
+        assert "apt-get install faketime" in result.output
+
+
+@pytest.mark.cluster
+@pytest.mark.sqlite
+def test_ctrl_c_stops_nodes_removes_files_and_releases_the_lock(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/drill.db"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mutexcron", "drill", "--lock-url", url, "--unactive-interval", "2", "--json"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    seen = []
+    assert proc.stderr is not None
+    for line in proc.stderr:  # interrupt once the first failover ran: a new holder holds the lock
+        seen.append(line)
+        if "kill: next run" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    stderr = "".join(seen) + err
+    assert proc.returncode == 130, stderr
+    assert "drill interrupted" in stderr and out == ""
+    assert_cleaned_up(stderr)
+    lock = re.search(r"on lock (mutexcron-drill-[0-9a-f]+)", stderr)
+    assert lock, stderr
+    assert_lock_released(url, lock[1])
