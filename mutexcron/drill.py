@@ -64,7 +64,9 @@ OUT = os.environ["MUTEXCRON_DRILL_OUT"]
 def drill_tick(**attrs):
     lease = current_lease()
     n = int(attrs.get("n", 0)) + 1
-    if lease.lost:  # fencing: never write once the lease is gone
+    # Commit the counter (fenced by holder and token) before the side effect: a node killed or
+    # frozen after writing its line can then never hand the previous counter to the next holder.
+    if not lease.save({"n": n}):
         return None
     line = json.dumps({"node": lease.node_id, "fire": lease.fire_time.timestamp(), "n": n,
                        "token": lease.token, "mono": time.monotonic(), "wall": time.time()})

@@ -25,7 +25,7 @@ from typing import Any
 
 from .errors import StoreError, StoreUnavailableError
 from .locks import AcquireResult, FireClaim, LockStore, Node, RunInfo
-from .record import LockRecord
+from .record import LockRecord, dump_attrs
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,20 @@ class LeaseManager:
             if not self._running[name]:
                 del self._running[name]
             self._idle.notify_all()
+
+    def checkpoint(self, name: str, token: int, attrs: Mapping[str, Any]) -> bool:
+        """Store attrs during a run, conditional on holder and token (``Lease.save``)."""
+        dump_attrs(attrs, job=name)  # bad attrs raise before any write, even without a lease
+        if not self.holds(name, token):
+            return False
+        try:
+            saved = self.store.heartbeat(name, self.node, token, attrs)
+        except StoreUnavailableError as exc:
+            log.warning("checkpoint of lock %r not saved: store unreachable (%s)", name, exc)
+            return False
+        if not saved:
+            self._drop(name, "taken over during a run")
+        return saved
 
     def finish(self, name: str, token: int, attrs: Mapping[str, Any] | None, run: RunInfo, job: str) -> bool:
         """Save a run's attrs and run info, conditional on holder and token.

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 from .errors import LeaseError
 
@@ -30,6 +31,7 @@ class Lease:
     fire_time: datetime
     job: str
     _held: Callable[[str, int], bool] = field(repr=False, compare=False)
+    _save: Callable[[str, int, Mapping[str, Any]], bool] = field(repr=False, compare=False)
 
     @property
     def lost(self) -> bool:
@@ -39,6 +41,19 @@ class Lease:
         this node's monotonic clock. Check it before side effects in long jobs.
         """
         return not self._held(self.name, self.token)
+
+    def save(self, attrs: Mapping[str, Any]) -> bool:
+        """Checkpoint ``attrs`` in the lock record now, fenced by holder and token.
+
+        Returns False (and stores nothing) if this node no longer holds the lease. Save progress
+        *before* an external side effect and a failover can never replay it: if this node dies
+        after the side effect, the next holder starts from the saved attrs. The dict the job
+        returns at the end is still stored as usual (returning None keeps the checkpoint).
+
+        Raises:
+            AttrsError: ``attrs`` are not JSON.
+        """
+        return self._save(self.name, self.token, attrs)
 
 
 def current_lease() -> Lease:

@@ -167,7 +167,7 @@ class GuardedJob:
     ) -> Any:
         manager = self.scheduler._leases
         assert manager is not None
-        lease = Lease(self.lock, token, manager.node.node_id, fire_time, self.key, manager.holds)
+        lease = Lease(self.lock, token, manager.node.node_id, fire_time, self.key, manager.holds, manager.checkpoint)
         # The run counts as running until its result is saved, so a graceful stop never releases
         # the lease between the job's return and its attrs hand-off.
         manager.begin_run(self.lock)

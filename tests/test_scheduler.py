@@ -499,3 +499,25 @@ def test_catch_up_also_when_another_job_of_the_group_takes_the_lock_over(
     assert hourly_runs[0] == fire, "the hourly fire time missed during the failover ran"
     time.sleep(0.5)
     assert hourly_runs.count(fire) == 1
+
+
+def test_lease_save_checkpoints_attrs_and_is_fenced() -> None:
+    clock = FakeClock()
+    store = MemoryLockStore(clock=clock)
+    a = LeaseManager(store, Node("a", "ip-a"), {"l": 1.0}, clock=clock)
+    b = LeaseManager(store, Node("b", "ip-b"), {"l": 1.0}, clock=clock)
+    first = a.tick("l", None)
+    assert first is not None and first.acquired
+    from mutexcron.lease import Lease
+
+    lease = Lease("l", first.token, "a", datetime.now(timezone.utc), "job", a.holds, a.checkpoint)
+    assert lease.save({"n": 1})
+    assert dict(store.read("l").attrs) == {"n": 1}, "checkpointed during the run"  # type: ignore[union-attr]
+    with pytest.raises(Exception, match="not JSON"):
+        lease.save({"when": datetime.now(timezone.utc)})
+    clock.advance(2.0)  # a froze
+    took = b.tick("l", None)
+    assert took is not None and took.acquired
+    assert not lease.save({"n": 99}), "a checkpoint after a takeover is refused"
+    assert lease.lost
+    assert dict(store.read("l").attrs) == {"n": 1}  # type: ignore[union-attr]
