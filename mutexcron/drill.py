@@ -16,6 +16,7 @@ import itertools
 import json
 import logging
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -734,6 +735,9 @@ def run_drill(
             tails = "\n".join(f"--- {n}\n{cluster.log_tail(n)}" for n in cluster.procs)
             raise MutexcronError(f"the drill job did not run during the warm-up; node logs:\n{tails}")
         for phase in phases:
+            # Strike at a random moment of the second, as a real crash or freeze would, not in the
+            # few milliseconds after a tick line appears, when the holder is still saving its run.
+            time.sleep(random.uniform(0.2, 0.8))
             holder = cluster.holder()
             timeout = ui * 3 + 10 + spread
             if phase == "kill":

@@ -464,8 +464,8 @@ class SQLLockStore(LockStore):
         sql = f"UPDATE {self.table} SET {', '.join(sets)} WHERE name = :name AND holder = :me AND token = :token"
         try:
             _, count = self._execute(sql, params, "heartbeat")
-        except _Conflict:
-            return False
+        except _Conflict as exc:  # contention is not a refusal: the caller retries
+            raise self._unavailable(exc.__cause__ or exc, "heartbeat") from exc
         return bool(count == 1)
 
     def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
@@ -487,8 +487,8 @@ class SQLLockStore(LockStore):
             sql = self._sql(dialect.renew_many, pairs=", ".join(pairs))
         try:
             rows, count = self._execute(sql, params, "renew")
-        except _Conflict:
-            rows, count = [], 0
+        except _Conflict as exc:
+            raise self._unavailable(exc.__cause__ or exc, "renew") from exc
         if dialect.returning and dialect is not _MARIADB:
             return {r[0] for r in rows}
         if count == len(leases):
@@ -501,8 +501,8 @@ class SQLLockStore(LockStore):
         sql = f"UPDATE {self.table} SET holder = NULL WHERE name = :name AND holder = :me AND token = :token"
         try:
             _, count = self._execute(sql, {"name": name, "me": node.node_id, "token": token}, "release")
-        except _Conflict:
-            return False
+        except _Conflict as exc:  # contention is not a refusal: the caller retries
+            raise self._unavailable(exc.__cause__ or exc, "release") from exc
         return bool(count == 1)
 
     def read(self, name: str) -> LockRecord | None:
@@ -534,7 +534,15 @@ class _Conflict(Exception):
 
 
 def _is_lock_conflict(exc: BaseException) -> bool:
+    """Lost a race for a row: a deadlock, a lock wait timeout, or SQLite's write lock held too long.
+
+    SQLite serialises writers: "database is locked" after the busy timeout means another process
+    held the write lock (for instance one frozen mid-write), not that the file is unreachable.
+    """
     orig = getattr(exc, "orig", None)
+    text = str(orig or exc).lower()
+    if "database is locked" in text or "database is busy" in text:
+        return True
     code = getattr(orig, "args", (None,))[0] if orig is not None else None
     if code in (1213, 1205):  # MySQL deadlock, lock wait timeout
         return True
