@@ -45,11 +45,15 @@ log = logging.getLogger("benchmarks.scale")
 JOBS_FILE = '''\
 """scale.py's jobs file: J every-second jobs, each guarded by its own lock."""
 import collections, json, os, threading, time
-from mutexcron import MutexScheduler, current_lease
+from mutexcron import MutexScheduler, MutexThreadPoolExecutor, current_lease
 from mutexcron.drill import die_with_parent, timed_store_from_env
 
 die_with_parent()
-sched = MutexScheduler(lock_store=timed_store_from_env(**json.loads(os.environ["MUTEXCRON_SCALE_STORE_OPTIONS"])))
+WORKERS = int(os.environ["MUTEXCRON_SCALE_WORKERS"] or 0)
+sched = MutexScheduler(
+    lock_store=timed_store_from_env(**json.loads(os.environ["MUTEXCRON_SCALE_STORE_OPTIONS"])),
+    **({"executors": {"default": MutexThreadPoolExecutor(WORKERS)}} if WORKERS else {}),
+)
 OUT = os.path.join(os.environ["MUTEXCRON_SCALE_DIR"], "runs-%d.txt" % os.getpid())
 PREFIX = os.environ["MUTEXCRON_SCALE_PREFIX"]
 _lines = collections.deque()
@@ -108,7 +112,7 @@ def cpu_seconds(pid: int) -> float:
 
 def run_one(
     kind: str, url: str, jobs: int, duration: float, warmup: float, drain: float, nodes: int, ui: float,
-    store_options: dict[str, Any] | None = None,
+    store_options: dict[str, Any] | None = None, workers: int = 0,
 ) -> Result:
     prefix = f"scale-{secrets.token_hex(3)}"
     cluster = Cluster(
@@ -124,6 +128,7 @@ def run_one(
         MUTEXCRON_SCALE_PREFIX=prefix,
         MUTEXCRON_SCALE_JOBS=str(jobs),
         MUTEXCRON_SCALE_STORE_OPTIONS=json.dumps(store_options or {}),
+        MUTEXCRON_SCALE_WORKERS=str(workers or ""),
     )
     with cluster:
         time.sleep(warmup)
@@ -214,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--unactive-interval", type=float, default=10.0, help="lease length [10, the default]")
     parser.add_argument(
+        "--workers", type=int, default=0, help="threads of each node's executor [APScheduler's default, 10]"
+    )
+    parser.add_argument(
         "--pool-size", type=int, default=None,
         help="SQL stores: SQLAlchemy pool_size for the nodes' engines [the store's default]",
     )
@@ -248,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                     run_one(
                         kind, iso.url, jobs, args.duration, args.warmup, args.drain, args.nodes, args.unactive_interval,
                         {"pool_size": args.pool_size} if args.pool_size and kind != "redis" else None,
+                        args.workers,
                     )
                 )
             except MutexcronError as exc:
@@ -256,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 iso.cleanup()
         if results:
             note = f", pool_size={args.pool_size}" if args.pool_size and kind != "redis" else ""
+            note += f", {args.workers} executor threads per node" if args.workers else ""
             print(render(version, results, args.nodes, args.unactive_interval, note), flush=True)
     return 0
 
