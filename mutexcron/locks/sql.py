@@ -232,7 +232,14 @@ class SQLLockStore(LockStore):
         from sqlalchemy.engine import make_url
         from sqlalchemy.exc import ArgumentError
 
-        rest, options = pop_query(url, "table")
+        rest, options = pop_query(url, "table", "pool_size")
+        if "pool_size" in options:
+            try:
+                engine_options.setdefault("pool_size", int(options["pool_size"]))
+            except ValueError:
+                raise ConfigurationError(
+                    f"bad ?pool_size={options['pool_size']!r} in {mask_url(url)}: use a whole number"
+                ) from None
         self.table = options.get("table", "mutexcron_locks")
         if not _TABLE_RE.match(self.table):
             raise ConfigurationError(
@@ -252,6 +259,11 @@ class SQLLockStore(LockStore):
             # Autocommit leaves no transaction open, so the ROLLBACK a pool sends on every
             # check-in would only be another round trip.
             "pool_reset_on_return": None,
+            # At least the executor's 10 threads + the heartbeat thread: every-second jobs fire
+            # together, and a smaller pool opens and closes connections on every burst (costly
+            # in client CPU with PyMySQL; benchmarks/scale.py showed it). ?pool_size= overrides.
+            "pool_size": 12,
+            "max_overflow": 8,
             "pool_timeout": connect_timeout,
         }
         if scheme == "sqlite":
