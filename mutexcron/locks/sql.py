@@ -259,11 +259,9 @@ class SQLLockStore(LockStore):
             # Autocommit leaves no transaction open, so the ROLLBACK a pool sends on every
             # check-in would only be another round trip.
             "pool_reset_on_return": None,
-            # At least the executor's 10 threads + the heartbeat thread: every-second jobs fire
-            # together, and a smaller pool opens and closes connections on every burst (costly
-            # in client CPU with PyMySQL; benchmarks/scale.py showed it). ?pool_size= overrides.
-            "pool_size": 12,
-            "max_overflow": 8,
+            # SQLAlchemy's default pool (5 kept + 10 overflow). Many every-second jobs firing
+            # together churn the overflow connections: ?pool_size=12 (above the executor's 10
+            # threads) avoids that, at the price of more idle server connections per node.
             "pool_timeout": connect_timeout,
         }
         if scheme == "sqlite":
