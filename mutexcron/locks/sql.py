@@ -53,11 +53,6 @@ class _Dialect:
     renew_many: str
 
 
-_CLAIM_DOC = (
-    "The fire claim writes fires[job] = [fire_us, nonce] only when the lease is acquired by this "
-    "statement and fire_us is above the stored one."
-)
-
 _PG = _Dialect(
     name="postgresql",
     now="clock_timestamp()",
