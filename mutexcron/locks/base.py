@@ -13,6 +13,10 @@ Rules every implementation follows (the contract suite in ``tests/test_contract.
   ``fires[job] = [fire_us, nonce]`` in the same atomic operation, only if the lease is acquired
   and ``fire_us`` is greater than the stored one. ``AcquireResult.claimed`` is True only if this
   call wrote that claim (the stored nonce is ours).
+* Contention (a lost race for the row, a deadlock, a busy database) or a write whose outcome is
+  unknown makes ``acquire_or_renew`` return ``uncertain=True`` (not acquired, not claimed), and
+  makes the other writes raise :class:`~mutexcron.errors.StoreUnavailableError`: it is never
+  reported as a renewal, and never as a loss of the lease.
 * A store that cannot be reached raises :class:`~mutexcron.errors.StoreUnavailableError`.
 """
 
@@ -69,6 +73,10 @@ class AcquireResult:
     acquired: bool
     record: LockRecord
     claimed: bool = False
+    #: The store cannot say whether this call took or renewed the lease (it lost a race for the
+    #: row, or the write's outcome is unknown). ``acquired`` and ``claimed`` are then False, and the
+    #: caller must neither count the call as a renewal nor drop a lease it holds.
+    uncertain: bool = False
 
     @property
     def token(self) -> int:
