@@ -1,34 +1,88 @@
-"""URL helpers shared by the CLI and the stores."""
+"""URL helpers shared by the CLI and the stores, including the one secret-masking function.
+
+Every log line, error message and ``status`` line that shows a store URL goes through
+:func:`mask_url`, and every driver message that may quote a URL or a password goes through
+:func:`redact`. Both take the user-info part of ``scheme://user:password@hosts/...`` as
+everything up to the **last** ``@`` of the authority, as the drivers do, so a password with an
+unescaped ``/``, ``@``, ``:`` or ``?`` is still hidden whole. When the URL cannot be split
+with confidence, the whole user-info part is hidden.
+"""
 
 from __future__ import annotations
 
-import re
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, quote, unquote, urlencode
 
-# scheme://user:password@host  ->  scheme://user:***@host   (also for comma-separated host lists)
-_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^:@/]*):(?P<password>[^@/]*)@")
-_SECRET_PARAMS = {"password", "passwd", "pwd", "secret", "token", "ssl_password", "sslpassword", "tlscertificatekeyfilepassword"}
+_SECRET_PARAMS = {
+    "password",
+    "passwd",
+    "pwd",
+    "secret",
+    "token",
+    "ssl_password",
+    "sslpassword",
+    "tlscertificatekeyfilepassword",
+}
+_MASK = "***"
+
+
+def _split(url: str) -> tuple[str, str | None, str]:
+    """``url`` -> (``scheme://``, user-info or None, the rest after the ``@``)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or rest.startswith("/"):  # no authority (sqlite:///path) or not a URL at all
+        return "", None, url
+    at = rest.rfind("@")
+    if at < 0:
+        return scheme + sep, None, rest
+    return scheme + sep, rest[:at], rest[at + 1 :]
+
+
+def _user_and_password(userinfo: str) -> tuple[str | None, str | None]:
+    """(user, password) of a user-info part; user None if it cannot be told apart from a secret."""
+    user, colon, password = userinfo.partition(":")
+    if any(c in user for c in "/?#@"):  # not a plain user name: the split is doubtful
+        return None, userinfo
+    return user, (password if colon else None)
 
 
 def mask_url(url: str) -> str:
     """Hide the password (and password-like query parameters) of a URL: safe to print or log."""
-    masked = _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:***@", url, count=1)
-    if "?" in masked:
-        base, _, query = masked.partition("?")
-        pairs = [(k, "***" if k.lower() in _SECRET_PARAMS else v) for k, v in parse_qsl(query, keep_blank_values=True)]
-        masked = f"{base}?{urlencode(pairs, safe='*/:,')}"
-    return masked
+    head, userinfo, rest = _split(url)
+    if userinfo is not None:
+        user, password = _user_and_password(userinfo)
+        if user is None:
+            userinfo = _MASK
+        elif password is not None:
+            userinfo = f"{user}:{_MASK}"
+        url = f"{head}{userinfo}@{rest}"
+    if "?" in url:
+        base, _, query = url.partition("?")
+        pairs = [(k, _MASK if k.lower() in _SECRET_PARAMS else v) for k, v in parse_qsl(query, keep_blank_values=True)]
+        url = f"{base}?{urlencode(pairs, safe='*/:,')}"
+    return url
+
+
+def url_secrets(url: str) -> set[str]:
+    """The secret strings of ``url`` (password, secret query values), raw and decoded."""
+    found: set[str] = set()
+    _head, userinfo, _rest = _split(url)
+    if userinfo is not None:
+        _user, password = _user_and_password(userinfo)
+        if password:
+            found.add(password)
+    if "?" in url:
+        for key, value in parse_qsl(url.partition("?")[2], keep_blank_values=True):
+            if key.lower() in _SECRET_PARAMS and value:
+                found.add(value)
+    variants = set()
+    for secret in found:
+        variants |= {secret, unquote(secret), quote(unquote(secret), safe="")}
+    return {s for s in variants if len(s) >= 2}
 
 
 def redact(text: str, url: str) -> str:
-    """``text`` (e.g. a driver's error message) with the password of ``url`` replaced by ``***``."""
-    match = _USERINFO.match(url)
-    if match and match["password"]:
-        from urllib.parse import unquote
-
-        for secret in {match["password"], unquote(match["password"])}:
-            if len(secret) >= 2:
-                text = text.replace(secret, "***")
+    """``text`` (e.g. a driver's error message) with every secret of ``url`` replaced by ``***``."""
+    for secret in sorted(url_secrets(url), key=len, reverse=True):
+        text = text.replace(secret, _MASK)
     return text
 
 
