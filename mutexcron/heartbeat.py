@@ -48,6 +48,7 @@ class LeaseManager:
         on_acquired: called from the heartbeat thread after it takes over a lock, with the
             lock name and the record as it was before the takeover.
         clock: monotonic clock for this node's own deadlines (injectable for tests).
+        max_attrs_bytes: the largest attrs (as JSON) a run may store; larger ones raise AttrsError.
     """
 
     def __init__(
@@ -58,15 +59,23 @@ class LeaseManager:
         *,
         on_acquired: Callable[[str, LockRecord | None], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_attrs_bytes: int | None = None,
     ) -> None:
         self.store = store
         self.node = node
-        self.locks = dict(locks)
+        self._locks = dict(locks)
         self.on_acquired = on_acquired
         self.clock = clock
-        self.stopping = False
+        self.max_attrs_bytes = max_attrs_bytes
+        self._stopping = False
         self._held: dict[str, _Held] = {}
         self._mutex = threading.Lock()
+        self._state_lock = threading.Lock()
+        # Attrs as stored under this node's current token, per lock; every attrs write of the
+        # node goes through ``_writing[lock]``. Only the token holder can write attrs, so this
+        # node's serialised writes are the only writes: concurrent runs of a lock group merge.
+        self._attrs: dict[str, tuple[int, dict[str, Any]]] = {}
+        self._writing: dict[str, threading.Lock] = {}
         self._running: dict[str, int] = {}
         self._idle = threading.Condition(self._mutex)
         self._stop = threading.Event()
@@ -77,7 +86,27 @@ class LeaseManager:
     # -- state ---------------------------------------------------------------------------------
     @property
     def period(self) -> float:
-        return max(0.05, min(self.locks.values(), default=10.0) / 3)
+        return max(0.05, min(self.locks().values(), default=10.0) / 3)
+
+    @property
+    def stopping(self) -> bool:
+        """True once :meth:`stop` began: no guarded run starts any more."""
+        return self._stopping
+
+    def locks(self) -> dict[str, float]:
+        """The guarded locks of this node: name -> lease length in seconds (a copy)."""
+        with self._mutex:
+            return dict(self._locks)
+
+    def add_lock(self, name: str, ttl: float) -> None:
+        """Guard one more lock (a job added after ``start()``); starts the thread if needed."""
+        with self._mutex:
+            self._locks.setdefault(name, ttl)
+        self.start()
+
+    def ttl(self, name: str) -> float:
+        with self._mutex:
+            return self._locks[name]
 
     def holds(self, name: str, token: int) -> bool:
         """True while this node holds ``name`` with ``token`` and its lease has not run out."""
@@ -92,6 +121,10 @@ class LeaseManager:
             return {n: h.token for n, h in self._held.items() if now < h.deadline}
 
     def _store_state(self, up: bool, exc: BaseException | None = None) -> None:
+        with self._state_lock:  # ticks on executor threads and the heartbeat thread both report
+            self._log_store_state(up, exc)
+
+    def _log_store_state(self, up: bool, exc: BaseException | None) -> None:
         if up:
             self._failures = 0
             if self._store_up is False:
@@ -136,16 +169,25 @@ class LeaseManager:
             except Exception:
                 log.exception("catch-up after acquiring %r failed", name)
 
-    def _drop(self, name: str, why: str) -> None:
+    def _drop(self, name: str, why: str, token: int | None = None, *, expired: bool = False) -> None:
+        """Forget a lease: only the one with ``token`` (any if None), and with ``expired`` only if
+        its deadline has really passed (a renewal may have landed since the caller looked)."""
         with self._mutex:
-            old = self._held.pop(name, None)
-        if old is not None:
-            log.warning("lost lock %r (token %d): %s", name, old.token, why)
+            old = self._held.get(name)
+            if old is None or (token is not None and old.token != token):
+                return
+            if expired and self.clock() < old.deadline:
+                return
+            del self._held[name]
+        log.warning("lost lock %r (token %d): %s", name, old.token, why)
 
     # -- operations used by guarded jobs ----------------------------------------------------------
     def tick(self, name: str, claim: FireClaim | None) -> AcquireResult | None:
-        """One atomic acquire-or-renew (with the fire claim). None if the store is unreachable."""
-        ttl = self.locks[name]
+        """One atomic acquire-or-renew (with the fire claim). None if the store is unreachable.
+
+        An ``uncertain`` answer (contention, unknown outcome) neither extends nor drops the lease.
+        """
+        ttl = self.ttl(name)
         sent_at = self.clock()
         try:
             result = self.store.acquire_or_renew(name, self.node, ttl, claim)
@@ -153,7 +195,10 @@ class LeaseManager:
             self._store_state(False, exc)
             return None
         self._store_state(True)
-        if result.acquired:
+        if result.uncertain:
+            log.info("lock %r: the store could not settle this acquire (contention); not counted", name)
+        elif result.acquired:
+            self._remember_attrs(name, result.token, result.record)
             if self._set_held(name, result.token, sent_at, ttl, None):
                 # Another job of the same lock group may have missed a fire time during the
                 # failover; this job's own fire time is already claimed, so it is not repeated.
@@ -162,9 +207,17 @@ class LeaseManager:
             self._drop(name, f"held by {result.record.holder} (token {result.record.token})")
         return result
 
-    def begin_run(self, name: str) -> None:
+    def begin_run(self, name: str) -> bool:
+        """Count a guarded run as started, from before its store call to its hand-off.
+
+        Returns False (and counts nothing) once :meth:`stop` began, so a stop never releases a
+        lease under a tick that is still in flight.
+        """
         with self._mutex:
+            if self._stopping:
+                return False
             self._running[name] = self._running.get(name, 0) + 1
+            return True
 
     def end_run(self, name: str) -> None:
         with self._mutex:
@@ -173,30 +226,73 @@ class LeaseManager:
                 del self._running[name]
             self._idle.notify_all()
 
-    def checkpoint(self, name: str, token: int, attrs: Mapping[str, Any]) -> bool:
+    # -- attrs -------------------------------------------------------------------------------------
+    def _remember_attrs(self, name: str, token: int, record: LockRecord) -> None:
+        """Start the attrs cache for a token this node just got (later writes are its own)."""
+        with self._mutex:
+            cached = self._attrs.get(name)
+            if cached is None or cached[0] != token:
+                self._attrs[name] = (token, dict(record.attrs))
+            self._writing.setdefault(name, threading.Lock())
+
+    def attrs(self, name: str, token: int) -> dict[str, Any]:
+        """The attrs stored under ``token`` as this node knows them (a copy; {} if unknown)."""
+        with self._mutex:
+            cached = self._attrs.get(name)
+            return dict(cached[1]) if cached is not None and cached[0] == token else {}
+
+    def _write_attrs(
+        self, name: str, token: int, seen: set[str], attrs: Mapping[str, Any] | None, run: RunInfo | None, job: str
+    ) -> bool:
+        """One fenced write of attrs (merged) and run info. Raises StoreUnavailableError/StoreError.
+
+        The job's attrs replace the keys it was given (``seen``): keys it was given and did not
+        return are deleted, and keys it never saw (a group mate's) are kept.
+        """
+        with self._mutex:
+            writing = self._writing.setdefault(name, threading.Lock())
+        with writing:
+            merged = None
+            if attrs is not None:
+                base = self.attrs(name, token)
+                merged = {k: v for k, v in base.items() if k not in seen}
+                merged.update(attrs)
+                dump_attrs(merged, job=job, limit=self.max_attrs_bytes)
+            if not self.store.heartbeat(name, self.node, token, merged, run):
+                return False
+            if merged is not None:
+                with self._mutex:
+                    self._attrs[name] = (token, merged)
+            return True
+
+    def checkpoint(self, name: str, token: int, seen: set[str], attrs: Mapping[str, Any], job: str) -> bool:
         """Store attrs during a run, conditional on holder and token (``Lease.save``)."""
-        dump_attrs(attrs, job=name)  # bad attrs raise before any write, even without a lease
+        dump_attrs(attrs, job=job, limit=self.max_attrs_bytes)  # bad attrs raise before any write
         if not self.holds(name, token):
             return False
         try:
-            saved = self.store.heartbeat(name, self.node, token, attrs)
-        except StoreUnavailableError as exc:
-            log.warning("checkpoint of lock %r not saved: store unreachable (%s)", name, exc)
+            saved = self._write_attrs(name, token, seen, attrs, None, job)
+        except (StoreUnavailableError, StoreError) as exc:
+            log.warning("checkpoint of lock %r not saved: %s", name, exc)
             return False
         if not saved:
-            self._drop(name, "taken over during a run")
+            self._drop(name, "taken over during a run", token)
+        else:
+            seen.update(attrs)
         return saved
 
-    def finish(self, name: str, token: int, attrs: Mapping[str, Any] | None, run: RunInfo, job: str) -> bool:
+    def finish(
+        self, name: str, token: int, seen: set[str], attrs: Mapping[str, Any] | None, run: RunInfo, job: str
+    ) -> bool:
         """Save a run's attrs and run info, conditional on holder and token.
 
         Retries while the lease is still ours if the store is briefly unreachable, so a result
-        is not lost to a blip. Returns True if saved.
+        is not lost to a blip; never longer than one lease. Returns True if saved.
         """
-        delay = 0.2
+        delay, give_up = 0.2, self.clock() + self.ttl(name)
         while True:
             try:
-                if self.store.heartbeat(name, self.node, token, attrs, run):
+                if self._write_attrs(name, token, seen, attrs, run, job):
                     return True
                 log.warning(
                     "job %r finished after lock %r (token %d) passed to another node: its attrs and run info "
@@ -205,21 +301,26 @@ class LeaseManager:
                     name,
                     token,
                 )
-                self._drop(name, "taken over during a run")
+                self._drop(name, "taken over during a run", token)
                 return False
             except StoreUnavailableError as exc:
-                if not self.holds(name, token) or self._stop.is_set():
-                    log.error(
-                        "job %r: could not save attrs of lock %r, store unreachable and lease gone: %s", job, name, exc
-                    )
+                if not self.holds(name, token) or self._stop.is_set() or self.clock() + delay > give_up:
+                    log.error("job %r: could not save attrs of lock %r (%s); the previous attrs are kept", job, name, exc)
                     return False
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
+            except StoreError as exc:  # the request itself was refused: retrying cannot help
+                log.error("job %r: the store refused the attrs of lock %r (%s); the previous attrs are kept", job, name, exc)
+                return False
 
     # -- the heartbeat thread -------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is not None or not self.locks:
-            return
+        with self._mutex:
+            if self._thread is not None or not self._locks or self._stop.is_set():
+                return
+            self._thread = threading.Thread(target=self._loop, name="mutexcron-heartbeat", daemon=True)
+        self._thread.start()
+        return
         self._thread = threading.Thread(target=self._loop, name="mutexcron-heartbeat", daemon=True)
         self._thread.start()
 
@@ -232,7 +333,7 @@ class LeaseManager:
         """One heartbeat round; returns how long to wait before the next one."""
         try:
             self._renew()
-            if not self.stopping:
+            if not self._stopping:
                 self._take_over()
             self._store_state(True)
         except (StoreUnavailableError, StoreError) as exc:
@@ -255,13 +356,14 @@ class LeaseManager:
             for name in renewed:
                 held = self._held.get(name)
                 if held is not None and held.token == leases[name]:
-                    held.deadline = sent_at + self.locks[name]
+                    held.deadline = sent_at + self._locks[name]
         for name in set(leases) - renewed:
-            self._drop(name, "another node holds it now")
+            self._drop(name, "another node holds it now", leases[name])
 
     def _take_over(self) -> None:
         held = self.held()
-        wanted = [n for n in self.locks if n not in held]
+        locks = self.locks()
+        wanted = [n for n in locks if n not in held]
         if not wanted:
             return
         records = self.store.read_many(wanted)
@@ -269,9 +371,14 @@ class LeaseManager:
             record = records.get(name)
             if record is not None and record.state == "active" and record.holder != self.node.node_id:
                 continue
+            if self._stopping:
+                return
             sent_at = self.clock()
-            result = self.store.acquire_or_renew(name, self.node, self.locks[name])
-            if result.acquired and self._set_held(name, result.token, sent_at, self.locks[name], record):
+            result = self.store.acquire_or_renew(name, self.node, locks[name])
+            if not result.acquired:
+                continue
+            self._remember_attrs(name, result.token, result.record)
+            if self._set_held(name, result.token, sent_at, locks[name], record):
                 self._acquired(name, record)
 
     def _expire(self) -> None:
@@ -279,20 +386,24 @@ class LeaseManager:
         with self._mutex:
             expired = [n for n, h in self._held.items() if now >= h.deadline]
         for name in expired:
-            self._drop(name, "no successful renewal within the lease; this node demotes itself")
+            self._drop(name, "no successful renewal within the lease; this node demotes itself", expired=True)
 
     # -- stopping ---------------------------------------------------------------------------------
     def stop(self, timeout: float) -> None:
-        """Stop takeovers, wait up to ``timeout`` s for running guarded jobs, release leases, stop."""
-        self.stopping = True
+        """Stop takeovers, wait up to ``timeout`` s for running guarded jobs, release leases, stop.
+
+        Runs count from before their store call, so a tick in flight is waited for, and its
+        lease is released with the others.
+        """
         deadline = self.clock() + max(0.0, timeout)
         with self._idle:
+            self._stopping = True
             while self._running and self.clock() < deadline:
                 self._idle.wait(min(0.5, max(0.01, deadline - self.clock())))
             busy = dict(self._running)
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=15)  # longer than one store operation's timeout
         for name, token in self.held().items():
             if name in busy:
                 log.warning(

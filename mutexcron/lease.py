@@ -31,7 +31,7 @@ class Lease:
     fire_time: datetime
     job: str
     _held: Callable[[str, int], bool] = field(repr=False, compare=False)
-    _save: Callable[[str, int, Mapping[str, Any]], bool] = field(repr=False, compare=False)
+    _save: Callable[[Mapping[str, Any]], bool] = field(repr=False, compare=False)
 
     @property
     def lost(self) -> bool:
@@ -53,7 +53,7 @@ class Lease:
         Raises:
             AttrsError: ``attrs`` are not JSON.
         """
-        return self._save(self.name, self.token, attrs)
+        return self._save(attrs)
 
 
 def current_lease() -> Lease:

@@ -122,11 +122,15 @@ class LockRecord(Mapping[str, Any]):
         }
 
 
-def dump_attrs(attrs: Mapping[str, Any], *, job: str = "job") -> str:
+DEFAULT_MAX_ATTRS_BYTES = 1_000_000
+
+
+def dump_attrs(attrs: Mapping[str, Any], *, job: str = "job", limit: int | None = None) -> str:
     """Serialise user attrs to JSON text, or raise AttrsError naming the job and the bad key.
 
     Only plain JSON is stored (never pickle): dicts with string keys, lists, strings,
-    finite numbers, booleans and None.
+    finite numbers, booleans and None. With ``limit``, JSON of more than ``limit`` bytes (UTF-8)
+    raises AttrsError too, before anything reaches the store.
     """
     if not isinstance(attrs, Mapping):
         raise AttrsError(
@@ -134,7 +138,14 @@ def dump_attrs(attrs: Mapping[str, Any], *, job: str = "job") -> str:
             "(or None to keep the previous attrs)"
         )
     _check_json(attrs, job=job, path="")
-    return json.dumps(dict(attrs), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    text = json.dumps(dict(attrs), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    if limit is not None and len(text) > limit // 4 and len(text.encode()) > limit:
+        raise AttrsError(
+            f"job {job!r} returned attrs of {len(text.encode()):,} bytes of JSON, over the limit of {limit:,} "
+            "bytes (MutexScheduler(max_attrs_bytes=...)): keep large data elsewhere and store a reference; "
+            "the previous attrs are kept"
+        )
+    return text
 
 
 def _check_json(value: Any, *, job: str, path: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import inspect
 import logging
@@ -9,6 +10,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor as WorkerPool
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -23,11 +25,13 @@ from apscheduler.triggers.interval import IntervalTrigger
 from apscheduler.util import undefined
 
 from .errors import AttrsError, ConfigurationError, LeaseError
+from .firetimes import guard_trigger, latest_fire_time, slot_of
 from .heartbeat import LeaseManager
 from .lease import Lease, _enter, _exit
 from .locks import DEFAULT_LOCK_URL, FireClaim, LockStore, Node, RunInfo, lock_store_from_url
+from .names import check_name
 from .node import default_node_id, outbound_ip
-from .record import LockRecord, dump_attrs, us_from_datetime
+from .record import DEFAULT_MAX_ATTRS_BYTES, LockRecord, us_from_datetime
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +71,12 @@ class MutexConfig:
     heartbeat: Callable[..., Any] | None = None
 
     @property
-    def seed_mode(self) -> bool:
-        """The seed's mode: the user's own ``lock()``/``heartbeat()`` functions (not atomic)."""
+    def callable_lock(self) -> bool:
+        """The original design's mode: the user's own ``lock()``/``heartbeat()`` functions (not atomic)."""
         return callable(self.lock)
 
     def __post_init__(self) -> None:
-        if self.seed_mode:
+        if self.callable_lock:
             if not callable(self.heartbeat):
                 raise ConfigurationError(
                     "mutex(lock=<callable>) is the seed-compatible mode and needs heartbeat=<callable> too "
@@ -83,8 +87,10 @@ class MutexConfig:
                 "mutex(heartbeat=...) is only for the seed-compatible mode with lock=<callable>; "
                 "built-in stores renew leases themselves"
             )
-        elif self.lock is not None and (not isinstance(self.lock, str) or not self.lock.strip()):
-            raise ConfigurationError(f"mutex(lock=...) must be a non-empty lock name or a callable, not {self.lock!r}")
+        elif self.lock is not None:
+            if not isinstance(self.lock, str) or not self.lock.strip():
+                raise ConfigurationError(f"mutex(lock=...) must be a non-empty lock name or a callable, not {self.lock!r}")
+            check_name(self.lock, "lock name")
         if self.lock_else is not None and not callable(self.lock_else):
             raise ConfigurationError(f"mutex(lock_else=...) must be callable, not {self.lock_else!r}")
 
@@ -116,14 +122,18 @@ class GuardedJob:
         self.scheduler = scheduler
         self.func = func
         self.config = config
-        self.key = key
-        self.lock = config.lock if isinstance(config.lock, str) else getattr(func, "__qualname__", key)
+        self.key = check_name(key, "job id")
+        default_lock = getattr(func, "__qualname__", key)
+        self.lock = config.lock if isinstance(config.lock, str) else default_lock
+        if not config.callable_lock:
+            check_name(self.lock, f"lock name of job {key!r}")
         self.__name__ = getattr(func, "__name__", key)
         self.__qualname__ = getattr(func, "__qualname__", key)
         self.__module__ = getattr(func, "__module__", __name__)
         self.__wrapped__ = func
         self._accepts_kwargs = _accepts_var_kwargs(func)
         self._params = _param_names(func)
+        self._warned_return = False
 
     @property
     def ttl(self) -> float:
@@ -132,14 +142,19 @@ class GuardedJob:
     def __repr__(self) -> str:
         return f"<GuardedJob {self.key!r} lock={self.lock!r}>"
 
-    def _attr_kwargs(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
-        if self._accepts_kwargs:
-            return dict(attrs)
-        return {k: v for k, v in attrs.items() if k in self._params}
+    def _attr_kwargs(self, attrs: Mapping[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The attrs to pass as keyword arguments: those the job takes and that are not bound yet."""
+        try:
+            bound = set(inspect.signature(self.func).bind_partial(*args, **kwargs).arguments)
+        except (TypeError, ValueError):
+            bound = set(kwargs)
+        return {
+            k: v for k, v in attrs.items() if k not in bound and (self._accepts_kwargs or k in self._params)
+        }
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.config.seed_mode:
-            return self._run_seed(*args, **kwargs)
+        if self.config.callable_lock:
+            return self._run_with_user_lock(*args, **kwargs)
         try:
             fire_time = _FIRE_TIME.get()
         except LookupError:
@@ -147,59 +162,77 @@ class GuardedJob:
                 f"guarded job {self.key!r} was called outside mutexcron's executor; it only runs when scheduled"
             ) from None
         manager = self.scheduler._leases
-        if manager is None or manager.stopping:
+        # The run counts from before its store call: a stop that begins now waits for it.
+        if manager is None or not manager.begin_run(self.lock):
             log.info("job %r not started: the scheduler is stopping", self.key)
             return None
-        result = manager.tick(self.lock, FireClaim.new(self.key, us_from_datetime(fire_time)))
-        if result is None:  # store unreachable: fail closed (the manager logged it)
-            return None
-        if not result.acquired:
-            if self.config.lock_else is not None:
-                self.config.lock_else(result.record)
-            return None
-        if not result.claimed:
-            log.info("job %r: fire time %s already ran under lock %r; not running it again", self.key, fire_time, self.lock)
-            return None
-        return self._run(result.token, result.record, fire_time, args, kwargs)
-
-    def _run(
-        self, token: int, record: LockRecord, fire_time: datetime, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        manager = self.scheduler._leases
-        assert manager is not None
-        lease = Lease(self.lock, token, manager.node.node_id, fire_time, self.key, manager.holds, manager.checkpoint)
-        # The run counts as running until its result is saved, so a graceful stop never releases
-        # the lease between the job's return and its attrs hand-off.
-        manager.begin_run(self.lock)
         try:
-            ctx = _enter(lease)
-            started = manager.clock()
-            try:
-                result = self.func(*args, **{**self._attr_kwargs(record.attrs), **kwargs})
-            except BaseException as exc:
-                manager.finish(self.lock, token, None, RunInfo(manager.clock() - started, _describe(exc)), self.key)
-                raise
-            finally:
-                _exit(ctx)
-            run = RunInfo(manager.clock() - started, None)
-            if result is not None:
-                try:
-                    dump_attrs(result, job=self.key)
-                except AttrsError as exc:
-                    manager.finish(self.lock, token, None, RunInfo(run.duration, _describe(exc)), self.key)
-                    raise
-            manager.finish(self.lock, token, result, run, self.key)
-            return result
+            result = manager.tick(self.lock, FireClaim.new(self.key, us_from_datetime(fire_time)))
+            if result is None or result.uncertain:  # store down or contended: fail closed (logged)
+                return None
+            if not result.acquired:
+                if self.config.lock_else is not None:
+                    self.config.lock_else(result.record)
+                return None
+            if not result.claimed:
+                log.info("job %r: fire time %s already ran under lock %r; not running it again", self.key, fire_time, self.lock)
+                return None
+            return self._run(manager, result.token, fire_time, args, kwargs)
         finally:
             manager.end_run(self.lock)
 
-    def _run_seed(self, *args: Any, **kwargs: Any) -> Any:
-        """The seed's algorithm with the user's own functions. Not atomic: see the README."""
+    def _run(
+        self, manager: LeaseManager, token: int, fire_time: datetime, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        attrs = self._attr_kwargs(manager.attrs(self.lock, token), args, kwargs)
+        seen = set(attrs)  # the keys this run may replace or delete; a group mate's stay
+
+        def save(new: Mapping[str, Any]) -> bool:
+            return manager.checkpoint(self.lock, token, seen, new, self.key)
+
+        lease = Lease(self.lock, token, manager.node.node_id, fire_time, self.key, manager.holds, save)
+        ctx = _enter(lease)
+        # The last check before the job's first line: a slow reply or a pause since the store
+        # said "yours" may have outlasted the lease (monotonic deadline).
+        if not manager.holds(self.lock, token):
+            _exit(ctx)
+            log.warning("job %r: lease of lock %r (token %d) ran out before the run could start; not run",
+                        self.key, self.lock, token)
+            return None
+        started = manager.clock()
+        try:
+            result = self.func(*args, **{**attrs, **kwargs})
+        except BaseException as exc:
+            manager.finish(self.lock, token, seen, None, RunInfo(manager.clock() - started, _describe(exc)), self.key)
+            raise
+        finally:
+            _exit(ctx)
+        run = RunInfo(manager.clock() - started, None)
+        returned = self._returned_attrs(result)
+        try:
+            manager.finish(self.lock, token, seen, returned, run, self.key)
+        except AttrsError as exc:
+            manager.finish(self.lock, token, seen, None, RunInfo(run.duration, _describe(exc)), self.key)
+            raise
+        return result
+
+    def _returned_attrs(self, result: Any) -> Mapping[str, Any] | None:
+        """A returned dict is the new attrs; anything else keeps them (logged once per job)."""
+        if result is None or isinstance(result, Mapping):
+            return result
+        if not self._warned_return:
+            self._warned_return = True
+            log.warning("job %r returned %s, not a dict: its attrs are kept (return a dict to change them)",
+                        self.key, type(result).__name__)
+        return None
+
+    def _run_with_user_lock(self, *args: Any, **kwargs: Any) -> Any:
+        """The original design's algorithm with the user's own functions. Not atomic: see the README."""
         lock = self.config.lock
         assert callable(lock) and self.config.heartbeat is not None
         ttl = timedelta(seconds=self.ttl)
         lock_rec = lock()
-        now = datetime.now().replace(microsecond=0)  # the seed's clock: this node's, local time
+        now = datetime.now().replace(microsecond=0)  # the original design's clock: this node's, local time
         ip = self.scheduler.local_ip
         if (
             not lock_rec
@@ -207,7 +240,7 @@ class GuardedJob:
             or (lock_rec.get("update_time") and now - lock_rec["update_time"] >= ttl)
         ):
             attrs = {k: v for k, v in (lock_rec or {}).items() if k not in ("active_ip", "update_time")}
-            result = self.func(*args, **{**self._attr_kwargs(attrs), **kwargs})
+            result = self.func(*args, **{**self._attr_kwargs(attrs, args, kwargs), **kwargs})
             self.config.heartbeat(ip, now, **(result or {}))
             return result
         if self.config.lock_else is not None:
@@ -234,10 +267,13 @@ def _param_names(func: Callable[..., Any]) -> set[str]:
 
 
 def _run_with_fire_times(job: Any, jobstore_alias: str, run_times: list[datetime], logger_name: str) -> list[Any]:
-    """APScheduler's ``run_job``, one run time at a time, with the scheduled time visible to the job."""
+    """APScheduler's ``run_job``, one run time at a time, with the scheduled slot visible to the job.
+
+    The slot is the un-jittered fire time: the same on every node (see :mod:`mutexcron.firetimes`).
+    """
     events: list[JobExecutionEvent] = []
     for run_time in run_times:
-        ctx = _FIRE_TIME.set(run_time)
+        ctx = _FIRE_TIME.set(slot_of(job.trigger, run_time))
         try:
             events.extend(run_job(job, jobstore_alias, [run_time], logger_name))
         finally:
@@ -280,6 +316,10 @@ class MutexSchedulerMixin:
             ``$MUTEXCRON_UNACTIVE_INTERVAL`` sets it too.
         shutdown_timeout: how long ``shutdown()`` waits for running guarded jobs before it
             releases the leases (seconds, default 30).
+        max_attrs_bytes: the largest attrs a run may store, as JSON (default 1 MB); a larger
+            return raises AttrsError and keeps the previous attrs.
+        timezone: as in APScheduler, but **UTC by default** (APScheduler's default is the host's
+            zone, which would make ``cron_schedule(hour=3)`` a different instant on each node).
         Other arguments go to the APScheduler scheduler.
     """
 
@@ -294,6 +334,7 @@ class MutexSchedulerMixin:
         local_ip: str | None = None,
         unactive_interval: timedelta | float | None = None,
         shutdown_timeout: float = 30.0,
+        max_attrs_bytes: int = DEFAULT_MAX_ATTRS_BYTES,
         **kwargs: Any,
     ) -> None:
         self.lock_url = lock_url or os.environ.get("MUTEXCRON_LOCK_URL") or DEFAULT_LOCK_URL
@@ -309,12 +350,18 @@ class MutexSchedulerMixin:
             raise ConfigurationError(f"MUTEXCRON_UNACTIVE_INTERVAL={env_interval!r}: {exc}") from None
         self.unactive_interval: float = default or DEFAULT_UNACTIVE_INTERVAL
         self.shutdown_timeout = shutdown_timeout
+        self.max_attrs_bytes = max_attrs_bytes
+        self._own_store = lock_store is None  # built from the URL here: closed by shutdown()
         self._leases: LeaseManager | None = None
+        self._catch_ups: ThreadPoolExecutor | None = None
         self._guarded: dict[str, GuardedJob] = {}  # job id -> guard
         self._user_misfire: set[str] = set()
         self._used_ids: set[str] = set()
         self._started_at: datetime | None = None
         self._setup_lock = threading.Lock()
+        gconfig = args[0] if args and isinstance(args[0], Mapping) else kwargs.get("gconfig", {})
+        if not any(str(k).endswith("timezone") for k in gconfig):
+            kwargs.setdefault("timezone", "UTC")
         super().__init__(*args, **kwargs)
 
     # -- configuration -----------------------------------------------------------------------
@@ -330,7 +377,7 @@ class MutexSchedulerMixin:
         if self._leases is not None:
             raise ConfigurationError("configure_mutex() must be called before start()")
         if lock_url:
-            self.lock_url, self._lock_store = lock_url, None
+            self.lock_url, self._lock_store, self._own_store = lock_url, None, True
         if node_id:
             self.node_id = node_id
         interval = _seconds(unactive_interval, "unactive_interval")
@@ -439,6 +486,7 @@ class MutexSchedulerMixin:
         if config is not None:
             guard = GuardedJob(self, raw, config, key=str(id))
             func = guard
+            trigger, trigger_args = self._guarded_trigger(trigger, trigger_args, guard), {}
             if coalesce is undefined:
                 coalesce = True
             if misfire_grace_time is undefined and self._leases is not None:
@@ -458,6 +506,20 @@ class MutexSchedulerMixin:
             pass
         return job
 
+    def _guarded_trigger(self, trigger: Any, trigger_args: dict[str, Any], guard: GuardedJob) -> Any:
+        """The trigger built as APScheduler would, then made to name the same slots on every node."""
+        try:
+            built = self._create_trigger(trigger, dict(trigger_args))  # type: ignore[attr-defined]
+        except (ValueError, TypeError, LookupError) as exc:
+            raise ConfigurationError(f"cannot add job {guard.key!r}: {exc}") from None
+        if isinstance(built, CronTrigger) and str(built.timezone) != str(self.timezone):  # type: ignore[attr-defined]
+            log.warning(
+                "guarded job %r fires in time zone %s, not the scheduler's %s: every node must use the same "
+                "zone (pass timezone= explicitly to the trigger)",
+                guard.key, built.timezone, self.timezone,  # type: ignore[attr-defined]
+            )
+        return guard_trigger(built, guard.key)
+
     def _stable_id(self, func: Callable[..., Any]) -> str:
         base = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
         candidate, n = base, 1
@@ -467,7 +529,7 @@ class MutexSchedulerMixin:
         return candidate
 
     def _register_guard(self, job_id: str, guard: GuardedJob) -> None:
-        if not guard.config.seed_mode:
+        if not guard.config.callable_lock:
             for other in self._guarded.values():
                 if other.lock == guard.lock and other.config.unactive_interval != guard.config.unactive_interval:
                     raise ConfigurationError(
@@ -475,9 +537,8 @@ class MutexSchedulerMixin:
                         "unactive_interval values; a lock has one lease length: give them the same one"
                     )
         self._guarded[job_id] = guard
-        if self._leases is not None and not guard.config.seed_mode:
-            self._leases.locks.setdefault(guard.lock, guard.ttl)
-            self._leases.start()
+        if self._leases is not None and not guard.config.callable_lock:
+            self._leases.add_lock(guard.lock, guard.ttl)
 
     def _guard_existing(self, job: Any, func: Callable[..., Any], config: MutexConfig) -> None:
         guard = GuardedJob(self, func, config, key=job.id)
@@ -485,6 +546,13 @@ class MutexSchedulerMixin:
         if job.id not in self._user_misfire and self._leases is not None:
             changes["misfire_grace_time"] = self._guard_misfire(guard)
         job.modify(**changes)
+        trigger = self._guarded_trigger(job.trigger, {}, guard)
+        if trigger is not job.trigger or self._leases is not None:
+            # Recompute the next fire time from the cluster-wide anchor, not from this node's start.
+            if self._leases is None:
+                job._modify(trigger=trigger)
+            else:
+                job.reschedule(trigger)
         self._register_guard(job.id, guard)
 
     def _guard_misfire(self, guard: GuardedJob) -> int:
@@ -494,19 +562,27 @@ class MutexSchedulerMixin:
 
     # -- running ---------------------------------------------------------------------------------
     def start(self, paused: bool = False) -> None:
-        """Open the lock store, start the heartbeat thread and the scheduler."""
+        """Open the lock store, start the heartbeat thread and the scheduler.
+
+        Also registers an interpreter-exit hook: a process that ends without calling
+        ``shutdown()`` (a web worker's normal exit, a reload) still stops gracefully and releases
+        its leases, so a standby takes over at once instead of after a lease.
+        """
         with self._setup_lock:
             for alias, executor in list(getattr(self, "_executors", {}).items()):
                 if type(executor) is ThreadPoolExecutor:
                     self._executors[alias] = MutexThreadPoolExecutor(executor._pool._max_workers)
             self._check_guarded_executors()
-            locks = {g.lock: g.ttl for g in self._guarded.values() if not g.config.seed_mode}
+            locks = {g.lock: g.ttl for g in self._guarded.values() if not g.config.callable_lock}
             store = self.lock_store  # a bad URL fails here, before anything starts
             self._started_at = datetime.now(timezone.utc)
-            self._leases = LeaseManager(store, self.node, locks, on_acquired=self._catch_up)
+            self._catch_ups = WorkerPool(1, thread_name_prefix="mutexcron-catch-up")
+            self._leases = LeaseManager(
+                store, self.node, locks, on_acquired=self._queue_catch_up, max_attrs_bytes=self.max_attrs_bytes
+            )
             for job, _alias, _replace in getattr(self, "_pending_jobs", []):
                 guard = self._guarded.get(job.id)
-                if guard is not None and job.id not in self._user_misfire and not guard.config.seed_mode:
+                if guard is not None and job.id not in self._user_misfire and not guard.config.callable_lock:
                     job._modify(misfire_grace_time=self._guard_misfire(guard))
             log.info(
                 "node %s (%s) using lock store %s; %d guarded job(s) on %d lock(s)",
@@ -516,6 +592,7 @@ class MutexSchedulerMixin:
                 len(self._guarded),
                 len(locks),
             )
+        _at_exit(self._stop_at_exit)
         # The heartbeat thread starts first: BlockingScheduler.start() does not return.
         self._leases.start()
         super().start(paused)  # type: ignore[misc]
@@ -523,7 +600,7 @@ class MutexSchedulerMixin:
     def _check_guarded_executors(self) -> None:
         for job, _alias, _replace in getattr(self, "_pending_jobs", []):
             guard = self._guarded.get(job.id)
-            if guard is None or guard.config.seed_mode:
+            if guard is None or guard.config.callable_lock:
                 continue
             executor = self._executors.get(job.executor) if job.executor in self._executors else None
             if executor is not None and not isinstance(executor, MutexThreadPoolExecutor):
@@ -536,13 +613,39 @@ class MutexSchedulerMixin:
         return MutexThreadPoolExecutor()
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop scheduling, wait (up to ``shutdown_timeout``) for guarded jobs, release the leases."""
+        """Stop scheduling, wait for running jobs, release the leases, close the store.
+
+        As in APScheduler, ``wait=True`` waits for running jobs; for guarded jobs at most
+        ``shutdown_timeout`` seconds, after which their leases are left to expire. A guarded job
+        still running then also stops the wait for unguarded ones, so the process can exit.
+        """
         leases = self._leases
-        if leases is not None:
-            leases.stopping = True
-        super().shutdown(wait=False)  # type: ignore[misc]
-        if leases is not None:
+        if leases is not None and self.running:  # type: ignore[attr-defined]
+            self.pause()  # type: ignore[attr-defined]  # no new fire times while guarded runs end
             leases.stop(self.shutdown_timeout if wait else 0.0)
+        busy = bool(leases is not None and leases.running())
+        try:
+            super().shutdown(wait=wait and not busy)  # type: ignore[misc]
+        finally:
+            if self._catch_ups is not None:
+                self._catch_ups.shutdown(wait=False, cancel_futures=True)
+            if self._own_store and self._lock_store is not None and not busy:
+                self._lock_store.close()
+                self._lock_store = None
+
+    def _stop_at_exit(self) -> None:
+        if self.running:  # type: ignore[attr-defined]
+            log.info("interpreter exiting: stopping the scheduler and releasing its leases")
+            self.shutdown(wait=True)
+
+    def _queue_catch_up(self, lock: str, before: LockRecord | None) -> None:
+        """Called on a change of holder (heartbeat thread or a tick): catch up on another thread."""
+        pool = self._catch_ups
+        if pool is not None:
+            try:
+                pool.submit(self._catch_up, lock, before)
+            except RuntimeError:  # shut down meanwhile
+                pass
 
     def _catch_up(self, lock: str, before: LockRecord | None) -> None:
         """After taking a lock over, run each of its jobs once for the latest fire time missed.
@@ -564,7 +667,7 @@ class MutexSchedulerMixin:
             if grace is not None:
                 floor = max(floor, now - timedelta(seconds=grace))
             last = before.fire_times.get(guard.key) if before is not None else None
-            missed = _latest_fire_time(job.trigger, floor, now, after=last)
+            missed = latest_fire_time(job.trigger, floor, now, after=last)
             if missed is None:
                 continue
             log.warning("job %r: catching up fire time %s missed during the failover of lock %r", job_id, missed, lock)
@@ -574,17 +677,20 @@ class MutexSchedulerMixin:
                 log.info("job %r still running; no catch-up", job_id)
 
 
-def _latest_fire_time(trigger: Any, floor: datetime, now: datetime, after: datetime | None) -> datetime | None:
-    """The latest fire time of ``trigger`` in ``[floor, now]`` that is later than ``after``."""
-    latest = None
-    when = trigger.get_next_fire_time(None, floor)
-    for _ in range(100_000):
-        if when is None or when > now:
-            break
-        if after is None or when > after:
-            latest = when
-        when = trigger.get_next_fire_time(when, when + timedelta(microseconds=1))
-    return latest
+def _at_exit(hook: Callable[[], None]) -> None:
+    """Run ``hook`` when the interpreter exits normally, before non-daemon threads are joined.
+
+    ``threading._register_atexit`` runs before the thread pools' own exit hooks join their
+    workers, so scheduling stops before the wait; plain ``atexit`` is the fallback.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(hook)
+            return
+    except RuntimeError:  # the interpreter is already shutting down
+        return
+    atexit.register(hook)
 
 
 class MutexScheduler(MutexSchedulerMixin, BackgroundScheduler):  # type: ignore[misc]

@@ -401,7 +401,7 @@ def test_attrs_write_after_losing_the_lease_is_refused(caplog: pytest.LogCapture
     assert took is not None and took.acquired and took.token == 2
     store.heartbeat("l", b.node, 2, {"n": 2})
     caplog.set_level(logging.WARNING)
-    assert not a.finish("l", first.token, {"n": 99}, RunInfo(0.1), "job")
+    assert not a.finish("l", first.token, set(), {"n": 99}, RunInfo(0.1), "job")
     assert "NOT saved" in caplog.text
     rec = store.read("l")
     assert rec is not None and dict(rec.attrs) == {"n": 2}, "the new holder's state is kept"
@@ -510,7 +510,10 @@ def test_lease_save_checkpoints_attrs_and_is_fenced() -> None:
     assert first is not None and first.acquired
     from mutexcron.lease import Lease
 
-    lease = Lease("l", first.token, "a", datetime.now(timezone.utc), "job", a.holds, a.checkpoint)
+    import functools
+
+    save = functools.partial(a.checkpoint, "l", first.token, set(), job="job")
+    lease = Lease("l", first.token, "a", datetime.now(timezone.utc), "job", a.holds, save)
     assert lease.save({"n": 1})
     assert dict(store.read("l").attrs) == {"n": 1}, "checkpointed during the run"  # type: ignore[union-attr]
     with pytest.raises(Exception, match="not JSON"):

@@ -1,0 +1,28 @@
+"""The one rule for lock names and job ids, which become keys in every store."""
+
+from __future__ import annotations
+
+import unicodedata
+
+from .errors import ConfigurationError
+
+#: The longest name every store holds (the SQL ``name`` column is VARCHAR(191)).
+MAX_NAME_LENGTH = 191
+
+
+def check_name(name: object, what: str) -> str:
+    """Return ``name`` if it is a valid lock name or job id, else raise ConfigurationError.
+
+    Valid: a non-empty string of at most 191 characters with no control characters (NUL, newline,
+    tab...). ``what`` says whose name it is, e.g. ``"lock name of job 'report'"``.
+    """
+    rule = f"a non-empty string of at most {MAX_NAME_LENGTH} characters without control characters"
+    if not isinstance(name, str) or not name:
+        raise ConfigurationError(f"bad {what} {name!r}: it must be {rule}")
+    if len(name) > MAX_NAME_LENGTH:
+        raise ConfigurationError(f"bad {what} {name[:40]!r}... ({len(name)} characters): it must be {rule}")
+    bad = sorted({c for c in name if unicodedata.category(c) == "Cc"})
+    if bad:
+        shown = ", ".join(f"U+{ord(c):04X}" for c in bad)
+        raise ConfigurationError(f"bad {what} {name!r}: it contains the control character(s) {shown}; it must be {rule}")
+    return name
