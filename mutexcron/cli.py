@@ -106,22 +106,10 @@ def run(
             if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
         }
         sched.configure_mutex(shutdown_timeout=shutdown_timeout, **explicit)
-        stop = threading.Event()
-        signals: list[tuple[int, float]] = []
-
-        def on_signal(signum: int, _frame: Any) -> None:
-            # A second signal forces the exit; one that arrives within a second of the first is
-            # the same stop delivered twice (e.g. to the process and to its process group).
-            now = time.monotonic()
-            if signals and now - signals[0][1] > 1.0:
-                log.error("second signal: exiting now without waiting for jobs or releasing locks")
-                os._exit(128 + signum)
-            signals.append((signum, now))
-            stop.set()
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        sched.start()
+        stopper = _GracefulStop(sched, shutdown_timeout)
+        signal.signal(signal.SIGTERM, stopper.on_signal)
+        signal.signal(signal.SIGINT, stopper.on_signal)
+        sched.start()  # a BlockingMutexScheduler returns from here only once it is shut down
     except ConfigurationError as exc:
         if debug:
             log.exception("startup failed")
@@ -135,17 +123,51 @@ def run(
         log.error("startup failed: %s: %s%s", type(exc).__name__, exc, hint,
                   exc_info=debug)
         sys.exit(1)
-    while not stop.wait(3600):
-        pass
-    name = signal.Signals(signals[0][0]).name if signals else "stop"
-    log.info("%s received: stopping (waiting up to %ss for running guarded jobs)", name, shutdown_timeout)
-    sched.shutdown(wait=True)
-    running = {k: v for k, v in (sched._leases.running() if sched._leases else {}).items()}
+    stopper.wait()
+    running = sched.running_guarded_jobs()
     if running:
         log.warning("exiting with guarded jobs still running: %s", ", ".join(running))
         logging.shutdown()
         os._exit(1)
     log.info("stopped")
+
+
+class _GracefulStop:
+    """SIGTERM/SIGINT: stop the scheduler gracefully, once; a second signal exits at once.
+
+    The stop runs on a thread of its own, so it works while a BlockingMutexScheduler's
+    ``start()`` holds the main thread.
+    """
+
+    def __init__(self, sched: Any, shutdown_timeout: float) -> None:
+        self.sched = sched
+        self.shutdown_timeout = shutdown_timeout
+        self.signals: list[tuple[int, float]] = []
+        self.signalled = threading.Event()
+        self.thread = threading.Thread(target=self._stop, name="mutexcron-stop")
+
+    def on_signal(self, signum: int, _frame: Any) -> None:
+        # One that arrives within a second of the first is the same stop delivered twice (e.g.
+        # to the process and to its process group).
+        now = time.monotonic()
+        if self.signals and now - self.signals[0][1] > 1.0:
+            log.error("second signal: exiting now without waiting for jobs or releasing locks")
+            os._exit(128 + signum)
+        if not self.signals:
+            self.signals.append((signum, now))
+            self.thread.start()
+            self.signalled.set()
+
+    def _stop(self) -> None:
+        name = signal.Signals(self.signals[0][0]).name
+        log.info("%s received: stopping (waiting up to %ss for running guarded jobs)", name, self.shutdown_timeout)
+        self.sched.shutdown(wait=True)
+
+    def wait(self) -> None:
+        """Block until a signal's graceful stop has finished."""
+        while not self.signalled.wait(3600):  # the handler runs in this thread and sets it
+            pass
+        self.thread.join()
 
 
 def _age(seconds: float | None) -> str:

@@ -633,6 +633,11 @@ class MutexSchedulerMixin:
                 self._lock_store.close()
                 self._lock_store = None
 
+    def running_guarded_jobs(self) -> dict[str, int]:
+        """Guarded runs in progress on this node, per lock (after ``shutdown()``: those that
+        outlived ``shutdown_timeout``)."""
+        return self._leases.running() if self._leases is not None else {}
+
     def _stop_at_exit(self) -> None:
         if self.running:  # type: ignore[attr-defined]
             log.info("interpreter exiting: stopping the scheduler and releasing its leases")

@@ -170,3 +170,45 @@ def test_examples_load_and_guard_their_jobs(example: str) -> None:
     sched = load_scheduler(str(Path(__file__).parent.parent / "examples" / example))
     guarded = [job for job in sched.get_jobs() if isinstance(job.func, GuardedJob)]
     assert guarded, f"{example} has guarded jobs"
+
+
+BLOCKING = """
+from mutexcron import BlockingMutexScheduler
+sched = BlockingMutexScheduler(unactive_interval=30)
+
+@sched.mutex()
+@sched.cron_schedule(second="*")
+def tick(**attrs):
+    return {"n": attrs.get("n", 0) + 1}
+"""
+
+
+def test_sigterm_stops_a_blocking_scheduler_gracefully_and_releases(tmp_path: Path) -> None:
+    """Issue 8, B10: BlockingMutexScheduler.start() holds the main thread; SIGTERM must still stop it
+    and release the lease (else failover waits a whole lease, here 30 s)."""
+    path = write(tmp_path, BLOCKING)
+    url = f"sqlite:///{tmp_path}/blocking.db"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mutexcron", "run", str(path), "--lock-url", url, "--node-id", "solo"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    store = lock_store_from_url(url)
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            rec = store.read("tick") if os.path.exists(tmp_path / "blocking.db") else None
+            if rec is not None and rec.attrs.get("n", 0) >= 1:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the job never ran")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "SIGTERM received" in out and "released lock 'tick'" in out, out
+    rec = store.read("tick")
+    assert rec is not None and rec.holder is None
+    store.close()
