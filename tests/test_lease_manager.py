@@ -10,7 +10,6 @@ import secrets
 import sqlite3
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
