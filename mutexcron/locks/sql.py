@@ -6,8 +6,15 @@ One row per lock. Every operation is one statement, run in autocommit (READ COMM
   it, or the holder's heartbeat is older than the holder's own ``ttl_ms`` **by the database
   clock** (``clock_timestamp()``, ``UTC_TIMESTAMP(6)``, SQLite ``'now'``). The per-tick fire claim
   is part of the same statement. PostgreSQL, SQLite and MariaDB return the row with
-  ``RETURNING``; MySQL (no ``RETURNING``) reads it back with a second statement.
+  ``RETURNING``; MySQL (no ``RETURNING``) reads it back in the same short transaction, whose row
+  lock keeps other writers out until the read is done.
 * heartbeat, renew_many and release are conditional UPDATEs on holder **and** token.
+
+Failures: contention (a busy SQLite file, a lock wait timeout, a deadlock, a lost insert race)
+makes an acquire *uncertain* and the other writes raise StoreUnavailableError; a database that
+cannot be reached raises StoreUnavailableError; a request the database refuses (a value out of
+range, too long or not encodable, a statement over MySQL's ``max_allowed_packet``) raises
+StoreError, so it is never mistaken for an outage.
 
 The schema (see :meth:`SQLLockStore.ddl`) is created if missing; teams that manage their own
 schema can create it beforehand and the store will use it.
@@ -20,10 +27,10 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import ConfigurationError, StoreError, StoreUnavailableError
 from ..record import LockRecord, dump_attrs, load_attrs
@@ -32,11 +39,51 @@ from .base import AcquireResult, FireClaim, LockStore, Node, RunInfo, claim_won,
 
 log = logging.getLogger(__name__)
 
-_TABLE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_TABLE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")  # used with fullmatch: "$" alone accepts a trailing newline
 _COLUMNS = (
     "name, holder, active_ip, token, hb, ttl_ms, attrs, fires, last_run_started, last_run_finished, last_error"
 )
 _NO_CLAIM = -1  # a fire time no claim can be below: "COALESCE(stored, -1) < -1" is always false
+
+# The timeout rule, the same for every store: give up connecting after CONNECT_TIMEOUT seconds and
+# any one operation (a statement, a socket read or write) after OPERATION_TIMEOUT, so a dead or
+# partitioned server fails closed instead of freezing the heartbeat thread. A row lock is waited
+# for LOCK_WAIT_TIMEOUT, less than an operation, so contention shows as contention, not as an outage.
+CONNECT_TIMEOUT = 5
+OPERATION_TIMEOUT = 10
+LOCK_WAIT_TIMEOUT = 5
+# PostgreSQL has no client-side read timeout. TCP keepalives (a probe after 5 s of silence, then
+# every second, 5 unanswered: dead) and tcp_user_timeout (data unacknowledged for 10 s: dead) make
+# the kernel drop a partitioned connection within OPERATION_TIMEOUT; the server still enforces
+# statement_timeout and lock_timeout.
+_PG_CONNECT_ARGS = {
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 1,
+    "keepalives_count": 5,
+    "tcp_user_timeout": OPERATION_TIMEOUT * 1000,
+    "options": f"-c statement_timeout={OPERATION_TIMEOUT * 1000} -c lock_timeout={LOCK_WAIT_TIMEOUT * 1000}",
+}
+# Errors the request caused, not the server's state: retrying cannot help and the store is up.
+_MYSQL_REQUEST_ERRORS = frozenset(
+    {
+        1048,  # column cannot be null
+        1153,  # packet bigger than max_allowed_packet
+        1264,  # out of range value
+        1265,  # data truncated
+        1292,  # truncated incorrect value
+        1366,  # incorrect string value
+        1406,  # data too long
+        1916,  # overflow converting a value
+    }
+)
+_PG_REQUEST_ERROR_CLASSES = ("22", "54")  # data exception, program limit exceeded
+_MYSQL_DISCONNECTS = frozenset({2006, 2013})  # server has gone away, lost connection during query
+# MySQL drops the connection when a statement exceeds max_allowed_packet (no error reaches the
+# client while it is still sending). A disconnect after sending at least this much makes the
+# store ask the server for its limit, on the error path only; smaller requests never trip it.
+_MYSQL_PACKET_CHECK_BYTES = 1 << 20
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -220,7 +267,11 @@ class SQLLockStore(LockStore):
         "postgres",
     )
 
-    def __init__(self, url: str, *, connect_timeout: float = 5.0, **engine_options: Any) -> None:
+    #: Use ``RETURNING`` when the server turns out to be MariaDB. Tests set it False in a subclass to
+    #: run the MySQL 8 path (upsert and read-back in one transaction) on MariaDB.
+    _use_mariadb_returning = True
+
+    def __init__(self, url: str, *, connect_timeout: float = CONNECT_TIMEOUT, **engine_options: Any) -> None:
         super().__init__(url)
         import sqlalchemy
         from sqlalchemy import event
@@ -236,7 +287,7 @@ class SQLLockStore(LockStore):
                     f"bad ?pool_size={options['pool_size']!r} in {mask_url(url)}: use a whole number"
                 ) from None
         self.table = options.get("table", "mutexcron_locks")
-        if not _TABLE_RE.match(self.table):
+        if not _TABLE_RE.fullmatch(self.table):
             raise ConfigurationError(
                 f"bad ?table={self.table!r} in {mask_url(url)}: use letters, digits and _ (at most 63, not starting with a digit)"
             )
@@ -272,23 +323,26 @@ class SQLLockStore(LockStore):
             sa_url = sa_url.set(drivername="mysql+pymysql")
             if "charset" not in sa_url.query:
                 sa_url = sa_url.update_query_dict({"charset": "utf8mb4"})
+            # PyMySQL reads the server's greeting under read_timeout: a server that accepts the
+            # TCP connection and never answers fails after OPERATION_TIMEOUT, not connect_timeout.
             connect_args.update(
-                connect_timeout=max(1, int(connect_timeout)), read_timeout=10, write_timeout=10
+                connect_timeout=max(1, int(connect_timeout)), read_timeout=OPERATION_TIMEOUT, write_timeout=OPERATION_TIMEOUT
             )
             options_.update(pool_recycle=1800)
             self._dialect = _MYSQL  # refined to _MARIADB on first connect
         elif scheme.startswith("postgres"):
             sa_url = sa_url.set(drivername="postgresql+psycopg")
-            connect_args.update(
-                connect_timeout=max(1, int(connect_timeout)),
-                options="-c statement_timeout=10000 -c lock_timeout=5000",
-            )
+            connect_args.update(connect_timeout=max(1, int(connect_timeout)), **_PG_CONNECT_ARGS)
             self._dialect = _PG
         else:  # pragma: no cover - the registry only routes the schemes above here
             raise ConfigurationError(f"unsupported SQL scheme {scheme!r} in {mask_url(url)}")
         options_["connect_args"] = {**connect_args, **engine_options.pop("connect_args", {})}
         options_.update(engine_options)
         self.engine = sqlalchemy.create_engine(sa_url, **options_)
+        # Closing a connection "rolls back" even in autocommit, and PyMySQL sends that ROLLBACK: a
+        # second round trip per operation, whose failure on a dropped connection also hides the
+        # statement's own error. SQLAlchemy >= 2.0.43 skips it with this flag (older ones ignore it).
+        self.engine.dialect.skip_autocommit_rollback = True
         # text() parses bind parameters with a regex on every call: build each statement once.
         self._text = functools.lru_cache(maxsize=256)(sqlalchemy.text)
         self._bindparam = sqlalchemy.bindparam
@@ -310,7 +364,7 @@ class SQLLockStore(LockStore):
             def _mysql_session(dbapi_conn: Any, _record: Any) -> None:
                 cur = dbapi_conn.cursor()
                 cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
-                cur.execute("SET SESSION innodb_lock_wait_timeout = 5")
+                cur.execute(f"SET SESSION innodb_lock_wait_timeout = {LOCK_WAIT_TIMEOUT}")
                 cur.execute("SET SESSION time_zone = '+00:00'")
                 cur.close()
 
@@ -330,11 +384,28 @@ class SQLLockStore(LockStore):
     def _unavailable(self, exc: BaseException, what: str) -> StoreUnavailableError:
         return StoreUnavailableError(f"{what} failed on {self.masked_url}: {self._detail(exc)}")
 
-    def _execute(self, sql: str, params: Mapping[str, Any], what: str) -> Any:
+    def _execute(self, sql: str, params: Mapping[str, Any], what: str, *, write: bool = False) -> Any:
         """Run one statement on a pooled autocommit connection; return the fetched rows and rowcount.
 
+        Raises _Conflict on contention if ``write``; a read that meets contention is an outage.
+        """
+
+        def one(conn: Any) -> tuple[list[Any], int]:
+            result = conn.execute(self._text(sql), dict(params))
+            return (result.fetchall() if result.returns_rows else []), result.rowcount
+
+        try:
+            return self._run(one, what)
+        except _Conflict as exc:
+            if write:
+                raise
+            raise self._unavailable(exc.__cause__ or exc, what) from exc
+
+    def _run(self, work: Callable[[Any], _T], what: str) -> _T:
+        """Run ``work(connection)`` on a pooled connection, translating driver errors.
+
         A statement that fails because the server dropped the pooled connection (a restart, an
-        idle timeout) is sent once more on a fresh connection. Every statement here may be repeated:
+        idle timeout) is run once more on a fresh connection. Every operation here may be repeated:
         an acquire repeats with the same claim nonce, the others are conditional on holder and token.
         """
         from sqlalchemy import exc as sa_exc
@@ -343,23 +414,51 @@ class SQLLockStore(LockStore):
         for attempt in (1, 2):
             try:
                 with self.engine.connect() as conn:
-                    result = conn.execute(self._text(sql), dict(params))
-                    rows = result.fetchall() if result.returns_rows else []
-                    return rows, result.rowcount
-            except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError) as exc:
-                if _is_lock_conflict(exc):
-                    raise _Conflict from exc
-                if attempt == 1 and getattr(exc, "connection_invalidated", False):
+                    return work(conn)
+            except sa_exc.DBAPIError as exc:
+                failure = self._failure(exc, what)
+                if failure is None and attempt == 1:
                     log.debug("%s: pooled connection to %s was dropped; retrying once", what, self.masked_url)
                     continue
+                raise (failure or self._unavailable(exc, what)) from exc
+            except sa_exc.TimeoutError as exc:  # no pooled connection came free in time
                 raise self._unavailable(exc, what) from exc
-            except sa_exc.IntegrityError as exc:
-                raise _Conflict from exc
-            except sa_exc.DBAPIError as exc:
-                if attempt == 1 and exc.connection_invalidated:
-                    continue
-                raise StoreError(f"{what} failed on {self.masked_url}: {self._detail(exc)}") from exc
+            except UnicodeError as exc:  # a value the driver cannot encode: nothing was sent
+                raise StoreError(f"{what} refused by {self.masked_url}: a value is not valid text ({exc})") from exc
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _failure(self, exc: Any, what: str) -> BaseException | None:
+        """The error to raise for a driver error, or None to retry on a fresh connection."""
+        from sqlalchemy import exc as sa_exc
+
+        if _is_lock_conflict(exc) or _is_duplicate_key(exc):
+            return _Conflict()
+        refusal = self._detail(exc) if _is_request_error(exc) else self._over_max_packet(exc)
+        if refusal:
+            return StoreError(f"{what} refused by {self.masked_url} (a request error, not an outage): {refusal}")
+        if exc.connection_invalidated:
+            return None
+        if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
+            return self._unavailable(exc, what)
+        return StoreError(f"{what} failed on {self.masked_url}: {self._detail(exc)}")
+
+    def _over_max_packet(self, exc: Any) -> str | None:
+        """Why MySQL dropped the connection, if the statement was larger than its ``max_allowed_packet``."""
+        if self._dialect not in (_MYSQL, _MARIADB) or _mysql_code(exc) not in _MYSQL_DISCONNECTS:
+            return None
+        size = _request_bytes(exc)
+        if size < _MYSQL_PACKET_CHECK_BYTES:
+            return None
+        from sqlalchemy import exc as sa_exc
+
+        try:
+            with self.engine.connect() as conn:
+                limit = int(conn.exec_driver_sql("SELECT @@max_allowed_packet").scalar_one())
+        except sa_exc.SQLAlchemyError:  # the server is really gone: an outage after all
+            return None
+        if size <= limit:
+            return None
+        return f"a statement of about {size:,} bytes is over the server's max_allowed_packet of {limit:,} bytes"
 
     def _ensure_table(self) -> None:
         if self._ready:
@@ -371,7 +470,7 @@ class SQLLockStore(LockStore):
                 return
             try:
                 with self.engine.connect() as conn:
-                    if self._dialect is _MYSQL and conn.dialect.name == "mysql" and getattr(
+                    if self._use_mariadb_returning and self._dialect is _MYSQL and conn.dialect.name == "mysql" and getattr(
                         conn.dialect, "is_mariadb", False
                     ):
                         self._dialect = _MARIADB
@@ -432,19 +531,51 @@ class SQLLockStore(LockStore):
             "ft": claim.fire_us if claim else _NO_CLAIM,
             "nonce": claim.nonce if claim else "",
         }
-        rows: list[Any] = []
         try:
-            rows, _ = self._execute(self._sql(self._dialect.acquire), params, "acquire")
+            rows = self._upsert(params)
         except _Conflict:
-            # A lost insert race or a deadlock: another node got there first. Re-read.
-            log.debug("acquire of %r lost a race; re-reading", name)
-        if not rows:  # not acquired (PostgreSQL/SQLite return nothing), or MySQL without RETURNING
-            rows, _ = self._execute(self._select("WHERE name = :name"), {"name": name}, "read")
-        if not rows:  # the first acquire creates the row; only a DELETE by hand removes it
+            # Contention: a lost insert race, a lock wait timeout, a deadlock, a busy database.
+            log.debug("acquire of %r met contention; uncertain", name)
+            return AcquireResult(False, self._reread(name) or LockRecord(name=name), False, uncertain=True)
+        if rows:  # the row as this statement left it (RETURNING, or MySQL's read in the same transaction)
+            record, fires = self._parse(rows[0])
+            acquired = record.holder == node.node_id
+            return AcquireResult(acquired, record, acquired and claim_won(fires, claim))
+        # Refused (PostgreSQL and SQLite return no row): re-read to show the holder.
+        current = self._reread(name)
+        if current is None:  # the first acquire creates the row; only a DELETE by hand removes it
             raise StoreError(f"lock {name!r} vanished from {self.table} on {self.masked_url} during acquire")
-        record, fires = self._parse(rows[0])
-        acquired = record.holder == node.node_id
-        return AcquireResult(acquired, record, acquired and claim_won(fires, claim))
+        # Held by this node although this statement was refused: another call of this node took it
+        # in between. Not this call's renewal.
+        return AcquireResult(False, current, False, uncertain=current.holder == node.node_id)
+
+    def _upsert(self, params: Mapping[str, Any]) -> list[Any]:
+        """Run the conditional upsert; return the row it left, or [] if refused without RETURNING."""
+        sql = self._sql(self._dialect.acquire)
+        if self._dialect.returning:
+            return list(self._execute(sql, params, "acquire", write=True)[0])
+        return self._run(lambda conn: self._upsert_and_read(conn, sql, params), "acquire")
+
+    def _upsert_and_read(self, conn: Any, sql: str, params: Mapping[str, Any]) -> list[Any]:
+        """MySQL 8 has no RETURNING: upsert, then read the row back, in one short transaction.
+
+        The upsert keeps the row locked until COMMIT, so the read (READ COMMITTED, set per session)
+        sees exactly what this upsert left. Two autocommit statements would let another claim of
+        the same lock land in between, and this call would read that claim's nonce as a loss.
+        """
+        conn.exec_driver_sql("START TRANSACTION")
+        try:
+            conn.execute(self._text(sql), dict(params))
+            rows = conn.execute(self._text(self._select("WHERE name = :name")), {"name": params["name"]}).fetchall()
+            conn.exec_driver_sql("COMMIT")
+        except BaseException:
+            _roll_back(conn)
+            raise
+        return list(rows)
+
+    def _reread(self, name: str) -> LockRecord | None:
+        rows, _ = self._execute(self._select("WHERE name = :name"), {"name": name}, "read")
+        return self._record(rows[0]) if rows else None
 
     def heartbeat(
         self,
@@ -468,7 +599,7 @@ class SQLLockStore(LockStore):
             ]
         sql = f"UPDATE {self.table} SET {', '.join(sets)} WHERE name = :name AND holder = :me AND token = :token"
         try:
-            _, count = self._execute(sql, params, "heartbeat")
+            _, count = self._execute(sql, params, "heartbeat", write=True)
         except _Conflict as exc:  # contention is not a refusal: the caller retries
             raise self._unavailable(exc.__cause__ or exc, "heartbeat") from exc
         return bool(count == 1)
@@ -491,7 +622,7 @@ class SQLLockStore(LockStore):
                 pairs.append(f"(:n{i}, :t{i})")
             sql = self._sql(dialect.renew_many, pairs=", ".join(pairs))
         try:
-            rows, count = self._execute(sql, params, "renew")
+            rows, count = self._execute(sql, params, "renew", write=True)
         except _Conflict as exc:
             raise self._unavailable(exc.__cause__ or exc, "renew") from exc
         if dialect.returning and dialect is not _MARIADB:
@@ -505,14 +636,13 @@ class SQLLockStore(LockStore):
     def release(self, name: str, node: Node, token: int) -> bool:
         sql = f"UPDATE {self.table} SET holder = NULL WHERE name = :name AND holder = :me AND token = :token"
         try:
-            _, count = self._execute(sql, {"name": name, "me": node.node_id, "token": token}, "release")
+            _, count = self._execute(sql, {"name": name, "me": node.node_id, "token": token}, "release", write=True)
         except _Conflict as exc:  # contention is not a refusal: the caller retries
             raise self._unavailable(exc.__cause__ or exc, "release") from exc
         return bool(count == 1)
 
     def read(self, name: str) -> LockRecord | None:
-        rows, _ = self._execute(self._select("WHERE name = :name"), {"name": name}, "read")
-        return self._record(rows[0]) if rows else None
+        return self._reread(name)
 
     def read_many(self, names: Iterable[str]) -> dict[str, LockRecord]:
         names = list(names)
@@ -535,7 +665,7 @@ class SQLLockStore(LockStore):
 
 
 class _Conflict(Exception):
-    """A duplicate key or deadlock: the caller lost a race and re-reads."""
+    """Contention on a write (a duplicate key, a deadlock, a lock wait): the outcome is uncertain."""
 
 
 def _is_lock_conflict(exc: BaseException) -> bool:
@@ -548,10 +678,59 @@ def _is_lock_conflict(exc: BaseException) -> bool:
     text = str(orig or exc).lower()
     if "database is locked" in text or "database is busy" in text:
         return True
-    code = getattr(orig, "args", (None,))[0] if orig is not None else None
-    if code in (1213, 1205):  # MySQL deadlock, lock wait timeout
+    if _mysql_code(exc) in (1213, 1205):  # MySQL deadlock, lock wait timeout
         return True
     return getattr(orig, "sqlstate", None) in ("40P01", "40001", "55P03")
+
+
+def _is_duplicate_key(exc: BaseException) -> bool:
+    """Another session inserted the same lock first (any other integrity error is the request's)."""
+    orig = getattr(exc, "orig", None)
+    return (
+        _mysql_code(exc) == 1062
+        or getattr(orig, "sqlstate", None) == "23505"
+        or "unique constraint failed" in str(orig or exc).lower()
+    )
+
+
+def _is_request_error(exc: BaseException) -> bool:
+    """The database refused this request's values or size: the store itself is fine."""
+    from sqlalchemy import exc as sa_exc
+
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None) or ""
+    return (
+        isinstance(exc, (sa_exc.DataError, sa_exc.IntegrityError))
+        or _mysql_code(exc) in _MYSQL_REQUEST_ERRORS
+        or sqlstate[:2] in _PG_REQUEST_ERROR_CLASSES
+    )
+
+
+def _mysql_code(exc: BaseException) -> int | None:
+    """The MySQL error number of a PyMySQL error (its first argument), else None."""
+    args = getattr(getattr(exc, "orig", None), "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
+def _request_bytes(exc: BaseException) -> int:
+    """About how many bytes the failed statement and its parameters took on the wire."""
+    while getattr(exc, "statement", None) is None and exc.__context__ is not None:
+        exc = exc.__context__  # a failed ROLLBACK at close (older SQLAlchemy) hides the statement's error
+    params = getattr(exc, "params", None)
+    values = params.values() if isinstance(params, Mapping) else params or ()
+    size = len((getattr(exc, "statement", None) or "").encode())
+    for value in values:
+        size += len(value) if isinstance(value, (bytes, bytearray)) else len(str(value).encode(errors="replace"))
+    return size
+
+
+def _roll_back(conn: Any) -> None:
+    """End a failed explicit transaction, or drop the connection so no pooled one keeps row locks."""
+    from sqlalchemy import exc as sa_exc
+
+    try:
+        conn.exec_driver_sql("ROLLBACK")
+    except sa_exc.SQLAlchemyError:
+        conn.invalidate()
 
 
 def _utc(value: Any) -> datetime | None:
