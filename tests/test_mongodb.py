@@ -284,44 +284,72 @@ def test_duplicate_key_from_the_driver_is_handled(flaky: Any) -> None:
     a.acquire_or_renew("l", A, ttl=30)
     flaky.plan["find_one_and_update"] = ("instead", DuplicateKeyError("E11000 duplicate key error", 11000))
     got = b.acquire_or_renew("l", B, ttl=30)
-    assert not got.acquired and got.record.holder == A.node_id
+    assert not got.acquired and not got.uncertain and got.record.holder == A.node_id
 
 
-# -- (4) write-concern timeout: unknown outcome, re-read, never assume -------------------------
-def test_wtimeout_on_acquire_that_did_not_apply_is_not_acquired(flaky: Any) -> None:
+def test_refused_acquire_while_this_node_holds_the_lock_is_uncertain(flaky: Any) -> None:
+    """Two calls of one node race (two upserts of a new lock): the loser's re-read shows this node.
+
+    That is the other call's lease, not this call's renewal, and not a loss either.
+    """
     store = flaky.store()
+    assert store.acquire_or_renew("l", A, ttl=30).acquired
+    flaky.plan["find_one_and_update"] = ("instead", DuplicateKeyError("E11000 duplicate key error", 11000))
+    got = store.acquire_or_renew("l", A, ttl=30, claim=FireClaim("job", 5, "n1"))
+    assert got.uncertain and not got.acquired and not got.claimed, got
+    assert got.record.holder == A.node_id and got.token == 1
+
+
+# -- (4) write-concern timeout: unknown outcome, never assumed, never a renewal or a loss --------
+@pytest.mark.parametrize("when", ["instead", "after"])
+def test_wtimeout_on_acquire_is_uncertain(flaky: Any, when: str) -> None:
+    """Whether or not the write applied, the call reports uncertain: not acquired, not claimed."""
+    store = flaky.store()
+    flaky.plan["find_one_and_update"] = (when, wtimeout())
+    got = store.acquire_or_renew("l", A, ttl=30, claim=FireClaim("job", 5, "n1"))
+    assert got.uncertain and not got.acquired and not got.claimed, got
+    assert flaky.log[-1] == "majority:aggregate", "the record shown is majority-committed data"
+    if when == "after":
+        assert got.record.holder == A.node_id, "the re-read shows what the store holds"
+        again = store.acquire_or_renew("l", A, ttl=30, claim=FireClaim("job", 5, "n2"))
+        assert again.acquired and not again.uncertain and again.token == 1 and not again.claimed
+    else:
+        assert got.record.holder is None
+
+
+def test_wtimeout_on_renewing_acquire_is_not_a_renewal(flaky: Any) -> None:
+    store = flaky.store()
+    assert store.acquire_or_renew("l", A, ttl=30).acquired
     flaky.plan["find_one_and_update"] = ("instead", wtimeout())
-    got = store.acquire_or_renew("l", A, ttl=30, claim=FireClaim("job", 5, "n1"))
-    assert not got.acquired and not got.claimed
-    assert flaky.log[-1] == "majority:aggregate", "the re-read asks for majority-committed data"
+    got = store.acquire_or_renew("l", A, ttl=30)
+    assert got.uncertain and not got.acquired and got.record.holder == A.node_id
 
 
-def test_wtimeout_on_acquire_that_applied_is_reported_from_the_store(flaky: Any) -> None:
-    store = flaky.store()
-    flaky.plan["find_one_and_update"] = ("after", wtimeout())
-    got = store.acquire_or_renew("l", A, ttl=30, claim=FireClaim("job", 5, "n1"))
-    assert got.acquired and got.claimed and got.token == 1
-    assert flaky.log[-1] == "majority:aggregate"
-    # A claim that someone else's nonce now holds is not ours, even if our write "happened".
-    flaky.plan["find_one_and_update"] = ("after", wtimeout())
-    again = store.acquire_or_renew("l", A, ttl=30, claim=FireClaim("job", 5, "n2"))
-    assert again.acquired and not again.claimed
-
-
-def test_wtimeout_on_heartbeat_release_and_renew_many(flaky: Any) -> None:
+@pytest.mark.parametrize("when", ["instead", "after"])
+def test_wtimeout_on_heartbeat_and_renew_many_raises_unavailable(flaky: Any, when: str) -> None:
+    """Nothing is reported renewed (the write may not have applied), nothing lost (it may have)."""
     store = flaky.store()
     token = store.acquire_or_renew("l", A, ttl=30).token
-    flaky.plan["find_one_and_update"] = ("instead", wtimeout())
-    assert not store.heartbeat("l", A, token, {"k": 1}), "attrs not stored: not reported as stored"
-    flaky.plan["find_one_and_update"] = ("after", wtimeout())
-    assert store.heartbeat("l", A, token, {"k": 2})
-    flaky.plan["update_many"] = ("instead", wtimeout())
-    assert store.renew_many(A, {"l": token, "gone": 3}) == {"l"}
-    assert flaky.log[-1] == "majority:find"
+    flaky.plan["find_one_and_update"] = (when, wtimeout())
+    with pytest.raises(StoreUnavailableError, match="outcome unknown"):
+        store.heartbeat("l", A, token, {"k": 1})
+    flaky.plan["update_many"] = (when, wtimeout())
+    with pytest.raises(StoreUnavailableError, match="outcome unknown"):
+        store.renew_many(A, {"l": token, "gone": 3})
+    assert store.read("l").holder == A.node_id  # type: ignore[union-attr]
+    assert store.renew_many(A, {"l": token}) == {"l"}
+
+
+def test_wtimeout_on_release(flaky: Any) -> None:
+    store = flaky.store()
+    token = store.acquire_or_renew("l", A, ttl=30).token
     flaky.plan["update_one"] = ("instead", wtimeout())
-    assert not store.release("l", A, token), "the release did not happen"
+    with pytest.raises(StoreUnavailableError, match="outcome unknown"):
+        store.release("l", A, token)  # not applied: not reported as released, nor as not held
+    assert store.read("l").holder == A.node_id  # type: ignore[union-attr]
     flaky.plan["update_one"] = ("after", wtimeout())
-    assert store.release("l", A, token)
+    assert store.release("l", A, token), "the majority-committed document shows the release"
+    assert flaky.log[-1] == "majority:find_one"
     assert store.read("l").holder is None  # type: ignore[union-attr]
 
 
@@ -341,7 +369,7 @@ def test_url_defaults() -> None:
     assert parsed.defaults == {
         "serverSelectionTimeoutMS": 5000,
         "connectTimeoutMS": 5000,
-        "socketTimeoutMS": 5000,
+        "socketTimeoutMS": 10000,
         "w": "majority",
         "wTimeoutMS": 4000,
         "appname": "mutexcron",
@@ -372,7 +400,7 @@ def test_store_client_settings() -> None:
         assert store.collection.read_preference == ReadPreference.PRIMARY, "locks are always read on the primary"
         assert store.client.options.server_selection_timeout == 5
         assert store.client.options.pool_options.connect_timeout == 5
-        assert store.client.options.pool_options.socket_timeout == 5
+        assert store.client.options.pool_options.socket_timeout == 10
         assert store.client.codec_options.tz_aware
     finally:
         store.close()

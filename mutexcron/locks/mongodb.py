@@ -13,8 +13,10 @@ growing. Every write is one command (``find_one_and_update`` with an update pipe
 and dotted keys, integers beyond 64 bits) on every server version.
 
 Writes use write concern ``majority`` and reads the primary. A write whose outcome is unknown
-(a write-concern error or timeout) is never assumed to have happened: the store re-reads the
-document with read concern ``majority`` and reports what it holds.
+(a write-concern error or timeout) is never assumed to have happened, nor not to have happened:
+an acquire reports ``uncertain`` (with the majority-committed document as the record), a
+heartbeat or renewal raises StoreUnavailableError, and a release is reported done only if the
+majority-committed document shows it.
 """
 
 from __future__ import annotations
@@ -50,12 +52,19 @@ URL_FORMS = (
 DEFAULT_DATABASE = "mutexcron"
 DEFAULT_COLLECTION = "mutexcron_locks"
 
-#: Client options mutexcron sets unless the URL (or a keyword option) sets them: a dead server
-#: fails closed within seconds, and writes wait for a majority but never longer than wTimeoutMS.
+# The timeout rule, the same for every store: give up connecting (here: finding a usable server)
+# after CONNECT_TIMEOUT_MS and any one operation after OPERATION_TIMEOUT_MS, so a dead or
+# partitioned server fails closed instead of freezing the heartbeat thread. A write waits for its
+# majority less than an operation, so the server answers "write concern timeout" (an unknown
+# outcome) before the socket gives up.
+CONNECT_TIMEOUT_MS = 5000
+OPERATION_TIMEOUT_MS = 10000
+
+#: Client options mutexcron sets unless the URL (or a keyword option) sets them.
 DEFAULT_CLIENT_OPTIONS: dict[str, Any] = {
-    "serverSelectionTimeoutMS": 5000,
-    "connectTimeoutMS": 5000,
-    "socketTimeoutMS": 5000,
+    "serverSelectionTimeoutMS": CONNECT_TIMEOUT_MS,
+    "connectTimeoutMS": CONNECT_TIMEOUT_MS,
+    "socketTimeoutMS": OPERATION_TIMEOUT_MS,
     "w": "majority",
     "wTimeoutMS": 4000,
     "appname": "mutexcron",
@@ -227,7 +236,7 @@ class MongoDBLockStore(LockStore):
             if not write:
                 raise StoreError(f"MongoDB lock store {self.masked_url} ({op}): {self._scrub(exc)}") from exc
             logger.warning(
-                "MongoDB lock store %s: %s: write concern not satisfied (%s); outcome unknown, re-reading",
+                "MongoDB lock store %s: %s: write concern not satisfied (%s); outcome unknown",
                 self.masked_url,
                 op,
                 type(exc).__name__,
@@ -323,22 +332,18 @@ class MongoDBLockStore(LockStore):
                     query, [{"$set": fields}], upsert=True, return_document=ReturnDocument.AFTER
                 )
         except pymongo.errors.DuplicateKeyError:
-            doc = None  # another node holds a fresh lease: not an error
+            doc = None  # refused: the document exists and failed the filter (or a racing upsert made it)
         except _UnknownOutcome:
-            return self._acquire_outcome_from_store(name, node, claim)
-        if doc is None or doc.get("holder") != node.node_id:
-            stored = self._read_doc(name, "acquire_or_renew (read)")
-            return AcquireResult(False, self._record(stored) if stored else LockRecord(name=name), False)
-        return AcquireResult(True, self._record(doc, 0), claim_won(doc.get("fires"), claim))
-
-    def _acquire_outcome_from_store(self, name: str, node: Node, claim: FireClaim | None) -> AcquireResult:
-        """After an unknown outcome: held (and claimed) only if the majority-committed document says so."""
-        stored = self._read_doc(name, "acquire_or_renew (re-read)", committed=True)
-        if stored is None:
-            return AcquireResult(False, LockRecord(name=name), False)
-        record = self._record(stored)
-        held = record.holder == node.node_id and record.state == "active"
-        return AcquireResult(held, record, held and claim_won(stored.get("fires"), claim))
+            # Taken, renewed or not: unknown. Show the majority-committed document, claim nothing.
+            stored = self._read_doc(name, "acquire_or_renew (re-read)", committed=True)
+            return AcquireResult(False, self._record(stored) if stored else LockRecord(name=name), False, uncertain=True)
+        if doc is not None and doc.get("holder") == node.node_id:
+            return AcquireResult(True, self._record(doc, 0), claim_won(doc.get("fires"), claim))
+        stored = self._read_doc(name, "acquire_or_renew (read)")
+        record = self._record(stored) if stored else LockRecord(name=name)
+        # Refused, yet held by this node: another call of this node took it in between (two
+        # upserts of a new lock race). Not this call's renewal, and not a loss.
+        return AcquireResult(False, record, False, uncertain=record.holder == node.node_id)
 
     def heartbeat(
         self,
@@ -363,10 +368,9 @@ class MongoDBLockStore(LockStore):
                 doc = self.collection.find_one_and_update(
                     query, [{"$set": fields}], projection={"_id": True}, return_document=ReturnDocument.AFTER
                 )
-        except _UnknownOutcome:
-            with self._errors("heartbeat (re-read)"):
-                stored = self._committed.find_one(query, {"attrs": True})
-            return stored is not None and (text is None or stored.get("attrs") == text)
+        except _UnknownOutcome as exc:
+            # A re-read cannot tell whether ``hb`` moved: neither a renewal nor a loss. The caller retries.
+            self._unavailable("heartbeat: outcome unknown", exc.__cause__ or exc)
         return doc is not None
 
     def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
@@ -381,14 +385,14 @@ class MongoDBLockStore(LockStore):
         try:
             with self._errors("renew_many", write=True):
                 result = self.collection.update_many(query, [{"$set": {"hb": self.now_expr()}}])
-            if result.matched_count == len(names):
-                return set(names)
-            source = self.collection
-        except _UnknownOutcome:
-            source = self._committed
+        except _UnknownOutcome as exc:
+            # Nothing may be counted as renewed (hb may not have moved), nor as lost.
+            self._unavailable("renew_many: outcome unknown", exc.__cause__ or exc)
+        if result.matched_count == len(names):
+            return set(names)
         # Say which were renewed: those still ours with the same token (a token never comes back).
         with self._errors("renew_many (read)"):
-            docs = list(source.find({"_id": {"$in": names}, "holder": node.node_id}, {"token": True}))
+            docs = list(self.collection.find({"_id": {"$in": names}, "holder": node.node_id}, {"token": True}))
         return {doc["_id"] for doc in docs if doc.get("token") == leases[doc["_id"]]}
 
     def release(self, name: str, node: Node, token: int) -> bool:
@@ -396,10 +400,13 @@ class MongoDBLockStore(LockStore):
         try:
             with self._errors("release", write=True):
                 result = self.collection.update_one(query, {"$set": {"holder": None, "hb": EPOCH}})
-        except _UnknownOutcome:
+        except _UnknownOutcome as exc:
+            # Released with our token can only be our release; anything else is not known yet.
             with self._errors("release (re-read)"):
                 stored = self._committed.find_one({"_id": name}, {"holder": True, "token": True})
-            return stored is not None and stored.get("holder") is None and stored.get("token") == token
+            if stored is not None and stored.get("holder") is None and stored.get("token") == token:
+                return True
+            self._unavailable("release: outcome unknown", exc.__cause__ or exc)
         return bool(result.matched_count == 1)
 
     def close(self) -> None:
