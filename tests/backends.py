@@ -142,8 +142,14 @@ def _mongodb_cleanup(url: str) -> None:
 
 
 @contextmanager
-def open_backend(kind: str, tmp_path: Path) -> Iterator[StoreCtx]:
-    """Yield a StoreCtx for ``kind``, isolated for this test, and clean up afterwards."""
+def open_backend(
+    kind: str, tmp_path: Path, redis_cluster_url: Callable[[str], str] | None = None
+) -> Iterator[StoreCtx]:
+    """Yield a StoreCtx for ``kind``, isolated for this test, and clean up afterwards.
+
+    ``redis_cluster_url(prefix)``, for ``redis-cluster`` only, gives a namespaced URL on the session's
+    cluster (``tests/test_redis_cluster.py``), so that cluster is started only when that kind runs.
+    """
     tag = secrets.token_hex(4)
     cleanup: Callable[[], Any] | None = None
     if kind == "memory":
@@ -170,6 +176,12 @@ def open_backend(kind: str, tmp_path: Path) -> Iterator[StoreCtx]:
         url = f"{base}{'&' if '?' in base else '?'}namespace=test-{tag}"
         ctx = StoreCtx(kind, url, lambda: lock_store_from_url(url))
         cleanup = lambda: cleanup_redis(url)  # noqa: E731
+    elif kind == "redis-cluster":
+        if redis_cluster_url is None:  # pragma: no cover - a test that forgot the cluster fixture
+            raise ValueError("open_backend('redis-cluster') needs redis_cluster_url")
+        url = redis_cluster_url(f"test-{tag}")
+        ctx = StoreCtx(kind, url, lambda: lock_store_from_url(url))
+        cleanup = lambda: cleanup_redis(url)  # noqa: E731
     elif kind == "mongodb":
         base = require_server(kind)
         url = f"{base}{'&' if '?' in base else '?'}collection=mc_test_{tag}"
@@ -191,8 +203,8 @@ def open_backend(kind: str, tmp_path: Path) -> Iterator[StoreCtx]:
 
 def backend_params(*kinds: str) -> list[Any]:
     """``pytest.param(kind, marks=pytest.mark.<kind>, id=kind)`` for each kind."""
-    marks = {"mongomock": "mongodb"}
-    return [pytest.param(k, marks=getattr(pytest.mark, marks.get(k, k)), id=k) for k in kinds]
+    marks = {"mongomock": ("mongodb",), "redis-cluster": ("redis", "cluster")}  # the cluster runs 3 servers
+    return [pytest.param(k, marks=[getattr(pytest.mark, m) for m in marks.get(k, (k,))], id=k) for k in kinds]
 
 
 ALL_BACKENDS = ("memory", "sqlite", "mysql", "postgresql", "redis", "mongomock", "mongodb")

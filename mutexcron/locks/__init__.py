@@ -37,6 +37,8 @@ SCHEMES: dict[str, tuple[str, str | None]] = {
     "rediss": ("mutexcron.locks.redis:RedisLockStore", "redis"),
     "unix": ("mutexcron.locks.redis:RedisLockStore", "redis"),
     "redis+sentinel": ("mutexcron.locks.redis:RedisLockStore", "redis"),
+    "redis+cluster": ("mutexcron.locks.redis:RedisLockStore", "redis"),
+    "rediss+cluster": ("mutexcron.locks.redis:RedisLockStore", "redis"),
     "mongodb": ("mutexcron.locks.mongodb:MongoDBLockStore", "mongodb"),
     "mongodb+srv": ("mutexcron.locks.mongodb:MongoDBLockStore", "mongodb"),
 }

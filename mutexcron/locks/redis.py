@@ -1,14 +1,16 @@
-"""``redis://``, ``rediss://``, ``unix://`` and ``redis+sentinel://``: the Redis lock store.
+"""``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://`` and ``redis+cluster://``: the Redis lock store.
 
 Every lock is one hash that never expires, ``mutexcron:{<namespace>}:lock:<name>``, beside a
 token counter ``mutexcron:{<namespace>}:token:<name>`` (INCR only, never expires, so a deleted
 hash cannot reset the fencing tokens) and the names set ``mutexcron:{<namespace>}:names``.
 All keys of a namespace share the hash tag ``{<namespace>}``, so every script touches one slot
-(Redis Cluster safe). Each write is one Lua script judged by the server's ``TIME``.
+and, on Redis Cluster (``redis+cluster://``, redis-py's ``RedisCluster``), runs on the one primary
+that owns the namespace. Each write is one Lua script judged by the server's ``TIME``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -23,6 +25,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import redis
 import redis.exceptions
 from redis.backoff import NoBackoff
+from redis.cluster import REDIS_ALLOWED_KEYS, ClusterNode, RedisCluster
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS, to_bool
 from redis.retry import Retry
 from redis.sentinel import Sentinel
@@ -40,13 +43,16 @@ URL_FORMS = (
     "redis://[user:password@]host[:port][/db], "
     "rediss://[user:password@]host[:port][/db][?ssl_cert_reqs=required|optional|none&ssl_ca_certs=/path/ca.pem], "
     "unix:///path/to/redis.sock[?db=N], "
-    "redis+sentinel://[user:password@]host1:26379[,host2:26379...]/service_name[/db]; "
+    "redis+sentinel://[user:password@]host1:26379[,host2:26379...]/service_name[/db], "
+    "redis+cluster://[user:password@]host1:6379[,host2:6379...][/] (Redis Cluster; rediss+cluster:// for TLS); "
     "mutexcron options: ?namespace=NAME&socket_timeout=SECONDS"
 )
 DEFAULT_NAMESPACE = "default"
 DEFAULT_SOCKET_TIMEOUT = 5.0
 DEFAULT_HEALTH_CHECK_INTERVAL = 30
 DEFAULT_SENTINEL_PORT = 26379
+DEFAULT_CLUSTER_PORT = 6379
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 _OWN_OPTIONS = ("namespace", "socket_timeout", "socket_connect_timeout")
 # What the server is doing when it answers like this: it is down, restarting or demoted.
 _UNAVAILABLE = (
@@ -55,6 +61,11 @@ _UNAVAILABLE = (
     redis.exceptions.BusyLoadingError,
     redis.exceptions.ReadOnlyError,
     redis.exceptions.MasterDownError,
+    # Redis Cluster: no reachable node, the slot uncovered or in failover (CLUSTERDOWN), resharding
+    # (TRYAGAIN), too many redirections. RedisClusterException is not a RedisError.
+    redis.exceptions.ClusterError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.RedisClusterException,
 )
 
 # Shared by every script: the server clock in ms (TIME is safe to replicate on Redis >= 5).
@@ -160,6 +171,18 @@ redis.call('HDEL', KEYS[1], 'holder')
 return 1
 """
 
+# read_many on Redis Cluster: every hash KEYS[i] and the clock of the primary that wrote their
+# heartbeats, in one round trip. (A cluster pipeline would ask TIME of another node, and on a hung
+# node it re-sends each queued command alone, each waiting out the socket timeout.)
+READ_LUA = (
+    _NOW
+    + """
+local rows = {}
+for i, key in ipairs(KEYS) do rows[i] = redis.call('HGETALL', key) end
+return cjson.encode({string.format('%d', now), rows})
+"""
+)
+
 
 # The password of ``scheme://user:password@hosts``, as mutexcron.urls.mask_url finds it.
 _PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://[^:@/]*:([^@/]*)@")
@@ -193,7 +216,10 @@ def _ms_to_datetime(value: str | None) -> datetime | None:
     return datetime.fromtimestamp(int(value) / 1000, tz=timezone.utc)
 
 
-def _parse_sentinel_hosts(url: str, netloc: str) -> tuple[str | None, str | None, list[tuple[str, int]]]:
+def _parse_hosts(
+    url: str, netloc: str, role: str = "sentinel", default_port: int = DEFAULT_SENTINEL_PORT
+) -> tuple[str | None, str | None, list[tuple[str, int]]]:
+    """(user, password, [(host, port)...]) of ``user:password@host1:port1,host2:port2``."""
     userinfo, _, hostlist = netloc.rpartition("@")
     username: str | None = None
     password: str | None = None
@@ -212,28 +238,55 @@ def _parse_sentinel_hosts(url: str, netloc: str) -> tuple[str | None, str | None
         else:
             host, _, port_text = item.partition(":")
         try:
-            port = int(port_text) if port_text else DEFAULT_SENTINEL_PORT
+            port = int(port_text) if port_text else default_port
         except ValueError:
-            _config_error(url, f"sentinel address {item!r} has a bad port")
+            _config_error(url, f"{role} address {item!r} has a bad port")
         if not host or not 0 < port < 65536:
-            _config_error(url, f"sentinel address {item!r} is not host:port")
+            _config_error(url, f"{role} address {item!r} is not host:port")
         hosts.append((host, port))
     if not hosts:
-        _config_error(url, "redis+sentinel:// needs at least one sentinel host:port")
+        _config_error(url, f"{url_scheme(url)}:// needs at least one {role} host:port")
     return username, password, hosts
+
+
+def _query_options(url: str, query: str, conn: dict[str, Any]) -> None:
+    """Parse the redis-py options of a hand-split URL's query into ``conn``, typed as redis-py does."""
+    for key, value in parse_qsl(query, keep_blank_values=True):
+        parser = cast("Callable[[str], Any] | None", URL_QUERY_ARGUMENT_PARSERS.get(key))
+        if key == "ssl":
+            parser = to_bool
+        try:
+            conn[key] = parser(value) if parser else value
+        except (TypeError, ValueError):
+            _config_error(url, f"invalid value for {key!r}")
+
+
+class _FailFastCluster(RedisCluster):
+    """RedisCluster that retries (after refreshing the slot map) a dropped connection or a failover, never a timeout.
+
+    RedisCluster retries on its own ``ERRORS_ALLOW_RETRY``, which includes timeouts: a hung primary
+    would then hold every call for several socket timeouts. Same policy as the plain client.
+    """
+
+    ERRORS_ALLOW_RETRY = (  # type: ignore[assignment]
+        redis.exceptions.ConnectionError,
+        redis.exceptions.ClusterDownError,
+        redis.exceptions.SlotNotCoveredError,
+    )
 
 
 class RedisLockStore(LockStore):
     """Leased, fenced locks in Redis: one Lua script per operation, judged by the server's clock.
 
     Args:
-        url: ``redis://``, ``rediss://``, ``unix://`` or ``redis+sentinel://`` (see ``URL_FORMS``).
+        url: ``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://``, ``redis+cluster://`` or
+            ``rediss+cluster://`` (see ``URL_FORMS``).
         **options: ``namespace``, ``socket_timeout``, ``socket_connect_timeout`` (the URL query wins
             over these), ``sentinel_kwargs`` (connection options for the sentinels themselves, e.g.
             their password), and any other redis-py connection keyword.
     """
 
-    schemes = ("redis", "rediss", "unix", "redis+sentinel")
+    schemes = ("redis", "rediss", "unix", "redis+sentinel", *CLUSTER_SCHEMES)
 
     def __init__(self, url: str, **options: Any) -> None:
         super().__init__(url)
@@ -268,14 +321,23 @@ class RedisLockStore(LockStore):
             **options,
         }
         self._sentinel: Sentinel | None = None
+        self._redis: redis.Redis | RedisCluster | None = None  # None: the cluster client is not built yet
+        self._make_cluster: functools.partial[_FailFastCluster] | None = None
+        self._connect_mutex = threading.Lock()
         if scheme == "redis+sentinel":
-            self._client = self._sentinel_client(url, rest, conn, sentinel_kwargs)
+            self._redis = self._sentinel_client(url, rest, conn, sentinel_kwargs)
+        elif scheme in CLUSTER_SCHEMES:
+            self._make_cluster = self._cluster_factory(url, rest, conn)
         else:
-            self._client = self._plain_client(url, rest, conn)
-        self._acquire = self._client.register_script(ACQUIRE_LUA)
-        self._heartbeat = self._client.register_script(HEARTBEAT_LUA)
-        self._renew_many = self._client.register_script(RENEW_MANY_LUA)
-        self._release = self._client.register_script(RELEASE_LUA)
+            self._redis = self._plain_client(url, rest, conn)
+        # A script needs a client only for its encoder (its SHA; the scripts are ASCII); every call
+        # passes the live client, so a cluster store can register them before it connects.
+        registrar = self._redis if self._redis is not None else redis.Redis(decode_responses=True)
+        self._acquire = registrar.register_script(ACQUIRE_LUA)
+        self._heartbeat = registrar.register_script(HEARTBEAT_LUA)
+        self._renew_many = registrar.register_script(RENEW_MANY_LUA)
+        self._release = registrar.register_script(RELEASE_LUA)
+        self._read = registrar.register_script(READ_LUA)
         self._floor: dict[str, int] = {}
         self._floor_mutex = threading.Lock()
         logger.debug("Redis lock store %s (namespace %r, timeout %ss)", self.masked_url, namespace, timeout)
@@ -308,7 +370,7 @@ class RedisLockStore(LockStore):
         # Split by hand: urllib refuses a host list with a bracketed IPv6 sentinel in it.
         body, _, query = rest.partition("://")[2].partition("?")
         netloc, _, path = body.partition("/")
-        username, password, hosts = _parse_sentinel_hosts(url, netloc)
+        username, password, hosts = _parse_hosts(url, netloc)
         segments = [unquote(s) for s in path.split("/") if s]
         if not segments or len(segments) > 2:
             _config_error(url, "redis+sentinel:// needs /service_name or /service_name/db after the hosts")
@@ -317,14 +379,7 @@ class RedisLockStore(LockStore):
             if not segments[1].isdigit():
                 _config_error(url, f"the database {segments[1]!r} must be a number")
             conn["db"] = int(segments[1])
-        for key, value in parse_qsl(query, keep_blank_values=True):
-            parser = cast("Callable[[str], Any] | None", URL_QUERY_ARGUMENT_PARSERS.get(key))
-            if key == "ssl":
-                parser = to_bool
-            try:
-                conn[key] = parser(value) if parser else value
-            except (TypeError, ValueError):
-                _config_error(url, f"invalid value for {key!r}")
+        _query_options(url, query, conn)
         if username:
             conn["username"] = username
         if password is not None:
@@ -345,6 +400,56 @@ class RedisLockStore(LockStore):
         except TypeError as exc:
             _config_error(url, _explain(exc))
         return client
+
+    def _cluster_factory(self, url: str, rest: str, conn: dict[str, Any]) -> functools.partial[_FailFastCluster]:
+        """Check a ``redis+cluster://`` URL now; return what builds the client on first use.
+
+        RedisCluster connects in its constructor (slot map, COMMAND): built here, a cluster that is
+        down at start-up would make the store fail to build instead of being unavailable for a while.
+        """
+        # Split by hand, as for sentinels: urllib refuses a host list with a bracketed IPv6 host.
+        body, _, query = rest.partition("://")[2].partition("?")
+        netloc, _, path = body.partition("/")
+        username, password, hosts = _parse_hosts(url, netloc, "cluster node", DEFAULT_CLUSTER_PORT)
+        if path.strip("/") not in ("", "0"):
+            _config_error(url, f"the path {'/' + path!r}: Redis Cluster has database 0 only")
+        _query_options(url, query, conn)
+        conn.update(ssl=url_scheme(url) == "rediss+cluster", username=username, password=password)
+        conn = self._cluster_options(url, conn)
+        nodes = [ClusterNode(host, port) for host, port in hosts]  # type: ignore[no-untyped-call]
+        retry = Retry(NoBackoff(), 1)
+        # require_full_coverage=False: a namespace lives in one slot; another shard being down is the
+        # server's business (it answers CLUSTERDOWN if it must), not a reason to refuse to start.
+        return functools.partial(_FailFastCluster, startup_nodes=nodes, retry=retry, require_full_coverage=False, **conn)
+
+    def _cluster_options(self, url: str, conn: dict[str, Any]) -> dict[str, Any]:
+        """The node connection options RedisCluster accepts, checked now (it would drop unknown ones silently)."""
+        if not conn["ssl"] and any(key.startswith("ssl_") for key in conn):
+            _config_error(url, "ssl_* options need rediss+cluster://")
+        if conn.pop("db", 0) != 0:
+            _config_error(url, "Redis Cluster has database 0 only")
+        # The plain client's retry policy is the cluster client's own here (see _FailFastCluster),
+        # which makes its nodes' connections never retry; health checks are not a RedisCluster option.
+        conn = {k: v for k, v in conn.items() if k not in ("retry", "retry_on_timeout", "health_check_interval")}
+        unknown = sorted(set(conn) - set(REDIS_ALLOWED_KEYS))
+        if unknown:
+            _config_error(url, f"unknown option {unknown[0]!r} for Redis Cluster")
+        try:  # a node's connection, built as RedisCluster builds them: bad option values fail here
+            pool = redis.Redis(**conn).connection_pool
+            pool.connection_class(**pool.connection_kwargs)
+        except (ValueError, TypeError, redis.exceptions.RedisError) as exc:
+            _config_error(url, self._scrub(_explain(exc)))
+        return conn
+
+    @property
+    def _client(self) -> redis.Redis | RedisCluster:
+        """The client; a cluster client is built (and connects) on first use, inside ``_errors``."""
+        if self._redis is None:
+            with self._connect_mutex:
+                if self._redis is None:
+                    assert self._make_cluster is not None
+                    self._redis = self._make_cluster()
+        return self._redis
 
     def _scrub(self, text: str) -> str:
         """Remove the URL's password from a driver message (belt and braces: redis-py omits it)."""
@@ -431,7 +536,8 @@ class RedisLockStore(LockStore):
         if claim is not None:
             args += [claim.job, claim.fire_us, claim.nonce]
         with self._errors("acquire_or_renew"):
-            reply = self._acquire(keys=[self._lock_key(name), self._token_key(name), self._names_key], args=args)
+            keys = [self._lock_key(name), self._token_key(name), self._names_key]
+            reply = self._acquire(keys=keys, args=args, client=self._client)
         acquired, now_ms, flat = json.loads(reply)
         fields = self._pairs(flat) if isinstance(flat, list) else {}
         fires = self._fires(fields)
@@ -453,7 +559,7 @@ class RedisLockStore(LockStore):
         else:
             args += ["1", max(0, round(run.duration * 1000)), "0" if run.error is None else "1", run.error or ""]
         with self._errors("heartbeat"):
-            return bool(self._heartbeat(keys=[self._lock_key(name)], args=args))
+            return bool(self._heartbeat(keys=[self._lock_key(name)], args=args, client=self._client))
 
     def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
         if not leases:
@@ -461,13 +567,15 @@ class RedisLockStore(LockStore):
         names = list(leases)
         with self._errors("renew_many"):
             renewed = self._renew_many(
-                keys=[self._lock_key(n) for n in names], args=[node.node_id, *(leases[n] for n in names)]
+                keys=[self._lock_key(n) for n in names],
+                args=[node.node_id, *(leases[n] for n in names)],
+                client=self._client,
             )
         return {names[int(i) - 1] for i in renewed}
 
     def release(self, name: str, node: Node, token: int) -> bool:
         with self._errors("release"):
-            return bool(self._release(keys=[self._lock_key(name)], args=[node.node_id, token]))
+            return bool(self._release(keys=[self._lock_key(name)], args=[node.node_id, token], client=self._client))
 
     def read(self, name: str) -> LockRecord | None:
         return self.read_many([name]).get(name)
@@ -477,13 +585,23 @@ class RedisLockStore(LockStore):
         if not wanted:
             return {}
         with self._errors("read"):
-            pipe = self._client.pipeline(transaction=False)
-            for name in wanted:
-                pipe.hgetall(self._lock_key(name))
-            pipe.time()
-            *rows, now = pipe.execute()
-        now_ms = self._now_ms(now)
+            client = self._client
+            if isinstance(client, RedisCluster):
+                rows, now_ms = self._read_cluster(client, wanted)
+            else:
+                pipe = client.pipeline(transaction=False)
+                for name in wanted:
+                    pipe.hgetall(self._lock_key(name))
+                pipe.time()
+                *rows, now = pipe.execute()
+                now_ms = self._now_ms(now)
         return {name: self._record(name, row, now_ms) for name, row in zip(wanted, rows, strict=True) if row}
+
+    def _read_cluster(self, client: RedisCluster, names: Sequence[str]) -> tuple[list[dict[str, str]], int]:
+        """(fields of each lock, the owning primary's clock in ms): one script, see READ_LUA."""
+        now, rows = json.loads(self._read(keys=[self._lock_key(n) for n in names], client=client))
+        # cjson encodes an empty table (a missing hash) as {}, a filled one as a flat list.
+        return [self._pairs(row) if isinstance(row, list) else {} for row in rows], int(now)
 
     def list(self) -> list[LockRecord]:
         with self._errors("list"):
@@ -493,10 +611,15 @@ class RedisLockStore(LockStore):
 
     def ping(self) -> None:
         with self._errors("ping"):
-            self._client.ping()
+            client = self._client
+            if isinstance(client, RedisCluster):  # the primary that owns this namespace, not every node
+                client.ping(target_nodes=client.get_node_from_key(self._names_key))  # type: ignore[no-untyped-call]
+            else:
+                client.ping()
 
     def close(self) -> None:
-        self._client.close()
+        if self._redis is not None:
+            self._redis.close()
         if self._sentinel is not None:
             for sentinel in self._sentinel.sentinels:
                 sentinel.close()
