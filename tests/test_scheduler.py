@@ -508,9 +508,9 @@ def test_lease_save_checkpoints_attrs_and_is_fenced() -> None:
     b = LeaseManager(store, Node("b", "ip-b"), {"l": 1.0}, clock=clock)
     first = a.tick("l", None)
     assert first is not None and first.acquired
-    from mutexcron.lease import Lease
-
     import functools
+
+    from mutexcron.lease import Lease
 
     save = functools.partial(a.checkpoint, "l", first.token, set(), job="job")
     lease = Lease("l", first.token, "a", datetime.now(timezone.utc), "job", a.holds, save)
