@@ -32,7 +32,7 @@ from redis.sentinel import Sentinel
 
 from ..errors import ConfigurationError, StoreError, StoreUnavailableError
 from ..record import LockRecord, dump_attrs, load_attrs
-from ..urls import mask_url, pop_query, url_scheme
+from ..urls import mask_url, pop_query, redact, url_scheme
 from .base import AcquireResult, FireClaim, LockStore, Node, RunInfo, claim_won, fire_times_from_json
 
 logger = logging.getLogger(__name__)
@@ -182,10 +182,6 @@ for i, key in ipairs(KEYS) do rows[i] = redis.call('HGETALL', key) end
 return cjson.encode({string.format('%d', now), rows})
 """
 )
-
-
-# The password of ``scheme://user:password@hosts``, as mutexcron.urls.mask_url finds it.
-_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://[^:@/]*:([^@/]*)@")
 
 
 def _config_error(url: str, why: str) -> NoReturn:
@@ -452,12 +448,8 @@ class RedisLockStore(LockStore):
         return self._redis
 
     def _scrub(self, text: str) -> str:
-        """Remove the URL's password from a driver message (belt and braces: redis-py omits it)."""
-        found = _PASSWORD.match(self.url)
-        secret = found[1] if found else None
-        if secret:
-            text = text.replace(secret, "***").replace(unquote(secret), "***")
-        return text
+        """Remove the URL's secrets from a driver message (belt and braces: redis-py omits them)."""
+        return redact(text, self.url)
 
     @contextmanager
     def _errors(self, operation: str) -> Iterator[None]:
