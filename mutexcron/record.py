@@ -139,9 +139,16 @@ def dump_attrs(attrs: Mapping[str, Any], *, job: str = "job", limit: int | None 
         )
     _check_json(attrs, job=job, path="")
     text = json.dumps(dict(attrs), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    if limit is not None and len(text) > limit // 4 and len(text.encode()) > limit:
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:  # a lone surrogate, e.g. from a surrogate-escaped file name
         raise AttrsError(
-            f"job {job!r} returned attrs of {len(text.encode()):,} bytes of JSON, over the limit of {limit:,} "
+            f"job {job!r} returned attrs with text that is not valid Unicode ({exc.reason} at character "
+            f"{exc.start}); decode bytes properly before returning them. The previous attrs are kept."
+        ) from None
+    if limit is not None and size > limit:
+        raise AttrsError(
+            f"job {job!r} returned attrs of {size:,} bytes of JSON, over the limit of {limit:,} "
             "bytes (MutexScheduler(max_attrs_bytes=...)): keep large data elsewhere and store a reference; "
             "the previous attrs are kept"
         )

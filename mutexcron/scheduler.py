@@ -249,7 +249,10 @@ class GuardedJob:
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:2000]
+    """An error as stored with the run: bounded, and valid UTF-8 (a lone surrogate from a
+    surrogate-escaped file name would make the store refuse the whole hand-off)."""
+    text = f"{type(exc).__name__}: {exc}"[:2000]
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _accepts_var_kwargs(func: Callable[..., Any]) -> bool:

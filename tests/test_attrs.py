@@ -238,3 +238,10 @@ def test_shutdown_wait_is_bounded_for_guarded_jobs(url: str, caplog: pytest.LogC
     assert time.monotonic() - t0 < 3
     release.set()
     assert "not releasing lock 'stuck'" in caplog.text
+
+
+def test_text_that_is_not_valid_unicode_is_an_attrs_error_before_any_write() -> None:
+    from mutexcron.record import dump_attrs
+
+    with pytest.raises(AttrsError, match="not valid Unicode"):
+        dump_attrs({"path": "caf\udce9.txt"}, job="scan")
