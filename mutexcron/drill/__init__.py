@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigurationError, MutexcronError, StoreError
-from .locks import AcquireResult, FireClaim, LockStore, Node, RunInfo, lock_store_from_url
-from .record import LockRecord
-from .urls import url_scheme
+from ..errors import ConfigurationError, MutexcronError, StoreError
+from ..locks import AcquireResult, FireClaim, LockStore, Node, RunInfo, lock_store_from_url
+from ..record import LockRecord
+from ..urls import url_scheme
 
 log = logging.getLogger(__name__)
 
