@@ -11,10 +11,11 @@ from .errors import (
     StoreError,
     StoreUnavailableError,
 )
+from .guard import MutexConfig, MutexThreadPoolExecutor
 from .lease import Lease, current_lease
 from .locks import LockStore, lock_store_from_url
 from .record import LockRecord
-from .scheduler import BlockingMutexScheduler, MutexConfig, MutexScheduler, MutexSchedulerMixin, MutexThreadPoolExecutor
+from .scheduler import BlockingMutexScheduler, MutexScheduler, MutexSchedulerMixin
 
 __version__ = "0.1.0"
 

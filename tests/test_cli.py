@@ -164,8 +164,8 @@ def test_run_until_sigterm_releases_the_lock(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("example", ["jobs.py", "fenced_export.py", "job_group.py"])
 def test_examples_load_and_guard_their_jobs(example: str) -> None:
+    from mutexcron.guard import GuardedJob
     from mutexcron.loader import load_scheduler
-    from mutexcron.scheduler import GuardedJob
 
     sched = load_scheduler(str(Path(__file__).parent.parent / "examples" / example))
     guarded = [job for job in sched.get_jobs() if isinstance(job.func, GuardedJob)]

@@ -21,10 +21,10 @@ from mutexcron import (
     StoreUnavailableError,
     current_lease,
 )
+from mutexcron.guard import GuardedJob
 from mutexcron.heartbeat import LeaseManager
 from mutexcron.locks import FireClaim, LockStore, Node, RunInfo
 from mutexcron.locks.memory import MemoryLockStore
-from mutexcron.scheduler import GuardedJob
 from tests.backends import FakeClock
 
 pytestmark = pytest.mark.memory

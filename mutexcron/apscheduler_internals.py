@@ -1,0 +1,84 @@
+"""Every private member of APScheduler 3 that mutexcron touches, in one place.
+
+APScheduler 3 has no public hook for what a guarded job needs: the scheduled fire time inside
+the job, the pending-job list before ``start()``, the trigger factory. Each function below names
+the private member it uses; when upgrading APScheduler, check this module against its source
+(``apscheduler/schedulers/base.py``, ``apscheduler/executors/pool.py``, ``apscheduler/job.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from apscheduler.executors.base import run_job as _run_job
+from apscheduler.executors.pool import ThreadPoolExecutor
+
+
+def pending_jobs(scheduler: Any) -> list[Any]:
+    """Jobs added before ``start()``: ``BaseScheduler._pending_jobs`` holds (job, jobstore, replace)."""
+    return [job for job, _alias, _replace in getattr(scheduler, "_pending_jobs", [])]
+
+
+def executors(scheduler: Any) -> dict[str, Any]:
+    """The scheduler's executors by alias: ``BaseScheduler._executors``."""
+    found: dict[str, Any] = getattr(scheduler, "_executors", {})
+    return found
+
+
+def replace_executor(scheduler: Any, alias: str, executor: Any) -> None:
+    """Swap an executor before ``start()`` (``_executors`` is a plain dict there)."""
+    scheduler._executors[alias] = executor
+
+
+def lookup_executor(scheduler: Any, alias: str) -> Any:
+    """``BaseScheduler._lookup_executor``: the executor of a job, to submit a catch-up run."""
+    return scheduler._lookup_executor(alias)
+
+
+def create_trigger(scheduler: Any, trigger: Any, trigger_args: dict[str, Any]) -> Any:
+    """``BaseScheduler._create_trigger``: a trigger from an alias and its arguments, with the
+    scheduler's time zone, exactly as ``add_job`` would build it."""
+    return scheduler._create_trigger(trigger, trigger_args)
+
+
+def job_default(scheduler: Any, key: str) -> Any:
+    """A value of ``job_defaults`` (``BaseScheduler._job_defaults``), or None."""
+    return getattr(scheduler, "_job_defaults", {}).get(key)
+
+
+def modify_pending(job: Any, **changes: Any) -> None:
+    """``Job._modify``: change a job that is not in a job store yet (before ``start()``)."""
+    job._modify(**changes)
+
+
+def pool_size(executor: ThreadPoolExecutor) -> int:
+    """Threads of an APScheduler ``ThreadPoolExecutor`` (``_pool._max_workers``)."""
+    return int(executor._pool._max_workers)
+
+
+def jobstore_alias(job: Any) -> str:
+    """``Job._jobstore_alias``: passed on to ``run_job`` for its events."""
+    return str(job._jobstore_alias)
+
+
+def submit_to_pool(executor: Any, job: Any, work: Callable[[], list[Any]]) -> None:
+    """Run ``work`` (which returns APScheduler events) on the executor's thread pool, and report
+    its outcome the way ``BasePoolExecutor._do_submit_job`` does (``_pool``, ``_run_job_error``,
+    ``_run_job_success``)."""
+
+    def callback(future: Any) -> None:
+        exc = future.exception()
+        if exc:
+            executor._run_job_error(job.id, exc, getattr(exc, "__traceback__", None))
+        else:
+            executor._run_job_success(job.id, future.result())
+
+    executor._pool.submit(work).add_done_callback(callback)
+
+
+def run_job(job: Any, run_time: datetime, logger_name: str) -> list[Any]:
+    """APScheduler's ``run_job`` (public in the module, undocumented) for one run time."""
+    events: list[Any] = _run_job(job, jobstore_alias(job), [run_time], logger_name)
+    return events

@@ -1,0 +1,312 @@
+"""A guarded job's run: lease check, fire-time claim, the run under its lease, the fenced hand-off.
+
+:class:`GuardedJob` is the callable APScheduler runs in place of the user's function. It talks to
+the node's lease manager through :class:`LeaseKeeper` (implemented by
+:class:`mutexcron.heartbeat.LeaseManager`), never to the scheduler. :class:`MutexThreadPoolExecutor`
+tells each run the fire time it was scheduled for.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+from apscheduler.events import JobExecutionEvent
+from apscheduler.executors.pool import ThreadPoolExecutor
+
+from . import apscheduler_internals as aps
+from .errors import AttrsError, ConfigurationError, LeaseError
+from .firetimes import slot_of
+from .lease import Lease, _enter, _exit
+from .locks import AcquireResult, FireClaim, Node, RunInfo
+from .names import check_name
+from .record import us_from_datetime
+
+log = logging.getLogger(__name__)
+
+_FIRE_TIME: contextvars.ContextVar[datetime] = contextvars.ContextVar("mutexcron_fire_time")
+
+
+class LeaseKeeper(Protocol):
+    """What a guarded run needs from the node's lease manager."""
+
+    node: Node
+
+    def clock(self) -> float: ...
+    def begin_run(self, lock: str) -> bool: ...
+    def end_run(self, lock: str) -> None: ...
+    def tick(self, lock: str, claim: FireClaim | None) -> AcquireResult | None: ...
+    def holds(self, lock: str, token: int) -> bool: ...
+    def attrs(self, lock: str, token: int) -> dict[str, Any]: ...
+    def checkpoint(self, lock: str, token: int, seen: set[str], attrs: Mapping[str, Any], job: str) -> bool: ...
+    def finish(
+        self, lock: str, token: int, seen: set[str], attrs: Mapping[str, Any] | None, run: RunInfo, job: str
+    ) -> bool: ...
+
+
+@dataclass
+class GuardContext:
+    """What the guarded jobs of one scheduler share.
+
+    Attributes:
+        ttl: the default lease length in seconds (the scheduler's ``unactive_interval``).
+        local_ip: this node's IP, for the callable-lock mode.
+        leases: the node's lease manager, set by ``start()``; None before.
+    """
+
+    ttl: float
+    local_ip: str
+    leases: LeaseKeeper | None = None
+
+
+def _seconds(value: timedelta | float | int | None, what: str) -> float | None:
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not seconds > 0:
+        raise ConfigurationError(f"{what} must be a positive number of seconds or a timedelta, not {value!r}")
+    return seconds
+
+
+@dataclass(frozen=True)
+class MutexConfig:
+    """How a job is guarded: the arguments of :meth:`MutexSchedulerMixin.mutex`."""
+
+    lock: str | Callable[[], Any] | None = None
+    lock_else: Callable[[Any], Any] | None = None
+    unactive_interval: float | None = None  # None: the scheduler's default
+    heartbeat: Callable[..., Any] | None = None
+
+    @property
+    def callable_lock(self) -> bool:
+        """The original design's mode: the user's own ``lock()``/``heartbeat()`` functions (not atomic)."""
+        return callable(self.lock)
+
+    def __post_init__(self) -> None:
+        if self.callable_lock:
+            if not callable(self.heartbeat):
+                raise ConfigurationError(
+                    "mutex(lock=<callable>) is the seed-compatible mode and needs heartbeat=<callable> too "
+                    "(heartbeat(ip, now, **attrs)); or pass lock='name' to use the built-in atomic store"
+                )
+        elif self.heartbeat is not None:
+            raise ConfigurationError(
+                "mutex(heartbeat=...) is only for the seed-compatible mode with lock=<callable>; "
+                "built-in stores renew leases themselves"
+            )
+        elif self.lock is not None:
+            if not isinstance(self.lock, str) or not self.lock.strip():
+                raise ConfigurationError(f"mutex(lock=...) must be a non-empty lock name or a callable, not {self.lock!r}")
+            check_name(self.lock, "lock name")
+        if self.lock_else is not None and not callable(self.lock_else):
+            raise ConfigurationError(f"mutex(lock_else=...) must be callable, not {self.lock_else!r}")
+
+
+def _as_config(mutex: Any) -> MutexConfig | None:
+    if mutex is None or mutex is False:
+        return None
+    if mutex is True:
+        return MutexConfig()
+    if isinstance(mutex, MutexConfig):
+        return mutex
+    if isinstance(mutex, str):
+        return MutexConfig(lock=mutex)
+    if isinstance(mutex, Mapping):
+        kwargs = dict(mutex)
+        if "unactive_interval" in kwargs:
+            kwargs["unactive_interval"] = _seconds(kwargs["unactive_interval"], "unactive_interval")
+        try:
+            return MutexConfig(**kwargs)
+        except TypeError as exc:
+            raise ConfigurationError(f"bad mutex options {sorted(kwargs)}: {exc}") from None
+    raise ConfigurationError(f"mutex= takes True, a lock name, a dict of mutex() options or a MutexConfig, not {mutex!r}")
+
+
+class GuardedJob:
+    """The callable APScheduler runs for a guarded job: lease check, claim, run, hand-off."""
+
+    def __init__(self, context: GuardContext, func: Callable[..., Any], config: MutexConfig, job_id: str) -> None:
+        self.context = context
+        self.func = func
+        self.config = config
+        self.job_id = check_name(job_id, "job id")
+        default_lock = getattr(func, "__qualname__", job_id)
+        self.lock = config.lock if isinstance(config.lock, str) else default_lock
+        if not config.callable_lock:
+            check_name(self.lock, f"lock name of job {job_id!r}")
+        self.__name__ = getattr(func, "__name__", job_id)
+        self.__qualname__ = getattr(func, "__qualname__", job_id)
+        self.__module__ = getattr(func, "__module__", __name__)
+        self.__wrapped__ = func
+        self._accepts_kwargs = _accepts_var_kwargs(func)
+        self._params = _param_names(func)
+        self._warned_return = False
+
+    @property
+    def ttl(self) -> float:
+        return self.config.unactive_interval or self.context.ttl
+
+    def __repr__(self) -> str:
+        return f"<GuardedJob {self.job_id!r} lock={self.lock!r}>"
+
+    def _attr_kwargs(self, attrs: Mapping[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The attrs to pass as keyword arguments: those the job takes and that are not bound yet."""
+        try:
+            bound = set(inspect.signature(self.func).bind_partial(*args, **kwargs).arguments)
+        except (TypeError, ValueError):
+            bound = set(kwargs)
+        return {
+            k: v for k, v in attrs.items() if k not in bound and (self._accepts_kwargs or k in self._params)
+        }
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.config.callable_lock:
+            return self._run_with_user_lock(*args, **kwargs)
+        try:
+            fire_time = _FIRE_TIME.get()
+        except LookupError:
+            raise LeaseError(
+                f"guarded job {self.job_id!r} was called outside mutexcron's executor; it only runs when scheduled"
+            ) from None
+        manager = self.context.leases
+        # The run counts from before its store call: a stop that begins now waits for it.
+        if manager is None or not manager.begin_run(self.lock):
+            log.info("job %r not started: the scheduler is stopping", self.job_id)
+            return None
+        try:
+            result = manager.tick(self.lock, FireClaim.new(self.job_id, us_from_datetime(fire_time)))
+            if result is None or result.uncertain:  # store down or contended: fail closed (logged)
+                return None
+            if not result.acquired:
+                if self.config.lock_else is not None:
+                    self.config.lock_else(result.record)
+                return None
+            if not result.claimed:
+                log.info(
+                    "job %r: fire time %s already ran under lock %r; not running it again", self.job_id, fire_time, self.lock
+                )
+                return None
+            return self._run(manager, result.token, fire_time, args, kwargs)
+        finally:
+            manager.end_run(self.lock)
+
+    def _run(
+        self, manager: LeaseKeeper, token: int, fire_time: datetime, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        attrs = self._attr_kwargs(manager.attrs(self.lock, token), args, kwargs)
+        seen = set(attrs)  # the keys this run may replace or delete; a group mate's stay
+
+        def save(new: Mapping[str, Any]) -> bool:
+            return manager.checkpoint(self.lock, token, seen, new, self.job_id)
+
+        lease = Lease(self.lock, token, manager.node.node_id, fire_time, self.job_id, manager.holds, save)
+        ctx = _enter(lease)
+        # The last check before the job's first line: a slow reply or a pause since the store
+        # said "yours" may have outlasted the lease (monotonic deadline).
+        if not manager.holds(self.lock, token):
+            _exit(ctx)
+            log.warning("job %r: lease of lock %r (token %d) ran out before the run could start; not run",
+                        self.job_id, self.lock, token)
+            return None
+        started = manager.clock()
+        try:
+            result = self.func(*args, **{**attrs, **kwargs})
+        except BaseException as exc:
+            manager.finish(self.lock, token, seen, None, RunInfo(manager.clock() - started, _describe(exc)), self.job_id)
+            raise
+        finally:
+            _exit(ctx)
+        run = RunInfo(manager.clock() - started, None)
+        returned = self._returned_attrs(result)
+        try:
+            manager.finish(self.lock, token, seen, returned, run, self.job_id)
+        except AttrsError as exc:
+            manager.finish(self.lock, token, seen, None, RunInfo(run.duration, _describe(exc)), self.job_id)
+            raise
+        return result
+
+    def _returned_attrs(self, result: Any) -> Mapping[str, Any] | None:
+        """A returned dict is the new attrs; anything else keeps them (logged once per job)."""
+        if result is None or isinstance(result, Mapping):
+            return result
+        if not self._warned_return:
+            self._warned_return = True
+            log.warning("job %r returned %s, not a dict: its attrs are kept (return a dict to change them)",
+                        self.job_id, type(result).__name__)
+        return None
+
+    def _run_with_user_lock(self, *args: Any, **kwargs: Any) -> Any:
+        """The original design's algorithm with the user's own functions. Not atomic: see the README."""
+        lock = self.config.lock
+        assert callable(lock) and self.config.heartbeat is not None
+        ttl = timedelta(seconds=self.ttl)
+        lock_rec = lock()
+        now = datetime.now().replace(microsecond=0)  # the original design's clock: this node's, local time
+        ip = self.context.local_ip
+        if (
+            not lock_rec
+            or lock_rec.get("active_ip") == ip
+            or (lock_rec.get("update_time") and now - lock_rec["update_time"] >= ttl)
+        ):
+            attrs = {k: v for k, v in (lock_rec or {}).items() if k not in ("active_ip", "update_time")}
+            result = self.func(*args, **{**self._attr_kwargs(attrs, args, kwargs), **kwargs})
+            self.config.heartbeat(ip, now, **(result or {}))
+            return result
+        if self.config.lock_else is not None:
+            self.config.lock_else(lock_rec)
+        return None
+
+
+def _describe(exc: BaseException) -> str:
+    """An error as stored with the run: bounded, and valid UTF-8 (a lone surrogate from a
+    surrogate-escaped file name would make the store refuse the whole hand-off)."""
+    text = f"{type(exc).__name__}: {exc}"[:2000]
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _accepts_var_kwargs(func: Callable[..., Any]) -> bool:
+    try:
+        return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        return True
+
+
+def _param_names(func: Callable[..., Any]) -> set[str]:
+    try:
+        return set(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _run_with_fire_times(job: Any, run_times: list[datetime], logger_name: str) -> list[Any]:
+    """APScheduler's ``run_job``, one run time at a time, with the scheduled slot visible to the job.
+
+    The slot is the un-jittered fire time: the same on every node (see :mod:`mutexcron.firetimes`).
+    """
+    events: list[JobExecutionEvent] = []
+    for run_time in run_times:
+        ctx = _FIRE_TIME.set(slot_of(job.trigger, run_time))
+        try:
+            events.extend(aps.run_job(job, run_time, logger_name))
+        finally:
+            _FIRE_TIME.reset(ctx)
+    return events
+
+
+class MutexThreadPoolExecutor(ThreadPoolExecutor):  # type: ignore[misc]
+    """A thread pool that tells guarded jobs which scheduled fire time they run for.
+
+    Plain APScheduler ``ThreadPoolExecutor`` instances given to a MutexScheduler are replaced by
+    this class automatically.
+    """
+
+    def _do_submit_job(self, job: Any, run_times: list[datetime]) -> None:
+        if not isinstance(job.func, GuardedJob):
+            super()._do_submit_job(job, run_times)
+            return
+        aps.submit_to_pool(self, job, lambda: _run_with_fire_times(job, run_times, self._logger.name))
