@@ -17,7 +17,7 @@ import click
 from click.core import ParameterSource
 
 from . import __version__
-from .errors import ConfigurationError, MutexcronError, StoreError
+from .errors import ConfigurationError, MutexcronError
 from .locks import DEFAULT_LOCK_URL, SCHEMES, lock_store_from_url
 from .record import LockRecord
 
@@ -38,19 +38,33 @@ def _setup_logging(level: str) -> None:
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
 
 
-def _fail(message: str, code: int = 2) -> NoReturn:
+#: Exit codes: 0 ok, 1 a failure at run time (store, drill verdict), 2 bad input (usage, URL, jobs file).
+EXIT_FAILURE, EXIT_BAD_INPUT = 1, 2
+
+
+def _fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     click.echo(f"mutexcron: error: {message}", err=True)
     sys.exit(code)
 
 
-def _lock_url_option(func: F) -> F:
-    return click.option(
-        "--lock-url",
-        envvar="MUTEXCRON_LOCK_URL",
-        metavar="URL",
-        help=f"Lock store URL [env MUTEXCRON_LOCK_URL; default {DEFAULT_LOCK_URL}]. "
-        f"Schemes: {', '.join(SCHEMES)}.",
-    )(func)
+def _fail_on(exc: BaseException, *, debug: bool = False, what: str = "") -> NoReturn:
+    """The one mapping from an error to a message and an exit code."""
+    if debug:
+        log.exception("%s failed", what or "command")
+    if isinstance(exc, ConfigurationError):
+        _fail(str(exc), EXIT_BAD_INPUT)
+    if isinstance(exc, MutexcronError):
+        _fail(f"{what}: {exc}" if what else str(exc), EXIT_FAILURE)
+    hint = "" if debug else " (--log-level debug shows the traceback)"
+    _fail(f"{what or 'command'} failed: {type(exc).__name__}: {exc}{hint}", EXIT_FAILURE)
+
+
+def _lock_url_option(help_text: str | None = None) -> Callable[[F], F]:
+    """The ``--lock-url`` option every command shares (env ``MUTEXCRON_LOCK_URL``)."""
+    text = help_text or (
+        f"Lock store URL [env MUTEXCRON_LOCK_URL; default {DEFAULT_LOCK_URL}]. Schemes: {', '.join(SCHEMES)}."
+    )
+    return click.option("--lock-url", envvar="MUTEXCRON_LOCK_URL", metavar="URL", help=text)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -61,7 +75,7 @@ def main() -> None:
 
 @main.command()
 @click.argument("jobs")
-@_lock_url_option
+@_lock_url_option()
 @click.option(
     "--node-id", envvar="MUTEXCRON_NODE_ID", help="This node's id [env MUTEXCRON_NODE_ID; default hostname:pid:random]."
 )
@@ -95,34 +109,27 @@ def run(
     from .loader import load_scheduler
 
     try:
-        if lock_url:
-            lock_store_from_url(lock_url).close()  # a bad URL is a startup error, before the jobs file runs
+        # A bad URL is a startup error before the jobs file runs; the store built here is the one
+        # the scheduler uses (and closes on shutdown).
+        from_flag = lock_url is not None and ctx.get_parameter_source("lock_url") is ParameterSource.COMMANDLINE
+        store = lock_store_from_url(lock_url) if lock_url is not None and from_flag else None
         sched = load_scheduler(jobs)
         # Options given on the command line win over the jobs file; environment variables were
         # already read by MutexScheduler() as defaults, below its explicit arguments.
         explicit: dict[str, Any] = {
             name: value
-            for name, value in (("lock_url", lock_url), ("node_id", node_id), ("unactive_interval", unactive_interval))
+            for name, value in (("node_id", node_id), ("unactive_interval", unactive_interval))
             if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
         }
+        if store is not None:
+            explicit["lock_store"] = store
         sched.configure_mutex(shutdown_timeout=shutdown_timeout, **explicit)
         stopper = _GracefulStop(sched, shutdown_timeout)
         signal.signal(signal.SIGTERM, stopper.on_signal)
         signal.signal(signal.SIGINT, stopper.on_signal)
         sched.start()  # a BlockingMutexScheduler returns from here only once it is shut down
-    except ConfigurationError as exc:
-        if debug:
-            log.exception("startup failed")
-        _fail(str(exc))
-    except MutexcronError as exc:
-        if debug:
-            log.exception("startup failed")
-        _fail(str(exc), 1)
-    except Exception as exc:
-        hint = "" if debug else " (--log-level debug shows the traceback)"
-        log.error("startup failed: %s: %s%s", type(exc).__name__, exc, hint,
-                  exc_info=debug)
-        sys.exit(1)
+    except Exception as exc:  # noqa: BLE001 - any startup failure is one message and an exit code
+        _fail_on(exc, debug=debug, what="startup")
     stopper.wait()
     running = sched.running_guarded_jobs()
     if running:
@@ -213,7 +220,7 @@ def format_status(records: list[LockRecord]) -> str:
 
 @main.command()
 @click.argument("jobs", required=False)
-@_lock_url_option
+@_lock_url_option()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(jobs: str | None, lock_url: str | None, as_json: bool) -> None:
     """Show every lock in the store: holder, heartbeat age, state, token, last run.
@@ -227,12 +234,12 @@ def status(jobs: str | None, lock_url: str | None, as_json: bool) -> None:
 
             lock_url = load_scheduler(jobs).lock_url
         store = lock_store_from_url(lock_url or DEFAULT_LOCK_URL)
-    except ConfigurationError as exc:
-        _fail(str(exc))
+    except MutexcronError as exc:
+        _fail_on(exc, what="status")
     try:
         records = store.list()
-    except StoreError as exc:
-        _fail(str(exc), 1)
+    except MutexcronError as exc:
+        _fail_on(exc, what="status")
     finally:
         store.close()
     if as_json:
@@ -244,29 +251,27 @@ def status(jobs: str | None, lock_url: str | None, as_json: bool) -> None:
 
 
 @main.command()
-@_lock_url_option
+@_lock_url_option()
 def ddl(lock_url: str | None) -> None:
     """Print the CREATE TABLE statements for a SQL lock store (for teams that manage their schema)."""
-    from .locks.sql import SQLLockStore
-
     try:
         store = lock_store_from_url(lock_url or DEFAULT_LOCK_URL)
-    except ConfigurationError as exc:
-        _fail(str(exc))
-    if not isinstance(store, SQLLockStore):
-        _fail(f"{store.masked_url} is not a SQL store; only SQL stores have a schema")
-    for statement in store.ddl():
-        click.echo(statement.strip() + ";\n")
-    store.close()
+    except MutexcronError as exc:
+        _fail_on(exc, what="ddl")
+    try:
+        statements: Callable[[], list[str]] | None = getattr(store, "ddl", None)
+        if statements is None:
+            _fail(f"{store.masked_url} has no schema to create: only SQL stores have DDL")
+        for statement in statements():
+            click.echo(statement.strip() + ";\n")
+    finally:
+        store.close()
 
 
 @main.command()
-@click.option(
-    "--lock-url",
-    envvar="MUTEXCRON_LOCK_URL",
-    metavar="URL",
-    help="The store to drill [env MUTEXCRON_LOCK_URL; required]. To keep the drill's record out of your "
-    "lock table, point it at a table or namespace of its own (?table=mutexcron_drill, ?namespace=drill).",
+@_lock_url_option(
+    "The store to drill [env MUTEXCRON_LOCK_URL; required]. To keep the drill's record out of your "
+    "lock table, point it at a table or namespace of its own (?table=mutexcron_drill, ?namespace=drill)."
 )
 @click.option("--nodes", type=click.IntRange(min=3, max=32), default=3, show_default=True, help="Node processes to start.")
 @click.option(
@@ -315,10 +320,8 @@ def drill(lock_url: str | None, nodes: int, unactive_interval: float, duration: 
     except KeyboardInterrupt:
         click.echo("mutexcron: drill interrupted; nodes stopped and temporary files removed", err=True)
         sys.exit(130)
-    except ConfigurationError as exc:
-        _fail(str(exc))
     except MutexcronError as exc:
-        _fail(f"the drill could not run: {exc}")
+        _fail_on(exc, what="the drill could not run")
     finally:
         signal.signal(signal.SIGTERM, previous)
     if as_json:

@@ -111,14 +111,20 @@ class MutexSchedulerMixin:
         self,
         *,
         lock_url: str | None = None,
+        lock_store: LockStore | None = None,
         node_id: str | None = None,
         unactive_interval: timedelta | float | None = None,
         shutdown_timeout: float | None = None,
     ) -> None:
-        """Override the lock settings before ``start()`` (the CLI's options use this)."""
+        """Override the lock settings before ``start()`` (the CLI's options use this).
+
+        A ``lock_store`` given here is owned by the scheduler from then on: ``shutdown()`` closes it.
+        """
         if self._leases is not None:
             raise ConfigurationError("configure_mutex() must be called before start()")
-        if lock_url:
+        if lock_store is not None:
+            self.lock_url, self._lock_store, self._own_store = lock_store.url, lock_store, True
+        elif lock_url:
             self.lock_url, self._lock_store, self._own_store = lock_url, None, True
         if node_id:
             self.node_id = node_id
