@@ -42,46 +42,7 @@ from mutexcron.locks import lock_store_from_url
 
 log = logging.getLogger("benchmarks.scale")
 
-JOBS_FILE = '''\
-"""scale.py's jobs file: J every-second jobs, each guarded by its own lock."""
-import collections, json, os, threading, time
-from mutexcron import MutexScheduler, MutexThreadPoolExecutor, current_lease
-from mutexcron.drill import die_with_parent, timed_store_from_env
-
-die_with_parent()
-WORKERS = int(os.environ["MUTEXCRON_SCALE_WORKERS"] or 0)
-sched = MutexScheduler(
-    lock_store=timed_store_from_env(**json.loads(os.environ["MUTEXCRON_SCALE_STORE_OPTIONS"])),
-    **({"executors": {"default": MutexThreadPoolExecutor(WORKERS)}} if WORKERS else {}),
-)
-OUT = os.path.join(os.environ["MUTEXCRON_SCALE_DIR"], "runs-%d.txt" % os.getpid())
-PREFIX = os.environ["MUTEXCRON_SCALE_PREFIX"]
-_lines = collections.deque()
-
-
-def _flush():
-    while True:
-        time.sleep(1.0)
-        batch = [_lines.popleft() for _ in range(len(_lines))]
-        if batch:
-            with open(OUT, "a") as fh:
-                fh.write("".join(batch))
-
-
-threading.Thread(target=_flush, daemon=True).start()
-
-
-def make(j):
-    def job():
-        started = time.time()
-        lease = current_lease()
-        _lines.append("%d %.3f %.6f %s\\n" % (j, lease.fire_time.timestamp(), started, lease.node_id))
-    return job
-
-
-for j in range(int(os.environ["MUTEXCRON_SCALE_JOBS"])):
-    sched.add_job(make(j), "cron", second="*", id="job%d" % j, mutex={"lock": "%s-%d" % (PREFIX, j)})
-'''
+JOBS_FILE = str(Path(__file__).with_name("scale_jobs.py"))  # what the nodes run
 
 
 @dataclass
@@ -132,7 +93,7 @@ def run_one(
     )
     with cluster:
         time.sleep(warmup)
-        cluster._check_nodes()
+        cluster.check_nodes()
         pids = [p.pid for p in cluster.procs.values()]
         cpu0 = [cpu_seconds(pid) for pid in pids]
         # The window starts on a whole second of the wall clock, so every job has the same fire times in it.
@@ -144,7 +105,7 @@ def run_one(
         w1 = w0 + (m1 - m0)
         cpu1 = [cpu_seconds(pid) for pid in pids]
         time.sleep(drain)  # let late runs of the window's fire times finish and be flushed
-        cluster._check_nodes()
+        cluster.check_nodes()
         runs: dict[tuple[int, float], list[float]] = {}
         for path in cluster.workdir.glob("runs-*.txt"):
             for line in path.read_text().splitlines():

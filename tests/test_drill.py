@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mutexcron import drill as drill_module
 from mutexcron.cli import main
+from mutexcron.drill import libfaketime
 from mutexcron.locks import lock_store_from_url
 from tests.backends import cleanup_sql, require_server
 
@@ -106,7 +106,7 @@ def test_drill_passes_on_postgresql(tmp_path: Path) -> None:
 
 def _require_libfaketime() -> None:
     try:
-        drill_module.libfaketime()
+        libfaketime()
     except Exception as exc:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"{exc} (CI=true: .ci/run installs the faketime package)")
@@ -147,8 +147,8 @@ def test_drill_with_skewed_node_clocks_passes_on_postgresql(tmp_path: Path) -> N
 def test_drill_refuses_what_it_cannot_run(
     url: str, args: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # No libfaketime: the real lookup, over a list of paths that do not exist.
-    monkeypatch.setattr(drill_module, "LIBFAKETIME_PATHS", (str(tmp_path / "libfaketime.so.1"),))
+    # No libfaketime: the real lookup, over a list of paths that do not exist (patched where it is read).
+    monkeypatch.setattr("mutexcron.drill.cluster.LIBFAKETIME_PATHS", (str(tmp_path / "libfaketime.so.1"),))
     monkeypatch.delenv("MUTEXCRON_LOCK_URL", raising=False)
     url_args = ["--lock-url", url.format(tmp=tmp_path)] if url else []
     started = time.monotonic()

@@ -1,0 +1,259 @@
+"""The drill's node processes: start, signal and stop N ``mutexcron run`` nodes, and clean up after them.
+
+Each node runs in a session of its own, logs to ``<workdir>/<node>.log`` and dies with the drill
+(``PR_SET_PDEATHSIG``). :meth:`Cluster.stop` (also on Ctrl-C, through the context manager) stops
+every node, releases the drill's locks and removes the temporary directory.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigurationError, MutexcronError, StoreError
+from ..locks import Node, lock_store_from_url
+from .records import NodeOps, Tick, read_ops, read_ticks
+
+#: Where Debian/Ubuntu, Fedora and source installs put libfaketime (checked in this order).
+LIBFAKETIME_PATHS: tuple[str, ...] = (
+    "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib64/faketime/libfaketime.so.1",
+    "/usr/lib/faketime/libfaketime.so.1",
+    "/usr/local/lib/faketime/libfaketime.so.1",
+)
+
+#: What the nodes run by default: the drill's every-second job (``mutexcron run`` loads module:attr).
+NODE_JOBS = "mutexcron.drill.node_jobs:sched"
+
+#: Node exit codes that are not a crash: running, clean exit, the drill's SIGKILL/SIGTERM, refused start.
+_EXPECTED_EXITS = (None, 0, -signal.SIGKILL, -signal.SIGTERM, 1)
+
+
+def libfaketime() -> str:
+    """The path of libfaketime, for ``--skew``.
+
+    Raises:
+        ConfigurationError: libfaketime is not installed.
+    """
+    for candidate in LIBFAKETIME_PATHS:
+        if os.path.exists(candidate):
+            return candidate
+    raise ConfigurationError(
+        "--skew needs libfaketime, which is not installed: apt-get install faketime (Debian/Ubuntu), "
+        "dnf install libfaketime (Fedora); looked in " + ", ".join(LIBFAKETIME_PATHS)
+    )
+
+
+@dataclass
+class Cluster:
+    """N ``mutexcron run`` node processes guarding one every-second job (or running ``jobs``).
+
+    Attributes:
+        jobs: what each node runs, as ``mutexcron run`` takes it: ``module:attr`` or a jobs file path.
+        env: extra environment for the nodes (on top of the drill's ``MUTEXCRON_DRILL_*``).
+        release_locks: the locks to release on :meth:`stop` (default: ``(lock,)``).
+        lock_left: after :meth:`stop`, what the drill left in the store.
+    """
+
+    lock_url: str
+    nodes: int = 3
+    unactive_interval: float = 2.0
+    lock: str = field(default_factory=lambda: f"mutexcron-drill-{secrets.token_hex(4)}")
+    skew: float = 0.0
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mutexcron-drill-")))
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    jobs: str = NODE_JOBS
+    env: dict[str, str] = field(default_factory=dict)
+    progress: Callable[[str], None] | None = None
+    release_locks: tuple[str, ...] | None = None
+    lock_left: str = ""
+
+    @property
+    def out(self) -> Path:
+        """The ticks file all nodes append to."""
+        return self.workdir / "ticks.jsonl"
+
+    # -- processes ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the nodes; with ``skew``, node i's wall clock is shifted by i x ``skew`` (libfaketime)."""
+        faketime = libfaketime() if self.skew else None
+        for i in range(self.nodes):
+            node_id = f"drill-{i}-{secrets.token_hex(2)}"
+            log_file = open(self.workdir / f"{node_id}.log", "wb")  # closed just below: Popen keeps its own copy
+            cmd = [
+                sys.executable, "-m", "mutexcron", "run", self.jobs, "--node-id", node_id,
+                "--unactive-interval", str(self.unactive_interval), "--shutdown-timeout", "5",
+            ]
+            # Own session: a Ctrl-C in the terminal reaches the drill only, which then stops the
+            # nodes in order (SIGCONT, SIGTERM, release) instead of racing them.
+            self.procs[node_id] = subprocess.Popen(
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, env=self._node_env(i, node_id, faketime),
+                cwd=self.workdir, start_new_session=True,
+            )
+            log_file.close()
+
+    def _node_env(self, index: int, node_id: str, faketime: str | None) -> dict[str, str]:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("MUTEXCRON_")}
+        env = {
+            **base,
+            "MUTEXCRON_DRILL_URL": self.lock_url,
+            "MUTEXCRON_DRILL_OUT": str(self.out),
+            "MUTEXCRON_DRILL_OPS": str(self.workdir / f"{node_id}.ops.jsonl"),
+            "MUTEXCRON_DRILL_LOCK": self.lock,
+            "MUTEXCRON_DRILL_PARENT": str(os.getpid()),
+            "MUTEXCRON_NODE_ID": node_id,
+            "PYTHONUNBUFFERED": "1",
+            **self.env,
+        }
+        if faketime and index:
+            env["LD_PRELOAD"] = ":".join(p for p in (faketime, os.environ.get("LD_PRELOAD", "")) if p)
+            env["FAKETIME"] = f"{index * self.skew:+.3f}"
+            env["FAKETIME_DONT_FAKE_MONOTONIC"] = "1"
+        return env
+
+    def alive(self) -> list[str]:
+        return [n for n, p in self.procs.items() if p.poll() is None]
+
+    def signal(self, node: str, sig: int) -> float:
+        """Send ``sig`` to ``node``; return when (``time.monotonic()``)."""
+        at = time.monotonic()
+        self.procs[node].send_signal(sig)
+        return at
+
+    def check_nodes(self) -> None:
+        """Raise MutexcronError, with the node's log, if a node crashed."""
+        for node, proc in self.procs.items():
+            code = proc.poll()
+            if code not in _EXPECTED_EXITS:
+                raise MutexcronError(f"drill node {node} exited with {code}:\n{self.log_tail(node)}")
+
+    def log_tail(self, node: str, lines: int = 20) -> str:
+        path = self.workdir / f"{node}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    # -- what the nodes wrote -----------------------------------------------------------------
+    def ticks(self) -> list[Tick]:
+        return read_ticks(self.out)
+
+    def ops(self) -> NodeOps:
+        """Read every node's timing file."""
+        return read_ops(self.workdir)
+
+    def wait_ticks(self, count: int, timeout: float, *, after: float = 0.0, not_node: str | None = None) -> Tick | None:
+        """Wait until ``count`` ticks with ``mono > after`` (and not by ``not_node``) exist; return the first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            new = [t for t in self.ticks() if t.mono > after and t.node != not_node]
+            if len(new) >= count:
+                return new[0]
+            self.check_nodes()
+            time.sleep(0.05)
+        return None
+
+    def holder(self) -> str:
+        """The node that ran the last tick."""
+        ticks = self.ticks()
+        if not ticks:
+            raise MutexcronError("the drill job has not run yet")
+        return ticks[-1].node
+
+    # -- cleanup ------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop every node (SIGCONT, SIGTERM, then SIGKILL after 15 s), release the lock, remove the temp dir.
+
+        SIGINT and SIGTERM are ignored meanwhile (when called from the main thread), so a second
+        Ctrl-C cannot leave half the cleanup undone.
+        """
+        with _signals_ignored():
+            self._say(f"cleanup: stopping {len(self.alive())} node(s)")
+            self._stop_nodes()
+            self.lock_left = self._release_lock()
+            self._say(f"cleanup: {self.lock_left}")
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self._say(f"cleanup: removed {self.workdir}")
+
+    def _stop_nodes(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    proc.send_signal(signal.SIGCONT)
+                    proc.terminate()
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def _say(self, message: str) -> None:
+        if self.progress is not None:
+            self.progress(message)
+
+    def _release_lock(self) -> str:
+        """Release the drill's locks that a node still holds, through the store API.
+
+        Every node is stopped by now, so releasing on behalf of the recorded holder (conditional on
+        its token, like any release) cannot take a lease from a live node. The records stay, as
+        released records: no store deletes a lock, because a deleted record would reset its
+        fencing token.
+        """
+        names = self.release_locks or (self.lock,)
+        try:
+            store = lock_store_from_url(self.lock_url)
+        except ConfigurationError as exc:
+            return f"could not open the store to release {names[0]}: {exc}"
+        released = held = 0
+        try:
+            records = store.read_many(names)
+            for record in records.values():
+                if record.holder:
+                    held += 1
+                    node = Node(record.holder, record.active_ip or "")
+                    released += int(store.release(record.name, node, record.token))
+        except StoreError as exc:
+            return f"could not release {names[0]}: {exc} (it expires after its lease)"
+        finally:
+            store.close()
+        what = names[0] if len(names) == 1 else f"{len(names)} drill locks ({names[0]}...)"
+        if not records:
+            return f"no record of {what} in the store"
+        by_us = f"; released {released} still held by a stopped node" if held else ""
+        return f"{what} left in the store as a released record{by_us} (records are kept so fencing tokens never go back)"
+
+    def __enter__(self) -> Cluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextmanager
+def _signals_ignored() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
