@@ -100,7 +100,7 @@ class MutexSchedulerMixin:
         self._user_misfire: set[str] = set()
         self._used_ids: set[str] = set()
         self._started_at: datetime | None = None
-        self._setup_lock = threading.Lock()
+        self._setup_lock = threading.RLock()  # add_job from several threads, and start()
         gconfig = args[0] if args and isinstance(args[0], Mapping) else kwargs.get("gconfig", {})
         if not any(str(k).endswith("timezone") for k in gconfig):
             kwargs.setdefault("timezone", "UTC")
@@ -169,8 +169,9 @@ class MutexSchedulerMixin:
         def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
             jobs = getattr(func, "__mutexcron_jobs__", None)
             if jobs:  # mutex above the schedule decorator: guard the jobs already added
-                for job in jobs:
-                    self._guard_existing(job, func, config)
+                with self._setup_lock:
+                    for job in jobs:
+                        self._guard_existing(job, func, config)
             else:
                 func.__mutexcron_mutex__ = config  # type: ignore[attr-defined]
             return func
@@ -223,6 +224,17 @@ class MutexSchedulerMixin:
 
         Jobs without an ``id`` get a stable one (the function's qualified name), the same on every node.
         """
+        with self._setup_lock:
+            return self._add_job(
+                func, trigger, args, kwargs, id, name, misfire_grace_time, coalesce, max_instances,
+                next_run_time, jobstore, executor, replace_existing, mutex, trigger_args,
+            )
+
+    def _add_job(  # APScheduler's add_job arguments, positionally
+        self, func: Any, trigger: Any, args: Any, kwargs: Any, id: str | None, name: str | None,
+        misfire_grace_time: Any, coalesce: Any, max_instances: Any, next_run_time: Any, jobstore: str,
+        executor: str, replace_existing: bool, mutex: Any, trigger_args: dict[str, Any],
+    ) -> Any:
         config = _as_config(mutex) or getattr(func, "__mutexcron_mutex__", None)
         raw = func
         if id is None and callable(func):
@@ -233,6 +245,7 @@ class MutexSchedulerMixin:
                 self._user_misfire.add(id)
         if config is not None:
             guard = GuardedJob(self._guard_context, raw, config, job_id=str(id))
+            self._check_group(guard)  # before anything is added
             func = guard
             trigger, trigger_args = self._guarded_trigger(trigger, trigger_args, guard), {}
             if coalesce is undefined:
@@ -276,20 +289,25 @@ class MutexSchedulerMixin:
             candidate = f"{base}#{n}"
         return candidate
 
+    def _check_group(self, guard: GuardedJob) -> None:
+        """Jobs sharing a lock share one lease length."""
+        if guard.config.callable_lock:
+            return
+        for other in self._guarded.values():
+            if other.lock == guard.lock and other.config.unactive_interval != guard.config.unactive_interval:
+                raise ConfigurationError(
+                    f"jobs {other.job_id!r} and {guard.job_id!r} share lock {guard.lock!r} but have different "
+                    "unactive_interval values; a lock has one lease length: give them the same one"
+                )
+
     def _register_guard(self, job_id: str, guard: GuardedJob) -> None:
-        if not guard.config.callable_lock:
-            for other in self._guarded.values():
-                if other.lock == guard.lock and other.config.unactive_interval != guard.config.unactive_interval:
-                    raise ConfigurationError(
-                        f"jobs {other.job_id!r} and {guard.job_id!r} share lock {guard.lock!r} but have different "
-                        "unactive_interval values; a lock has one lease length: give them the same one"
-                    )
         self._guarded[job_id] = guard
         if self._leases is not None and not guard.config.callable_lock:
             self._leases.add_lock(guard.lock, guard.ttl)
 
     def _guard_existing(self, job: Any, func: Callable[..., Any], config: MutexConfig) -> None:
         guard = GuardedJob(self._guard_context, func, config, job_id=job.id)
+        self._check_group(guard)
         changes: dict[str, Any] = {"func": guard}
         if job.id not in self._user_misfire and self._leases is not None:
             changes["misfire_grace_time"] = self._guard_misfire(guard)
