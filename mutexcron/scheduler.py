@@ -81,6 +81,10 @@ class MutexSchedulerMixin:
         self.lock_url = lock_url or os.environ.get("MUTEXCRON_LOCK_URL") or DEFAULT_LOCK_URL
         self._lock_store = lock_store
         self.node_id = node_id or os.environ.get("MUTEXCRON_NODE_ID") or default_node_id()
+        # A default id names this process; a scheduler built before a fork (gunicorn --preload)
+        # and started in each worker needs one per worker: start() makes a new one there.
+        self._node_id_for_pid: int | None = None if node_id or os.environ.get("MUTEXCRON_NODE_ID") else os.getpid()
+        self._started_pid: int | None = None
         self.local_ip = local_ip or outbound_ip()
         env_interval = os.environ.get("MUTEXCRON_UNACTIVE_INTERVAL")
         try:
@@ -127,7 +131,7 @@ class MutexSchedulerMixin:
         elif lock_url:
             self.lock_url, self._lock_store, self._own_store = lock_url, None, True
         if node_id:
-            self.node_id = node_id
+            self.node_id, self._node_id_for_pid = node_id, None
         interval = _seconds(unactive_interval, "unactive_interval")
         if interval:
             self.unactive_interval = self._guard_context.ttl = interval
@@ -335,6 +339,8 @@ class MutexSchedulerMixin:
         its leases, so a standby takes over at once instead of after a lease.
         """
         with self._setup_lock:
+            if self._node_id_for_pid is not None and self._node_id_for_pid != os.getpid():
+                self.node_id, self._node_id_for_pid = default_node_id(), os.getpid()
             for alias, executor in list(aps.executors(self).items()):
                 if type(executor) is ThreadPoolExecutor:
                     aps.replace_executor(self, alias, MutexThreadPoolExecutor(aps.pool_size(executor)))
@@ -359,6 +365,7 @@ class MutexSchedulerMixin:
                 len(self._guarded),
                 len(locks),
             )
+        self._started_pid = os.getpid()
         _at_exit(self._stop_at_exit)
         # The heartbeat thread starts first: BlockingScheduler.start() does not return.
         self._leases.start()
@@ -406,7 +413,9 @@ class MutexSchedulerMixin:
         return self._leases.running() if self._leases is not None else {}
 
     def _stop_at_exit(self) -> None:
-        if self.running:  # type: ignore[attr-defined]
+        # Exit hooks survive fork(): a child must not stop (or release the leases of) its parent's
+        # scheduler, whose threads it does not even have.
+        if self.running and os.getpid() == self._started_pid:  # type: ignore[attr-defined]
             log.info("interpreter exiting: stopping the scheduler and releasing its leases")
             self.shutdown(wait=True)
 
