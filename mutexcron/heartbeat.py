@@ -26,6 +26,7 @@ from typing import Any
 from .errors import StoreError, StoreUnavailableError
 from .locks import AcquireResult, FireClaim, LockStore, Node, RunInfo
 from .record import LockRecord, dump_attrs
+from .views import STANDBY_REFRESH, RecordViews
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class LeaseManager:
         self._attrs: dict[str, tuple[int, dict[str, Any]]] = {}
         self._writing: dict[str, threading.Lock] = {}
         self._running: dict[str, int] = {}
+        self.views = RecordViews()  # other holders' records: standbys' ticks need no store call
         self._idle = threading.Condition(self._mutex)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -113,6 +115,12 @@ class LeaseManager:
         with self._mutex:
             held = self._held.get(name)
             return held is not None and held.token == token and self.clock() < held.deadline
+
+    def holds_any(self, name: str) -> bool:
+        """True while this node holds ``name`` with any token and its lease has not run out."""
+        with self._mutex:
+            held = self._held.get(name)
+            return held is not None and self.clock() < held.deadline
 
     def held(self) -> dict[str, int]:
         """The leases this node holds now: name -> token."""
@@ -189,12 +197,17 @@ class LeaseManager:
         """
         ttl = self.ttl(name)
         sent_at = self.clock()
+        if not self.holds_any(name):
+            elsewhere = self.views.held_elsewhere(name, sent_at)
+            if elsewhere is not None:  # a standby that read the record a moment ago: no store call
+                return AcquireResult(False, elsewhere)
         try:
             result = self.store.acquire_or_renew(name, self.node, ttl, claim)
         except (StoreUnavailableError, StoreError) as exc:
             self._store_state(False, exc)
             return None
         self._store_state(True)
+        self.views.seen(name, result.record, sent_at, self.clock(), self.node.node_id)
         if result.uncertain:
             log.info("lock %r: the store could not settle this acquire (contention); not counted", name)
         elif result.acquired:
@@ -344,7 +357,18 @@ class LeaseManager:
         if self._store_up is False:
             backoff = min(MAX_BACKOFF, self.period * 2.0 ** min(self._failures, 8))
             return min(backoff, self.period) if self.held() else backoff
-        return self.period
+        return self._next_round()
+
+    def _next_round(self) -> float:
+        """Renew every lease/3; with locks held elsewhere, also refresh their view every second and
+        wake up the moment a viewed lease runs out, to take it over then."""
+        wait = self.period
+        if len(self.held()) < len(self.locks()):
+            wait = min(wait, STANDBY_REFRESH)
+            expiry = self.views.next_expiry(self.clock())
+            if expiry is not None:
+                wait = min(wait, expiry + 0.005)
+        return max(0.0, wait)
 
     def _renew(self) -> None:
         leases = self.held()
@@ -366,20 +390,32 @@ class LeaseManager:
         wanted = [n for n in locks if n not in held]
         if not wanted:
             return
-        records = self.store.read_many(wanted)
-        for name in wanted:
-            record = records.get(name)
-            if record is not None and record.state == "active" and record.holder != self.node.node_id:
-                continue
+        due, unknown = self.views.stale(wanted, self.clock())
+        before = {name: self.views.record(name) for name in due}
+        if unknown:
+            sent = self.clock()
+            records = self.store.read_many(unknown)
+            received = self.clock()
+            for name in unknown:
+                record = records.get(name)
+                self.views.seen(name, record, sent, received, self.node.node_id)
+                if record is None or record.state != "active" or record.holder == self.node.node_id:
+                    due.append(name)
+                    before[name] = record
+        for name in due:
             if self._stopping:
                 return
-            sent_at = self.clock()
-            result = self.store.acquire_or_renew(name, self.node, locks[name])
-            if not result.acquired:
-                continue
-            self._remember_attrs(name, result.token, result.record)
-            if self._set_held(name, result.token, sent_at, locks[name], record):
-                self._acquired(name, record)
+            self._try_take_over(name, locks[name], before.get(name))
+
+    def _try_take_over(self, name: str, ttl: float, before: LockRecord | None) -> None:
+        sent_at = self.clock()
+        result = self.store.acquire_or_renew(name, self.node, ttl)
+        self.views.seen(name, result.record, sent_at, self.clock(), self.node.node_id)
+        if not result.acquired:
+            return
+        self._remember_attrs(name, result.token, result.record)
+        if self._set_held(name, result.token, sent_at, ttl, before):
+            self._acquired(name, before)
 
     def _expire(self) -> None:
         now = self.clock()
