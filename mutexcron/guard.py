@@ -241,7 +241,7 @@ class GuardedJob:
         return None
 
     def _run_with_user_lock(self, *args: Any, **kwargs: Any) -> Any:
-        """The original design's algorithm with the user's own functions. Not atomic: see the README."""
+        """The original design's algorithm with the user's own functions. Not atomic: see docs/migration.md."""
         lock = self.config.lock
         assert callable(lock) and self.config.heartbeat is not None
         ttl = timedelta(seconds=self.ttl)

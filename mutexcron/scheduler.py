@@ -61,9 +61,9 @@ class MutexSchedulerMixin:
             releases the leases (seconds, default 30).
         max_attrs_bytes: the largest attrs a run may store, as JSON (default 1 MB); a larger
             return raises AttrsError and keeps the previous attrs.
-        timezone: as in APScheduler, but **UTC by default** (APScheduler's default is the host's
-            zone, which would make ``cron_schedule(hour=3)`` a different instant on each node).
-        Other arguments go to the APScheduler scheduler.
+        **kwargs: passed to the APScheduler scheduler; ``timezone`` is **UTC by default**
+            (APScheduler's default is the host's zone, which would make ``cron_schedule(hour=3)``
+            a different instant on each node).
     """
 
     def __init__(
