@@ -127,6 +127,17 @@ def _as_config(mutex: Any) -> MutexConfig | None:
     raise ConfigurationError(f"mutex= takes True, a lock name, a dict of mutex() options or a MutexConfig, not {mutex!r}")
 
 
+@dataclass
+class _Run:
+    """A guarded run in progress: its token, the attrs it was given, and its lease context."""
+
+    token: int
+    attrs: dict[str, Any]
+    seen: set[str]
+    context: contextvars.Token[Lease]
+    started: float
+
+
 class GuardedJob:
     """The callable APScheduler runs for a guarded job: lease check, claim, run, hand-off."""
 
@@ -167,37 +178,55 @@ class GuardedJob:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.config.callable_lock:
             return self._run_with_user_lock(*args, **kwargs)
-        try:
-            fire_time = _FIRE_TIME.get()
-        except LookupError:
-            raise LeaseError(
-                f"guarded job {self.job_id!r} was called outside mutexcron's executor; it only runs when scheduled"
-            ) from None
+        fire_time = self._fire_time()
         manager = self.context.leases
         # The run counts from before its store call: a stop that begins now waits for it.
         if manager is None or not manager.begin_run(self.lock):
             log.info("job %r not started: the scheduler is stopping", self.job_id)
             return None
         try:
-            result = manager.tick(self.lock, FireClaim.new(self.job_id, us_from_datetime(fire_time)))
-            if result is None or result.uncertain:  # store down or contended: fail closed (logged)
+            token = self._claim(manager, fire_time)
+            run = None if token is None else self._start(manager, token, fire_time, args, kwargs)
+            if run is None:
                 return None
-            if not result.acquired:
-                if self.config.lock_else is not None:
-                    self.config.lock_else(result.record)
-                return None
-            if not result.claimed:
-                log.info(
-                    "job %r: fire time %s already ran under lock %r; not running it again", self.job_id, fire_time, self.lock
-                )
-                return None
-            return self._run(manager, result.token, fire_time, args, kwargs)
+            try:
+                result = self.func(*args, **{**run.attrs, **kwargs})
+            except BaseException as exc:
+                _exit(run.context)
+                self._end(manager, run, error=exc)
+                raise
+            _exit(run.context)
+            self._end(manager, run, result=result)
+            return result
         finally:
             manager.end_run(self.lock)
 
-    def _run(
+    def _fire_time(self) -> datetime:
+        try:
+            return _FIRE_TIME.get()
+        except LookupError:
+            raise LeaseError(
+                f"guarded job {self.job_id!r} was called outside mutexcron's executor; it only runs when scheduled"
+            ) from None
+
+    def _claim(self, manager: LeaseKeeper, fire_time: datetime) -> int | None:
+        """The per-tick store call: the token if this node holds the lease and won the fire claim."""
+        result = manager.tick(self.lock, FireClaim.new(self.job_id, us_from_datetime(fire_time)))
+        if result is None or result.uncertain:  # store down or contended: fail closed (logged)
+            return None
+        if not result.acquired:
+            if self.config.lock_else is not None:
+                self.config.lock_else(result.record)
+            return None
+        if not result.claimed:
+            log.info("job %r: fire time %s already ran under lock %r; not running it again", self.job_id, fire_time, self.lock)
+            return None
+        return result.token
+
+    def _start(
         self, manager: LeaseKeeper, token: int, fire_time: datetime, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
+    ) -> _Run | None:
+        """Set up the run's lease and arguments; None if the lease ran out meanwhile. No store call."""
         attrs = self._attr_kwargs(manager.attrs(self.lock, token), args, kwargs)
         seen = set(attrs)  # the keys this run may replace or delete; a group mate's stay
 
@@ -205,30 +234,28 @@ class GuardedJob:
             return manager.checkpoint(self.lock, token, seen, new, self.job_id)
 
         lease = Lease(self.lock, token, manager.node.node_id, fire_time, self.job_id, manager.holds, save)
-        ctx = _enter(lease)
+        context = _enter(lease)
         # The last check before the job's first line: a slow reply or a pause since the store
         # said "yours" may have outlasted the lease (monotonic deadline).
         if not manager.holds(self.lock, token):
-            _exit(ctx)
+            _exit(context)
             log.warning("job %r: lease of lock %r (token %d) ran out before the run could start; not run",
                         self.job_id, self.lock, token)
             return None
-        started = manager.clock()
-        try:
-            result = self.func(*args, **{**attrs, **kwargs})
-        except BaseException as exc:
-            manager.finish(self.lock, token, seen, None, RunInfo(manager.clock() - started, _describe(exc)), self.job_id)
-            raise
-        finally:
-            _exit(ctx)
-        run = RunInfo(manager.clock() - started, None)
+        return _Run(token, attrs, seen, context, manager.clock())
+
+    def _end(self, manager: LeaseKeeper, run: _Run, *, result: Any = None, error: BaseException | None = None) -> None:
+        """The fenced hand-off of the run's attrs and run info (one store call)."""
+        duration = manager.clock() - run.started
+        if error is not None:
+            manager.finish(self.lock, run.token, run.seen, None, RunInfo(duration, _describe(error)), self.job_id)
+            return
         returned = self._returned_attrs(result)
         try:
-            manager.finish(self.lock, token, seen, returned, run, self.job_id)
+            manager.finish(self.lock, run.token, run.seen, returned, RunInfo(duration, None), self.job_id)
         except AttrsError as exc:
-            manager.finish(self.lock, token, seen, None, RunInfo(run.duration, _describe(exc)), self.job_id)
+            manager.finish(self.lock, run.token, run.seen, None, RunInfo(duration, _describe(exc)), self.job_id)
             raise
-        return result
 
     def _returned_attrs(self, result: Any) -> Mapping[str, Any] | None:
         """A returned dict is the new attrs; anything else keeps them (logged once per job)."""
