@@ -1,0 +1,340 @@
+"""SQL backends through SQLAlchemy 2 Core: ``sqlite://``, ``mysql://``/``mariadb://``, ``postgresql://``.
+
+One engine per backend. Every statement runs on a pooled connection in autocommit (READ
+COMMITTED); an explicit transaction (:meth:`SQLBackend.transaction`) is the exception. What differs
+between databases (driver, session settings, timeouts, the clock in SQL) is one
+:class:`~mutexcron.backends.sql_dialects.SQLDialect` per registry family, in
+:mod:`mutexcron.backends.sql_dialects`.
+
+Failures: contention (a busy SQLite file, a lock wait timeout, a deadlock, a lost insert race)
+raises :class:`~mutexcron.backends.base.UncertainOutcome`; a database that cannot be reached
+raises StoreUnavailableError; a request the database refuses (a value out of range, too long or
+not encodable, a statement over MySQL's ``max_allowed_packet``) raises StoreError, so it is never
+mistaken for an outage. A pooled connection the server dropped is replaced once, silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import sqlalchemy
+from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Connection, Engine, make_url
+
+from ..errors import ConfigurationError, StoreError, StoreUnavailableError
+from ..urls import mask_url, pop_query
+from . import family_of
+from .base import Backend, UncertainOutcome
+from .sql_dialects import CONNECT_TIMEOUT, DIALECTS
+
+log = logging.getLogger(__name__)
+
+#: mutexcron's own URL options, removed before SQLAlchemy sees the URL.
+OWN_OPTIONS = ("table", "pool_size")
+DEFAULT_TABLE = "mutexcron_locks"
+TABLE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")  # used with fullmatch: "$" alone accepts a trailing newline
+
+# Errors the request caused, not the server's state: retrying cannot help and the store is up.
+_MYSQL_REQUEST_ERRORS = frozenset(
+    {
+        1048,  # column cannot be null
+        1153,  # packet bigger than max_allowed_packet
+        1264,  # out of range value
+        1265,  # data truncated
+        1292,  # truncated incorrect value
+        1366,  # incorrect string value
+        1406,  # data too long
+        1916,  # overflow converting a value
+    }
+)
+_PG_REQUEST_ERROR_CLASSES = ("22", "54")  # data exception, program limit exceeded
+_MYSQL_DISCONNECTS = frozenset({2006, 2013})  # server has gone away, lost connection during query
+# MySQL drops the connection when a statement exceeds max_allowed_packet (no error reaches the
+# client while it is still sending). A disconnect after sending at least this much makes the
+# backend ask the server for its limit, on the error path only; smaller requests never trip it.
+_MYSQL_PACKET_CHECK_BYTES = 1 << 20
+_T = TypeVar("_T")
+
+
+class SQLBackend(Backend):
+    """A SQLAlchemy engine on one database, and the table name from ``?table=``.
+
+    Args:
+        url: ``sqlite:///path``, ``mysql://``, ``mysql+pymysql://``, ``mariadb://``,
+            ``postgresql://`` or ``postgres://``; any driver options SQLAlchemy accepts, plus
+            ``?table=`` (default ``mutexcron_locks``) and ``?pool_size=``.
+        connect_timeout: seconds to wait for a connection before failing closed.
+        **engine_options: passed to :func:`sqlalchemy.create_engine` (``connect_args`` are merged).
+    """
+
+    driver_errors = (sa_exc.DBAPIError, sa_exc.TimeoutError)
+
+    def __init__(self, url: str, *, connect_timeout: float = CONNECT_TIMEOUT, **engine_options: Any) -> None:
+        super().__init__(url)
+        rest, options = pop_query(url, *OWN_OPTIONS)
+        if "pool_size" in options:
+            try:
+                engine_options.setdefault("pool_size", int(options["pool_size"]))
+            except ValueError:
+                raise ConfigurationError(
+                    f"bad ?pool_size={options['pool_size']!r} in {mask_url(url)}: use a whole number"
+                ) from None
+        #: The lock table (``?table=``); other stores name their tables after it.
+        self.table = options.get("table", DEFAULT_TABLE)
+        if not TABLE_RE.fullmatch(self.table):
+            raise ConfigurationError(
+                f"bad ?table={self.table!r} in {mask_url(url)}: use letters, digits and _ (at most 63, not starting with a digit)"
+            )
+        family = family_of(rest).name
+        if family not in DIALECTS:
+            raise ConfigurationError(f"{mask_url(url)} is not a SQL URL")
+        self.dialect = DIALECTS[family]
+        self.kind = self.dialect.kind
+        #: The database's clock in SQL.
+        self.clock = self.dialect.clock
+        self.engine: Engine = self._create_engine(rest, connect_timeout, engine_options)
+        # text() parses bind parameters with a regex on every call: build each statement once.
+        self.text = functools.lru_cache(maxsize=256)(sqlalchemy.text)
+
+    def _create_engine(self, rest: str, connect_timeout: float, engine_options: dict[str, Any]) -> Engine:
+        dialect = self.dialect
+        try:
+            sa_url = make_url(rest)
+        except (sa_exc.ArgumentError, ValueError) as exc:
+            raise ConfigurationError(f"cannot parse lock URL {self.masked_url}: {exc}") from None
+        if dialect.file_only and (not sa_url.database or sa_url.database == ":memory:"):
+            raise ConfigurationError(
+                f"{self.masked_url} is an in-memory SQLite database, private to one connection: use "
+                "sqlite:///path/to/file.db (shared by processes on one host) or memory:// (one process)"
+            )
+        sa_url = sa_url.set(drivername=dialect.driver)
+        defaults = {k: v for k, v in dialect.url_query.items() if k not in sa_url.query}
+        if defaults:
+            sa_url = sa_url.update_query_dict(defaults)
+        options: dict[str, Any] = {
+            "isolation_level": "AUTOCOMMIT",
+            # No pre-ping: it would add a round trip to every operation. A pooled connection the
+            # server dropped fails its statement with a disconnect; run() retries that once.
+            "pool_pre_ping": False,
+            # Autocommit leaves no transaction open, so the ROLLBACK a pool sends on every
+            # check-in would only be another round trip.
+            "pool_reset_on_return": None,
+            # SQLAlchemy's default pool (5 kept + 10 overflow). Many every-second jobs firing
+            # together churn the overflow connections: ?pool_size=12 (above the executor's 10
+            # threads) avoids that, at the price of more idle server connections per node.
+            "pool_timeout": connect_timeout,
+            **dialect.engine_options,
+            "connect_args": {**dialect.connect_args(connect_timeout), **engine_options.pop("connect_args", {})},
+        }
+        options.update(engine_options)
+        engine = sqlalchemy.create_engine(sa_url, **options)
+        # Closing a connection "rolls back" even in autocommit, and PyMySQL sends that ROLLBACK: a
+        # second round trip per operation, whose failure on a dropped connection also hides the
+        # statement's own error. SQLAlchemy >= 2.0.43 skips it with this flag (older ones ignore it).
+        engine.dialect.skip_autocommit_rollback = True
+        session = dialect.session(connect_timeout)
+        if session:
+
+            @event.listens_for(engine, "connect")
+            def _session(dbapi_conn: Any, _record: Any) -> None:
+                cur = dbapi_conn.cursor()
+                for statement in session:
+                    cur.execute(statement)
+                cur.close()
+
+        return engine
+
+    # -- running statements ------------------------------------------------------------------
+    def run(self, work: Callable[[Connection], _T], operation: str) -> _T:
+        """Run ``work(connection)`` on a pooled connection, translating driver errors.
+
+        A statement that fails because the server dropped the pooled connection (a restart, an
+        idle timeout) is run once more on a fresh connection: every caller's work must be safe to
+        repeat (the lock store's are: conditional on holder and token, or the same claim nonce).
+
+        Raises:
+            UncertainOutcome: contention; the caller decides what that means.
+            StoreUnavailableError: the database cannot be reached.
+            StoreError: the database refused the request.
+        """
+        for attempt in (1, 2):
+            try:
+                with self.engine.connect() as conn:
+                    return work(conn)
+            except sa_exc.DBAPIError as exc:
+                if _is_lock_conflict(exc) or _is_duplicate_key(exc):
+                    raise UncertainOutcome(operation, "contention") from exc
+                error = self.error(exc, operation)
+                if exc.connection_invalidated and attempt == 1 and isinstance(error, StoreUnavailableError):
+                    log.debug("%s: pooled connection to %s was dropped; retrying once", operation, self.masked_url)
+                    continue
+                raise error from exc
+            except sa_exc.TimeoutError as exc:  # no pooled connection came free in time
+                raise self.unavailable(exc, operation) from exc
+            except UnicodeError as exc:  # a value the driver cannot encode: nothing was sent
+                raise self.failed(exc, operation, why=self.redact(f"a value is not valid text ({exc})")) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def execute(self, sql: str, params: Mapping[str, Any], operation: str, *, write: bool = False) -> tuple[list[Any], int]:
+        """Run one statement; return the fetched rows and the rowcount.
+
+        Raises:
+            UncertainOutcome: contention on a write (``write``); on a read it is an outage.
+        """
+
+        def one(conn: Connection) -> tuple[list[Any], int]:
+            result = conn.execute(self.text(sql), dict(params))
+            return (list(result.fetchall()) if result.returns_rows else []), result.rowcount
+
+        try:
+            return self.run(one, operation)
+        except UncertainOutcome as exc:
+            if write:
+                raise
+            raise self.uncertain(exc) from exc
+
+    def transaction(self, conn: Connection, work: Callable[[Connection], _T]) -> _T:
+        """Run ``work`` in one explicit transaction on an autocommit connection (MySQL/PostgreSQL syntax)."""
+        conn.exec_driver_sql("START TRANSACTION")
+        try:
+            result = work(conn)
+            conn.exec_driver_sql("COMMIT")
+        except BaseException:
+            _roll_back(conn)
+            raise
+        return result
+
+    # -- schema ------------------------------------------------------------------------------
+    def setup(self, work: Callable[[Connection], None], operation: str, hint: str) -> None:
+        """Run a store's one-time set-up (its CREATE statements) on a fresh connection.
+
+        Args:
+            work: creates what the store needs (:meth:`create`).
+            operation: what it does, for messages ("creating table 'x'").
+            hint: what the user can do if the database refuses.
+        """
+        try:
+            with self.engine.connect() as conn:
+                work(conn)
+        except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError) as exc:
+            raise self.unavailable(exc, "connecting") from exc
+        except sa_exc.DBAPIError as exc:
+            raise self.failed(exc, operation, why=f"{self.detail(exc)}; {hint}") from exc
+
+    def create(self, conn: Connection, statement: str) -> None:
+        """Run one ``CREATE ... IF NOT EXISTS``; another node creating the same thing at once is fine."""
+        try:
+            conn.execute(self.text(statement))
+        except (sa_exc.IntegrityError, sa_exc.ProgrammingError) as exc:
+            # Two nodes creating the table at once (PostgreSQL's catalog race).
+            log.debug("concurrent CREATE on %s: %s", self.masked_url, exc)
+
+    @staticmethod
+    def is_mariadb(conn: Connection) -> bool:
+        """True if ``conn`` is to a MariaDB server (the ``mysql`` dialect serves both)."""
+        return conn.dialect.name == "mysql" and bool(getattr(conn.dialect, "is_mariadb", False))
+
+    # -- errors ------------------------------------------------------------------------------
+    def detail(self, exc: BaseException) -> str:
+        return super().detail(getattr(exc, "orig", None) or exc)  # the DBAPI error under SQLAlchemy's wrapper
+
+    def is_unavailable(self, exc: BaseException) -> bool:
+        return isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)) or bool(
+            getattr(exc, "connection_invalidated", False)
+        )
+
+    def error(self, exc: BaseException, operation: str) -> StoreError:
+        refusal = self._detail_if_request_error(exc) or self._over_max_packet(exc)
+        if refusal:
+            return self.failed(exc, operation, why=f"refused by the database (a request error, not an outage): {refusal}")
+        return super().error(exc, operation)
+
+    def _detail_if_request_error(self, exc: BaseException) -> str | None:
+        """The database refused this request's values or size: the store itself is fine."""
+        sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None) or ""
+        if (
+            isinstance(exc, (sa_exc.DataError, sa_exc.IntegrityError))
+            or _mysql_code(exc) in _MYSQL_REQUEST_ERRORS
+            or sqlstate[:2] in _PG_REQUEST_ERROR_CLASSES
+        ):
+            return self.detail(exc)
+        return None
+
+    def _over_max_packet(self, exc: BaseException) -> str | None:
+        """Why MySQL dropped the connection, if the statement was larger than its ``max_allowed_packet``."""
+        if self.dialect.packet_limit is None or _mysql_code(exc) not in _MYSQL_DISCONNECTS:
+            return None
+        size = _request_bytes(exc)
+        if size < _MYSQL_PACKET_CHECK_BYTES:
+            return None
+        try:
+            with self.engine.connect() as conn:
+                limit = int(conn.exec_driver_sql(self.dialect.packet_limit).scalar_one())
+        except sa_exc.SQLAlchemyError:  # the server is really gone: an outage after all
+            return None
+        if size <= limit:
+            return None
+        return f"a statement of about {size:,} bytes is over the server's max_allowed_packet of {limit:,} bytes"
+
+    # -- life cycle --------------------------------------------------------------------------
+    def ping(self) -> None:
+        self.execute("SELECT 1", {}, "ping")
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def _is_lock_conflict(exc: BaseException) -> bool:
+    """Lost a race for a row: a deadlock, a lock wait timeout, or SQLite's write lock held too long.
+
+    SQLite serialises writers: "database is locked" after the busy timeout means another process
+    held the write lock (for instance one frozen mid-write), not that the file is unreachable.
+    """
+    orig = getattr(exc, "orig", None)
+    text = str(orig or exc).lower()
+    if "database is locked" in text or "database is busy" in text:
+        return True
+    if _mysql_code(exc) in (1213, 1205):  # MySQL deadlock, lock wait timeout
+        return True
+    return getattr(orig, "sqlstate", None) in ("40P01", "40001", "55P03")
+
+
+def _is_duplicate_key(exc: BaseException) -> bool:
+    """Another session inserted the same row first (any other integrity error is the request's)."""
+    orig = getattr(exc, "orig", None)
+    return (
+        _mysql_code(exc) == 1062
+        or getattr(orig, "sqlstate", None) == "23505"
+        or "unique constraint failed" in str(orig or exc).lower()
+    )
+
+
+def _mysql_code(exc: BaseException) -> int | None:
+    """The MySQL error number of a PyMySQL error (its first argument), else None."""
+    args = getattr(getattr(exc, "orig", None), "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
+def _request_bytes(exc: BaseException) -> int:
+    """About how many bytes the failed statement and its parameters took on the wire."""
+    while getattr(exc, "statement", None) is None and exc.__context__ is not None:
+        exc = exc.__context__  # a failed ROLLBACK at close (older SQLAlchemy) hides the statement's error
+    params = getattr(exc, "params", None)
+    values = params.values() if isinstance(params, Mapping) else params or ()
+    size = len((getattr(exc, "statement", None) or "").encode())
+    for value in values:
+        size += len(value) if isinstance(value, (bytes, bytearray)) else len(str(value).encode(errors="replace"))
+    return size
+
+
+def _roll_back(conn: Connection) -> None:
+    """End a failed explicit transaction, or drop the connection so no pooled one keeps row locks."""
+    try:
+        conn.exec_driver_sql("ROLLBACK")
+    except sa_exc.SQLAlchemyError:
+        conn.invalidate()
