@@ -8,11 +8,9 @@ import math
 import os
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor as WorkerPool
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import Any
 
-from apscheduler.executors.base import MaxInstancesReachedError
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.schedulers.blocking import BlockingScheduler
@@ -21,13 +19,14 @@ from apscheduler.triggers.interval import IntervalTrigger
 from apscheduler.util import undefined
 
 from . import apscheduler_internals as aps
+from .catchup import CatchUp
 from .errors import ConfigurationError
-from .firetimes import guard_trigger, latest_fire_time
+from .firetimes import guard_trigger
 from .guard import GuardContext, GuardedJob, MutexConfig, MutexThreadPoolExecutor, _as_config, _seconds
 from .heartbeat import LeaseManager
 from .locks import DEFAULT_LOCK_URL, LockStore, Node, lock_store_from_url
 from .node import default_node_id, outbound_ip
-from .record import DEFAULT_MAX_ATTRS_BYTES, LockRecord
+from .record import DEFAULT_MAX_ATTRS_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +98,10 @@ class MutexSchedulerMixin:
         self.max_attrs_bytes = max_attrs_bytes
         self._own_store = lock_store is None  # built from the URL here: closed by shutdown()
         self._leases: LeaseManager | None = None
-        self._catch_ups: ThreadPoolExecutor | None = None
+        self._catch_up: CatchUp | None = None
         self._guarded: dict[str, GuardedJob] = {}  # job id -> guard
         self._user_misfire: set[str] = set()
         self._used_ids: set[str] = set()
-        self._started_at: datetime | None = None
         self._setup_lock = threading.RLock()  # add_job from several threads, and start()
         gconfig = args[0] if args and isinstance(args[0], Mapping) else kwargs.get("gconfig", {})
         if not any(str(k).endswith("timezone") for k in gconfig):
@@ -347,10 +345,9 @@ class MutexSchedulerMixin:
             self._check_guarded_executors()
             locks = {g.lock: g.ttl for g in self._guarded.values() if not g.config.callable_lock}
             store = self.lock_store  # a bad URL fails here, before anything starts
-            self._started_at = datetime.now(timezone.utc)
-            self._catch_ups = WorkerPool(1, thread_name_prefix="mutexcron-catch-up")
+            self._catch_up = CatchUp(self, lambda: self._guarded)
             self._leases = LeaseManager(
-                store, self.node, locks, on_acquired=self._queue_catch_up, max_attrs_bytes=self.max_attrs_bytes
+                store, self.node, locks, on_acquired=self._catch_up.queue, max_attrs_bytes=self.max_attrs_bytes
             )
             self._guard_context.leases = self._leases
             for job in aps.pending_jobs(self):
@@ -401,8 +398,8 @@ class MutexSchedulerMixin:
         try:
             super().shutdown(wait=wait and not busy)  # type: ignore[misc]
         finally:
-            if self._catch_ups is not None:
-                self._catch_ups.shutdown(wait=False, cancel_futures=True)
+            if self._catch_up is not None:
+                self._catch_up.shutdown()
             if self._own_store and self._lock_store is not None and not busy:
                 self._lock_store.close()
                 self._lock_store = None
@@ -418,44 +415,6 @@ class MutexSchedulerMixin:
         if self.running and os.getpid() == self._started_pid:  # type: ignore[attr-defined]
             log.info("interpreter exiting: stopping the scheduler and releasing its leases")
             self.shutdown(wait=True)
-
-    def _queue_catch_up(self, lock: str, before: LockRecord | None) -> None:
-        """Called on a change of holder (heartbeat thread or a tick): catch up on another thread."""
-        pool = self._catch_ups
-        if pool is not None:
-            try:
-                pool.submit(self._catch_up, lock, before)
-            except RuntimeError:  # shut down meanwhile
-                pass
-
-    def _catch_up(self, lock: str, before: LockRecord | None) -> None:
-        """After taking a lock over, run each of its jobs once for the latest fire time missed.
-
-        Only fire times after this scheduler started, after the job's last claimed fire time and
-        within the job's ``misfire_grace_time`` count; the claim in the store still decides.
-        """
-        now = datetime.now(timezone.utc)
-        if not self.running:  # type: ignore[attr-defined]
-            return
-        for job_id, guard in list(self._guarded.items()):
-            if guard.lock != lock:
-                continue
-            job = self.get_job(job_id)  # type: ignore[attr-defined]
-            if job is None or job.next_run_time is None:
-                continue
-            grace = job.misfire_grace_time
-            floor = self._started_at or now
-            if grace is not None:
-                floor = max(floor, now - timedelta(seconds=grace))
-            last = before.fire_times.get(guard.job_id) if before is not None else None
-            missed = latest_fire_time(job.trigger, floor, now, after=last)
-            if missed is None:
-                continue
-            log.warning("job %r: catching up fire time %s missed during the failover of lock %r", job_id, missed, lock)
-            try:
-                aps.lookup_executor(self, job.executor).submit_job(job, [missed])
-            except MaxInstancesReachedError:
-                log.info("job %r still running; no catch-up", job_id)
 
 
 def _at_exit(hook: Callable[[], None]) -> None:
