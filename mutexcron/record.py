@@ -6,11 +6,12 @@ import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from types import MappingProxyType
 from typing import Any
 
 from .errors import AttrsError
+from .timeutil import us_from_datetime as us_from_datetime  # re-exported: guard.py and firetimes.py use it
 
 #: Keys a LockRecord answers before it looks in the user attrs.
 RECORD_KEYS: tuple[str, ...] = (
@@ -187,18 +188,3 @@ def load_attrs(text: str | bytes | None) -> dict[str, Any]:
         return {}
     value = json.loads(text)
     return dict(value) if isinstance(value, dict) else {}
-
-
-def utc_from_us(value: int | float | None) -> datetime | None:
-    """A UTC datetime from epoch microseconds."""
-    if value is None:
-        return None
-    return datetime.fromtimestamp(int(value) / 1_000_000, tz=timezone.utc)
-
-
-def us_from_datetime(value: datetime) -> int:
-    """Epoch microseconds from an aware datetime (naive ones are taken as UTC)."""
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=timezone.utc)
-    delta = value - datetime(1970, 1, 1, tzinfo=timezone.utc)
-    return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds

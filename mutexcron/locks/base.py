@@ -27,9 +27,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any
 
-from ..record import LockRecord, utc_from_us
+from ..record import LockRecord
+from ..timeutil import MICROSECONDS, as_utc
 from ..urls import mask_url
 
 
@@ -88,7 +89,7 @@ def fire_times_from_json(fires: Mapping[str, Any] | None) -> dict[str, datetime]
     out: dict[str, datetime] = {}
     for job, value in (fires or {}).items():
         fire_us = value[0] if isinstance(value, (list, tuple)) else value
-        when = utc_from_us(fire_us)
+        when = as_utc(fire_us, epoch_unit=MICROSECONDS)
         if when is not None:
             out[job] = when
     return out
@@ -110,11 +111,11 @@ def claim_won(fires: Mapping[str, Any] | None, claim: FireClaim | None) -> bool:
 class LockStore(ABC):
     """A store of named, leased lock records.
 
-    Subclasses declare their URL ``schemes`` and are built from a URL by
-    :func:`mutexcron.locks.lock_store_from_url`.
+    The stores of :mod:`mutexcron.locks` stand on a backend (:mod:`mutexcron.backends`: the
+    connection, the clock, the error translation) and are built from a URL by
+    :func:`mutexcron.locks.lock_store_from_url`. ``url`` is what the store reports (wrappers
+    around another store pass that store's URL).
     """
-
-    schemes: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, url: str) -> None:
         self.url = url

@@ -1,20 +1,19 @@
 """``memory://``: an in-process lock store for tests and single-process use.
 
 ``memory://`` gives a private store; ``memory://NAME`` shares one store between every
-``memory://NAME`` in the same process (handy for several schedulers in one test).
+``memory://NAME`` in the same process (handy for several schedulers in one test). The rows live
+in the ``locks`` table of a :class:`~mutexcron.backends.memory.MemoryBackend`.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
-from typing import Any, ClassVar
+from typing import Any
 
+from ..backends.memory import MemoryBackend
 from ..record import LockRecord, dump_attrs
 from .base import AcquireResult, FireClaim, LockStore, Node, RunInfo, claim_won, fire_times_from_json
 
@@ -33,47 +32,43 @@ class _Row:
     last_error: str | None = None
 
 
-class _Shared:
-    def __init__(self) -> None:
-        self.rows: dict[str, _Row] = {}
-        self.mutex = threading.Lock()
-
-
 class MemoryLockStore(LockStore):
-    """A dict behind a mutex. Its clock is ``clock`` (monotonic seconds), injectable for tests."""
+    """A dict behind a mutex. Its clock is ``clock`` (monotonic seconds), injectable for tests.
 
-    schemes = ("memory",)
-    _named: ClassVar[dict[str, _Shared]] = {}
-    _named_mutex: ClassVar[threading.Lock] = threading.Lock()
+    Args:
+        url: ``memory://`` or ``memory://NAME``, or a ready :class:`MemoryBackend`.
+        clock: the store's clock (with a URL only).
+    """
 
-    def __init__(self, url: str = "memory://", *, clock: Callable[[], float] | None = None) -> None:
-        super().__init__(url)
-        self.clock = clock or time.monotonic
-        name = url.partition("://")[2].strip("/")
-        if name:
-            with self._named_mutex:
-                self._shared = self._named.setdefault(name, _Shared())
+    def __init__(self, url: str | MemoryBackend = "memory://", *, clock: Callable[[], float] | None = None) -> None:
+        if isinstance(url, MemoryBackend):
+            if clock is not None:
+                raise TypeError("clock= belongs to the backend: MemoryBackend(url, clock=...)")
+            backend = url
         else:
-            self._shared = _Shared()
+            backend = MemoryBackend(url, clock=clock)
+        super().__init__(backend.url)
+        self.backend = backend
+        self._rows: dict[str, _Row] = backend.table("locks")
 
-    # -- helpers -----------------------------------------------------------------------------
-    def _wall(self, at: float | None, now: float) -> datetime | None:
-        if at is None:
-            return None
-        return datetime.now(timezone.utc) - timedelta(seconds=now - at)
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The store's clock (the backend's)."""
+        return self.backend.clock
 
     def _record(self, name: str, row: _Row, now: float) -> LockRecord:
+        wall = self.backend.wall
         return LockRecord(
             name=name,
             holder=row.holder,
             active_ip=row.active_ip,
             token=row.token,
-            update_time=self._wall(row.hb, now),
+            update_time=wall(row.hb, now),
             heartbeat_age=max(0.0, now - row.hb),
             ttl=row.ttl,
             fire_times=fire_times_from_json(row.fires),
-            last_run_started=self._wall(row.last_run_started, now),
-            last_run_finished=self._wall(row.last_run_finished, now),
+            last_run_started=wall(row.last_run_started, now),
+            last_run_finished=wall(row.last_run_finished, now),
             last_error=row.last_error,
             attrs=json.loads(row.attrs),
         )
@@ -82,12 +77,12 @@ class MemoryLockStore(LockStore):
     def acquire_or_renew(
         self, name: str, node: Node, ttl: float, claim: FireClaim | None = None
     ) -> AcquireResult:
-        with self._shared.mutex:
+        with self.backend.mutex:
             now = self.clock()
-            row = self._shared.rows.get(name)
+            row = self._rows.get(name)
             if row is None:
                 row = _Row(holder=None, active_ip=None, token=0, hb=now, ttl=ttl)
-                self._shared.rows[name] = row
+                self._rows[name] = row
             free = row.holder is None or row.holder == node.node_id or now - row.hb > row.ttl
             if free:
                 if row.holder != node.node_id:
@@ -109,9 +104,9 @@ class MemoryLockStore(LockStore):
         run: RunInfo | None = None,
     ) -> bool:
         text = dump_attrs(attrs, job=name) if attrs is not None else None
-        with self._shared.mutex:
+        with self.backend.mutex:
             now = self.clock()
-            row = self._shared.rows.get(name)
+            row = self._rows.get(name)
             if row is None or row.holder != node.node_id or row.token != token:
                 return False
             row.hb = now
@@ -125,33 +120,35 @@ class MemoryLockStore(LockStore):
 
     def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
         renewed: set[str] = set()
-        with self._shared.mutex:
+        with self.backend.mutex:
             now = self.clock()
             for name, token in leases.items():
-                row = self._shared.rows.get(name)
+                row = self._rows.get(name)
                 if row is not None and row.holder == node.node_id and row.token == token:
                     row.hb = now
                     renewed.add(name)
         return renewed
 
     def release(self, name: str, node: Node, token: int) -> bool:
-        with self._shared.mutex:
-            row = self._shared.rows.get(name)
+        with self.backend.mutex:
+            row = self._rows.get(name)
             if row is None or row.holder != node.node_id or row.token != token:
                 return False
             row.holder = None
             return True
 
     def read(self, name: str) -> LockRecord | None:
-        with self._shared.mutex:
-            row = self._shared.rows.get(name)
+        with self.backend.mutex:
+            row = self._rows.get(name)
             return None if row is None else self._record(name, row, self.clock())
 
     def list(self) -> list[LockRecord]:
-        with self._shared.mutex:
+        with self.backend.mutex:
             now = self.clock()
-            return [self._record(n, r, now) for n, r in sorted(self._shared.rows.items())]
+            return [self._record(n, r, now) for n, r in sorted(self._rows.items())]
 
     def ping(self) -> None:
-        with self._shared.mutex:
-            pass
+        self.backend.ping()
+
+    def close(self) -> None:
+        self.backend.close()
