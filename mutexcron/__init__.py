@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .asyncio_scheduler import AsyncIOMutexScheduler
 from .errors import (
     AttrsError,
     ConfigurationError,
@@ -20,6 +21,7 @@ from .scheduler import BlockingMutexScheduler, MutexScheduler, MutexSchedulerMix
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncIOMutexScheduler",
     "AttrsError",
     "BlockingMutexScheduler",
     "ConfigurationError",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ from datetime import datetime
 from typing import Any, NoReturn, TypeVar
 
 import click
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from click.core import ParameterSource
 
 from . import __version__
@@ -127,7 +129,10 @@ def run(
         stopper = _GracefulStop(sched, shutdown_timeout)
         signal.signal(signal.SIGTERM, stopper.on_signal)
         signal.signal(signal.SIGINT, stopper.on_signal)
-        sched.start()  # a BlockingMutexScheduler returns from here only once it is shut down
+        if isinstance(sched, AsyncIOScheduler):
+            asyncio.run(_serve_on_loop(sched, stopper))
+        else:
+            sched.start()  # a BlockingMutexScheduler returns from here only once it is shut down
     except Exception as exc:  # noqa: BLE001 - any startup failure is one message and an exit code
         _fail_on(exc, debug=debug, what="startup")
     stopper.wait()
@@ -137,6 +142,16 @@ def run(
         logging.shutdown()
         os._exit(1)
     log.info("stopped")
+
+
+async def _serve_on_loop(sched: Any, stopper: _GracefulStop) -> None:
+    """Run an asyncio-flavoured scheduler until a signal's graceful stop has finished.
+
+    The stop runs on the stopper's thread (it waits for guarded runs while the loop keeps them
+    going), so this coroutine only waits for it.
+    """
+    sched.start()
+    await asyncio.to_thread(stopper.wait)
 
 
 class _GracefulStop:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import inspect
 import logging
 import math
 import os
@@ -246,7 +247,7 @@ class MutexSchedulerMixin:
             if misfire_grace_time is not undefined:  # the user's choice wins, even if mutex() comes later
                 self._user_misfire.add(id)
         if config is not None:
-            guard = GuardedJob(self._guard_context, raw, config, job_id=str(id))
+            guard = self._guard(raw, config, str(id))
             self._check_group(guard)  # before anything is added
             func = guard
             trigger, trigger_args = self._guarded_trigger(trigger, trigger_args, guard), {}
@@ -291,6 +292,21 @@ class MutexSchedulerMixin:
             candidate = f"{base}#{n}"
         return candidate
 
+    def _guard(self, func: Callable[..., Any], config: MutexConfig, job_id: str) -> GuardedJob:
+        """The guard for ``func``: a coroutine function needs the asyncio flavour."""
+        if not inspect.iscoroutinefunction(func) or config.callable_lock:
+            return GuardedJob(self._guard_context, func, config, job_id)
+        if not self._runs_coroutines:
+            raise ConfigurationError(
+                f"job {job_id!r} is a coroutine function (async def): use mutexcron.AsyncIOMutexScheduler, "
+                f"not {type(self).__name__}"
+            )
+        from .guard_async import AsyncGuardedJob
+
+        return AsyncGuardedJob(self._guard_context, func, config, job_id)
+
+    _runs_coroutines = False  # True on the asyncio flavour
+
     def _check_group(self, guard: GuardedJob) -> None:
         """Jobs sharing a lock share one lease length."""
         if guard.config.callable_lock:
@@ -308,7 +324,7 @@ class MutexSchedulerMixin:
             self._leases.add_lock(guard.lock, guard.ttl)
 
     def _guard_existing(self, job: Any, func: Callable[..., Any], config: MutexConfig) -> None:
-        guard = GuardedJob(self._guard_context, func, config, job_id=job.id)
+        guard = self._guard(func, config, job.id)
         self._check_group(guard)
         changes: dict[str, Any] = {"func": guard}
         if job.id not in self._user_misfire and self._leases is not None:
@@ -340,8 +356,9 @@ class MutexSchedulerMixin:
             if self._node_id_for_pid is not None and self._node_id_for_pid != os.getpid():
                 self.node_id, self._node_id_for_pid = default_node_id(), os.getpid()
             for alias, executor in list(aps.executors(self).items()):
-                if type(executor) is ThreadPoolExecutor:
-                    aps.replace_executor(self, alias, MutexThreadPoolExecutor(aps.pool_size(executor)))
+                mutex_executor = self._mutex_executor(executor)
+                if mutex_executor is not None:
+                    aps.replace_executor(self, alias, mutex_executor)
             self._check_guarded_executors()
             locks = {g.lock: g.ttl for g in self._guarded.values() if not g.config.callable_lock}
             store = self.lock_store  # a bad URL fails here, before anything starts
@@ -374,14 +391,20 @@ class MutexSchedulerMixin:
             if guard is None or guard.config.callable_lock:
                 continue
             executor = aps.executors(self).get(job.executor)
-            if executor is not None and not isinstance(executor, MutexThreadPoolExecutor):
+            if executor is not None and type(executor) is not type(self._create_default_executor()):
                 raise ConfigurationError(
                     f"guarded job {job.id!r} uses executor {job.executor!r} ({type(executor).__name__}); guarded "
-                    "jobs need a mutexcron.MutexThreadPoolExecutor (the default) to know their fire time"
+                    "jobs need mutexcron's executor (the default) to know their fire time"
                 )
 
     def _create_default_executor(self) -> Any:
         return MutexThreadPoolExecutor()
+
+    def _mutex_executor(self, executor: Any) -> Any:
+        """mutexcron's executor in place of a plain APScheduler one you configured, or None."""
+        if type(executor) is ThreadPoolExecutor:
+            return MutexThreadPoolExecutor(aps.pool_size(executor))
+        return None
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop scheduling, wait for running jobs, release the leases, close the store.
@@ -390,10 +413,8 @@ class MutexSchedulerMixin:
         ``shutdown_timeout`` seconds, after which their leases are left to expire. A guarded job
         still running then also stops the wait for unguarded ones, so the process can exit.
         """
+        self._stop_leases(self.shutdown_timeout if wait else 0.0)
         leases = self._leases
-        if leases is not None and self.running:  # type: ignore[attr-defined]
-            self.pause()  # type: ignore[attr-defined]  # no new fire times while guarded runs end
-            leases.stop(self.shutdown_timeout if wait else 0.0)
         busy = bool(leases is not None and leases.running())
         try:
             super().shutdown(wait=wait and not busy)  # type: ignore[misc]
@@ -403,6 +424,13 @@ class MutexSchedulerMixin:
             if self._own_store and self._lock_store is not None and not busy:
                 self._lock_store.close()
                 self._lock_store = None
+
+    def _stop_leases(self, timeout: float) -> None:
+        """Stop scheduling, wait up to ``timeout`` for guarded runs, release the leases."""
+        leases = self._leases
+        if leases is not None and self.running and not leases.stopping:  # type: ignore[attr-defined]
+            self.pause()  # type: ignore[attr-defined]  # no new fire times while guarded runs end
+            leases.stop(timeout)
 
     def running_guarded_jobs(self) -> dict[str, int]:
         """Guarded runs in progress on this node, per lock (after ``shutdown()``: those that

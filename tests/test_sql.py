@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 import sqlalchemy
 
+from mutexcron.backends.sql_dialects import OPERATION_TIMEOUT
 from mutexcron.errors import ConfigurationError, StoreError, StoreUnavailableError
 from mutexcron.locks import FireClaim, Node, RunInfo
-from mutexcron.locks.sql import OPERATION_TIMEOUT, SQLLockStore
+from mutexcron.locks.sql import SQLLockStore
 from tests.backends import StoreCtx, backend_params, open_backend
 
 A = Node("a:1:aa", "10.0.0.1")
@@ -190,7 +191,7 @@ def _mysql8_store(ctx: StoreCtx) -> MySQL8Store:
     store = MySQL8Store(ctx.url or "")
     ctx.opened.append(store)
     store.ping()  # connects (and creates the table) with the dialect forced
-    assert not store._dialect.returning, "the seam must select the MySQL 8 path"
+    assert not store._sql.acquire_returns_row, "the seam must select the MySQL 8 path"
     return store
 
 

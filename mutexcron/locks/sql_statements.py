@@ -1,0 +1,245 @@
+"""Every statement the SQL lock store runs, one table per dialect, side by side.
+
+A new dialect (or a dialect's variant, like MariaDB's ``RETURNING``) is one more
+:class:`LockStatements` row; the store has no per-dialect branches. Templates are filled once per
+store by :meth:`LockStatements.bind`, with the backend's table and clock:
+
+* ``{t}`` the table, ``{cols}`` the record columns;
+* the database's clock (:class:`mutexcron.backends.sql_dialects.SQLClock`): ``{now}``, ``{age}`` (seconds
+  since ``hb``), ``{stale}`` (``hb`` older than the holder's ``ttl_ms``), ``{run_started}``
+  (``{now}`` minus the run's ``:dur``); ``{l_age}`` and ``{l_stale}`` are the same on the row
+  alias ``l`` (PostgreSQL's upsert needs it: unqualified columns are ambiguous there).
+
+``{pairs}`` and ``{names}`` stay in the bound text: each call fills them with its own parameters.
+Every value is a bound parameter; the table name is checked against
+:data:`mutexcron.backends.sql.TABLE_RE`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..backends.sql_dialects import SQLClock
+
+COLUMNS = "name, holder, active_ip, token, hb, ttl_ms, attrs, fires, last_run_started, last_run_finished, last_error"
+#: A fire time no claim can be below: ``COALESCE(stored, -1) < -1`` is always false.
+NO_CLAIM = -1
+
+#: (statement, parameters) for ``renew_many`` of ``{name: token}``: each dialect passes the list its own way.
+RenewShape = Callable[[str, Mapping[str, int]], tuple[str, dict[str, Any]]]
+
+
+def _renew_json_records(sql: str, leases: Mapping[str, int]) -> tuple[str, dict[str, Any]]:
+    """PostgreSQL: one JSON array of ``{name, token}`` records (``jsonb_to_recordset``)."""
+    return sql, {"leases": json.dumps([{"name": n, "token": t} for n, t in leases.items()])}
+
+
+def _renew_joined_keys(sql: str, leases: Mapping[str, int]) -> tuple[str, dict[str, Any]]:
+    """SQLite: one JSON array of ``name<US>token`` keys (``json_each``)."""
+    return sql, {"keys": json.dumps([f"{n}\x1f{t}" for n, t in leases.items()])}
+
+
+def _renew_row_values(sql: str, leases: Mapping[str, int]) -> tuple[str, dict[str, Any]]:
+    """MySQL/MariaDB: ``(name, token) IN ((:n0, :t0), ...)``, two parameters per lease."""
+    params: dict[str, Any] = {}
+    pairs = []
+    for i, (n, t) in enumerate(leases.items()):
+        params[f"n{i}"], params[f"t{i}"] = n, t
+        pairs.append(f"(:n{i}, :t{i})")
+    return sql.replace("{pairs}", ", ".join(pairs)), params
+
+
+#: ``heartbeat`` by (stores attrs, stores the last run): the same on every dialect but for the clock.
+_HEARTBEATS: Mapping[tuple[bool, bool], str] = {
+    (False, False): "UPDATE {t} SET hb = {now} WHERE name = :name AND holder = :me AND token = :token",
+    (True, False): "UPDATE {t} SET hb = {now}, attrs = :attrs WHERE name = :name AND holder = :me AND token = :token",
+    (False, True): "UPDATE {t} SET hb = {now}, last_run_started = {run_started}, last_run_finished = {now}, "
+    "last_error = :err WHERE name = :name AND holder = :me AND token = :token",
+    (True, True): "UPDATE {t} SET hb = {now}, attrs = :attrs, last_run_started = {run_started}, last_run_finished = {now}, "
+    "last_error = :err WHERE name = :name AND holder = :me AND token = :token",
+}
+
+
+@dataclass(frozen=True)
+class LockStatements:
+    """The lock store's statements on one dialect. Defaults are the statements every dialect shares."""
+
+    dialect: str
+    ddl: tuple[str, ...]
+    #: The conditional upsert, with the fire claim: params name, me, ip, ttl_ms, job, jpath0, ft, nonce.
+    acquire: str
+    #: False (MySQL 8): no RETURNING; the store reads the row back in the same transaction.
+    acquire_returns_row: bool
+    renew_many: str
+    renew_shape: RenewShape
+    #: True: ``renew_many`` returns the renewed names; False: the store checks the count, then reads.
+    renew_returns_names: bool
+    heartbeat: Mapping[tuple[bool, bool], str] = field(default_factory=lambda: dict(_HEARTBEATS))
+    release: str = "UPDATE {t} SET holder = NULL WHERE name = :name AND holder = :me AND token = :token"
+    read_one: str = "SELECT {cols}, {age} AS age FROM {t} WHERE name = :name"
+    read_many: str = "SELECT {cols}, {age} AS age FROM {t} WHERE name IN ({names})"
+    read_all: str = "SELECT {cols}, {age} AS age FROM {t} ORDER BY name"
+
+    def bind(self, table: str, clock: SQLClock) -> LockStatements:
+        """This row with every template filled for ``table`` and the backend's ``clock`` (``{pairs}`` and ``{names}`` kept)."""
+        fill = {
+            "t": table,
+            "cols": COLUMNS,
+            "now": clock.now,
+            "age": clock.age_of("hb"),
+            "stale": clock.stale_of("hb", "ttl_ms"),
+            "run_started": clock.minus_seconds,
+            "l_age": clock.age_of("l.hb"),
+            "l_stale": clock.stale_of("l.hb", "l.ttl_ms"),
+            "pairs": "{pairs}",
+            "names": "{names}",
+        }
+        return dataclasses.replace(
+            self,
+            ddl=tuple(s.format(**fill) for s in self.ddl),
+            acquire=self.acquire.format(**fill),
+            renew_many=self.renew_many.format(**fill),
+            heartbeat={key: s.format(**fill) for key, s in self.heartbeat.items()},
+            release=self.release.format(**fill),
+            read_one=self.read_one.format(**fill),
+            read_many=self.read_many.format(**fill),
+            read_all=self.read_all.format(**fill),
+        )
+
+
+POSTGRESQL = LockStatements(
+    dialect="postgresql",
+    ddl=(
+        """CREATE TABLE IF NOT EXISTS {t} (
+    name              varchar(191) PRIMARY KEY,
+    holder            varchar(255),
+    active_ip         varchar(64),
+    token             bigint       NOT NULL DEFAULT 0,
+    hb                timestamptz,
+    ttl_ms            bigint       NOT NULL DEFAULT 0,
+    attrs             text         NOT NULL DEFAULT '{{}}',
+    fires             jsonb        NOT NULL DEFAULT '{{}}',
+    last_run_started  timestamptz,
+    last_run_finished timestamptz,
+    last_error        text
+)""",
+        "CREATE INDEX IF NOT EXISTS {t}_holder ON {t} (holder)",
+    ),
+    acquire="""
+INSERT INTO {t} AS l (name, holder, active_ip, token, hb, ttl_ms, attrs, fires)
+VALUES (:name, :me, :ip, 1, {now}, :ttl_ms, '{{}}',
+        CASE WHEN CAST(:ft AS bigint) >= 0
+             THEN jsonb_build_object(CAST(:job AS text), jsonb_build_array(CAST(:ft AS bigint), CAST(:nonce AS text)))
+             ELSE '{{}}'::jsonb END)
+ON CONFLICT (name) DO UPDATE SET
+    token = CASE WHEN l.holder IS NOT DISTINCT FROM CAST(:me AS varchar) THEN l.token ELSE l.token + 1 END,
+    holder = :me, active_ip = :ip, hb = {now}, ttl_ms = :ttl_ms,
+    fires = CASE WHEN COALESCE(CAST(l.fires -> CAST(:job AS text) ->> 0 AS bigint), -1) < CAST(:ft AS bigint)
+                 THEN l.fires || jsonb_build_object(CAST(:job AS text),
+                                                    jsonb_build_array(CAST(:ft AS bigint), CAST(:nonce AS text)))
+                 ELSE l.fires END
+WHERE l.holder = :me OR l.holder IS NULL OR {l_stale}
+RETURNING {cols}, {l_age} AS age""",
+    acquire_returns_row=True,
+    renew_many="""
+UPDATE {t} AS l SET hb = {now}
+FROM jsonb_to_recordset(CAST(:leases AS jsonb)) AS v(name text, token bigint)
+WHERE l.name = v.name AND l.token = v.token AND l.holder = :me
+RETURNING l.name""",
+    renew_shape=_renew_json_records,
+    renew_returns_names=True,
+)
+
+# MySQL assigns ON DUPLICATE KEY UPDATE columns left to right, and later expressions see the new
+# values. So ``token`` and ``fires`` come first (they read the old holder), then ``holder``, and
+# only then ``ttl_ms``/``hb``, which ``_MY_FREE`` also reads: once holder is set to :me, ``_MY_FREE``
+# stays true for the rest of the list iff it was true at the start.
+_MY_FREE = "(holder = :me OR holder IS NULL OR {stale})"
+_MYSQL_ACQUIRE = """
+INSERT INTO {t} (name, holder, active_ip, token, hb, ttl_ms, attrs, fires)
+VALUES (:name, :me, :ip, 1, {now}, :ttl_ms, '{{}}',
+        IF(:ft >= 0, JSON_OBJECT(:job, JSON_ARRAY(:ft, :nonce)), '{{}}'))
+ON DUPLICATE KEY UPDATE
+    token = IF({free}, IF(holder <=> :me, token, token + 1), token),
+    fires = IF({free} AND COALESCE(CAST(JSON_EXTRACT(fires, :jpath0) AS SIGNED), -1) < :ft,
+               JSON_MERGE_PATCH(fires, JSON_OBJECT(:job, JSON_ARRAY(:ft, :nonce))), fires),
+    holder = IF({free}, :me, holder),
+    active_ip = IF({free}, :ip, active_ip),
+    ttl_ms = IF({free}, :ttl_ms, ttl_ms),
+    hb = IF({free}, {now}, hb)""".replace("{free}", _MY_FREE)
+
+MYSQL = LockStatements(
+    dialect="mysql",
+    ddl=(
+        """CREATE TABLE IF NOT EXISTS {t} (
+    name              VARCHAR(191) NOT NULL PRIMARY KEY,
+    holder            VARCHAR(255) NULL,
+    active_ip         VARCHAR(64)  NULL,
+    token             BIGINT       NOT NULL DEFAULT 0,
+    hb                DATETIME(6)  NULL,
+    ttl_ms            BIGINT       NOT NULL DEFAULT 0,
+    attrs             LONGTEXT     NOT NULL,
+    fires             LONGTEXT     NOT NULL,
+    last_run_started  DATETIME(6)  NULL,
+    last_run_finished DATETIME(6)  NULL,
+    last_error        TEXT         NULL,
+    INDEX {t}_holder (holder)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
+    ),
+    acquire=_MYSQL_ACQUIRE,
+    acquire_returns_row=False,  # MySQL 8 has no RETURNING
+    renew_many="UPDATE {t} SET hb = {now} WHERE holder = :me AND (name, token) IN ({pairs})",
+    renew_shape=_renew_row_values,
+    renew_returns_names=False,
+)
+
+#: MariaDB returns the row as updated, even from ON DUPLICATE KEY UPDATE (its UPDATE has no RETURNING).
+MARIADB = dataclasses.replace(
+    MYSQL, dialect="mariadb", acquire=_MYSQL_ACQUIRE + "\nRETURNING {cols}, {age}", acquire_returns_row=True
+)
+
+SQLITE = LockStatements(
+    dialect="sqlite",
+    ddl=(
+        """CREATE TABLE IF NOT EXISTS {t} (
+    name              TEXT    NOT NULL PRIMARY KEY,
+    holder            TEXT,
+    active_ip         TEXT,
+    token             INTEGER NOT NULL DEFAULT 0,
+    hb                TEXT,
+    ttl_ms            INTEGER NOT NULL DEFAULT 0,
+    attrs             TEXT    NOT NULL DEFAULT '{{}}',
+    fires             TEXT    NOT NULL DEFAULT '{{}}',
+    last_run_started  TEXT,
+    last_run_finished TEXT,
+    last_error        TEXT
+)""",
+        "CREATE INDEX IF NOT EXISTS {t}_holder ON {t} (holder)",
+    ),
+    acquire="""
+INSERT INTO {t} (name, holder, active_ip, token, hb, ttl_ms, attrs, fires)
+VALUES (:name, :me, :ip, 1, {now}, :ttl_ms, '{{}}',
+        CASE WHEN :ft >= 0 THEN json_object(:job, json_array(:ft, :nonce)) ELSE '{{}}' END)
+ON CONFLICT (name) DO UPDATE SET
+    token = CASE WHEN holder IS :me THEN token ELSE token + 1 END,
+    holder = :me, active_ip = :ip, hb = {now}, ttl_ms = :ttl_ms,
+    fires = CASE WHEN COALESCE((SELECT json_extract(value, '$[0]') FROM json_each(fires) WHERE key = :job), -1) < :ft
+                 THEN json_patch(fires, json_object(:job, json_array(:ft, :nonce))) ELSE fires END
+WHERE holder = :me OR holder IS NULL
+   OR {stale}
+RETURNING {cols}, {age}""",
+    acquire_returns_row=True,
+    renew_many="""
+UPDATE {t} SET hb = {now}
+WHERE holder = :me AND (name || char(31) || token) IN (SELECT value FROM json_each(:keys))
+RETURNING name""",
+    renew_shape=_renew_joined_keys,
+    renew_returns_names=True,
+)
+
+#: The statements for each backend dialect; MariaDB's row replaces MySQL's once the server says it is MariaDB.
+STATEMENTS: dict[str, LockStatements] = {"postgresql": POSTGRESQL, "mysql": MYSQL, "sqlite": SQLITE}

@@ -1,0 +1,219 @@
+"""AsyncIOMutexScheduler: guarded coroutine jobs with every guarantee of the thread flavour.
+
+Each node is a real event loop on a thread of its own (or a real `mutexcron run` process), and
+the store is a real SQLite file or Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mutexcron import AsyncIOMutexScheduler, ConfigurationError, MutexScheduler, current_lease
+from mutexcron.locks import lock_store_from_url
+from tests.backends import require_server
+from tests.netproxy import DelayProxy
+
+pytestmark = pytest.mark.sqlite
+
+
+class LoopNode:
+    """An AsyncIOMutexScheduler on its own event loop thread, as a separate app replica would be."""
+
+    def __init__(self, setup: Callable[[AsyncIOMutexScheduler], None], **options: Any) -> None:
+        self.sched = AsyncIOMutexScheduler(**options)
+        setup(self.sched)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.call(self._start())
+
+    async def _start(self) -> None:
+        self.sched.start()
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 60) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self.sched.running:
+            self.call(self.sched.shutdown_async())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def test_guarded_coroutines_run_once_per_fire_time_across_two_loops(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/aio.db"
+    runs: list[tuple[str, datetime, int]] = []
+
+    def setup(node: str) -> Callable[[AsyncIOMutexScheduler], None]:
+        def add(sched: AsyncIOMutexScheduler) -> None:
+            @sched.mutex(lock="aio")
+            @sched.cron_schedule(second="*")
+            async def tick(n: int = 0) -> dict[str, int]:
+                lease = current_lease()  # contextvars: visible inside the coroutine
+                runs.append((node, lease.fire_time, n))
+                await asyncio.sleep(0.05)
+                return {"n": n + 1}
+
+        return add
+
+    nodes = [LoopNode(setup(name), lock_url=url, node_id=name, unactive_interval=2) for name in ("a", "b")]
+    try:
+        time.sleep(4.5)
+    finally:
+        for node in nodes:
+            node.stop()
+    fires = Counter(fire for _node, fire, _n in runs)
+    assert runs and max(fires.values()) == 1, f"a fire time ran twice: {runs}"
+    counters = [n for _node, _fire, n in runs]
+    assert counters == list(range(len(counters))), "attrs handed from run to run, fenced"
+    assert len({node for node, _f, _n in runs}) == 1, "one holder while nobody fails"
+    store = lock_store_from_url(url)
+    record = store.read("aio")
+    store.close()
+    assert record is not None and record.holder is None, "shutdown_async released the lease"
+
+
+@pytest.mark.redis
+def test_a_job_that_blocks_the_loop_past_its_lease_keeps_renewals_going(tmp_path: Path) -> None:
+    """APScheduler #1116: renewals on the loop starve when a job blocks it. Ours run on a thread."""
+    url = f"{require_server('redis')}?namespace=aio-{os.getpid()}-{time.time_ns()}"
+    lost: list[bool] = []
+
+    def add(sched: AsyncIOMutexScheduler) -> None:
+        @sched.mutex(lock="blocker")
+        @sched.cron_schedule(second="*/10")
+        async def blocker() -> None:
+            time.sleep(2.5)  # blocks the event loop for 2.5 leases
+            lost.append(current_lease().lost)
+
+    node = LoopNode(add, lock_url=url, node_id="a", unactive_interval=1)
+    standby = MutexScheduler(lock_url=url, node_id="b", unactive_interval=1)
+    standby_runs: list[datetime] = []
+    standby.add_job(lambda: standby_runs.append(current_lease().fire_time), "cron", second="*/10", id="blocker",
+                    mutex="blocker")
+    standby.start()
+    try:
+        deadline = time.monotonic() + 25
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        standby.shutdown(wait=True)
+        node.stop()
+    assert lost == [False], "renewals went on while the loop was blocked: the lease was never lost"
+    assert standby_runs == [], "no other node ran the fire time"
+
+
+@pytest.mark.redis
+def test_a_job_whose_renewals_fail_sees_lost(tmp_path: Path) -> None:
+    base = require_server("redis")
+    host, _, port = base.split("://", 1)[1].split("/", 1)[0].rpartition("@")[2].partition(":")
+    proxy = DelayProxy(host, int(port or 6379))
+    url = f"redis://127.0.0.1:{proxy.port}/0?namespace=aio-lost-{time.time_ns()}"
+    lost: list[bool] = []
+
+    def add(sched: AsyncIOMutexScheduler) -> None:
+        @sched.mutex(lock="slow")
+        @sched.cron_schedule(second="*/5")
+        async def job() -> None:
+            proxy.reply_delay = 3.0  # from now on every renewal's reply comes after the lease
+            await asyncio.sleep(2.5)
+            lost.append(current_lease().lost)
+            proxy.reply_delay = 0.0
+
+    node = LoopNode(add, lock_url=url, node_id="a", unactive_interval=1)
+    try:
+        deadline = time.monotonic() + 20
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        proxy.reply_delay = 0.0
+        node.stop()
+        proxy.close()
+    assert lost == [True], "renewals failed for longer than the lease: the job must see lost"
+
+
+def test_shutdown_async_waits_for_a_running_coroutine_then_releases(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/stop.db"
+    finished: list[bool] = []
+    began = threading.Event()
+
+    def add(sched: AsyncIOMutexScheduler) -> None:
+        @sched.mutex(lock="stop")
+        @sched.cron_schedule(second="*")
+        async def slow() -> None:
+            began.set()
+            await asyncio.sleep(1.0)
+            finished.append(True)
+
+    node = LoopNode(add, lock_url=url, node_id="a", unactive_interval=3)
+    assert began.wait(5)
+    node.stop()
+    store = lock_store_from_url(url)
+    record = store.read("stop")
+    store.close()
+    assert finished and record is not None and record.holder is None
+
+
+def test_coroutine_jobs_need_the_asyncio_flavour() -> None:
+    sched = MutexScheduler(lock_url="memory://aio-refuse")
+
+    async def job() -> None: ...
+
+    with pytest.raises(ConfigurationError, match="AsyncIOMutexScheduler"):
+        sched.add_job(job, "interval", seconds=1, id="job", mutex=True)
+
+
+ASYNC_JOBS = """
+import asyncio
+from mutexcron import AsyncIOMutexScheduler, current_lease
+sched = AsyncIOMutexScheduler(unactive_interval=3)
+
+@sched.mutex(lock="cli-aio")
+@sched.cron_schedule(second="*")
+async def tick(n: int = 0):
+    await asyncio.sleep(0.01)
+    return {"n": n + 1, "token": current_lease().token}
+"""
+
+
+def test_mutexcron_run_serves_an_asyncio_jobs_file_and_stops_on_sigterm(tmp_path: Path) -> None:
+    path = tmp_path / "aio_jobs.py"
+    path.write_text(ASYNC_JOBS)
+    url = f"sqlite:///{tmp_path}/cli.db"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mutexcron", "run", str(path), "--lock-url", url, "--node-id", "solo"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    store = lock_store_from_url(url)
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            record = store.read("cli-aio") if (tmp_path / "cli.db").exists() else None
+            if record is not None and record.attrs.get("n", 0) >= 2:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the coroutine job never ran twice")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    record = store.read("cli-aio")
+    store.close()
+    assert proc.returncode == 0, out
+    assert "released lock 'cli-aio'" in out, out
+    assert record is not None and record.holder is None and record.attrs["token"] == record.token
