@@ -217,3 +217,45 @@ def test_mutexcron_run_serves_an_asyncio_jobs_file_and_stops_on_sigterm(tmp_path
     assert proc.returncode == 0, out
     assert "released lock 'cli-aio'" in out, out
     assert record is not None and record.holder is None and record.attrs["token"] == record.token
+
+
+def test_two_fastapi_replicas_run_the_job_once_per_second(tmp_path: Path) -> None:
+    """examples/fastapi_app.py under two uvicorn processes: one run per fire time, then a clean stop."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import json
+    import socket
+
+    runs_log = tmp_path / "runs.jsonl"
+    url = f"sqlite:///{tmp_path}/fastapi.db"
+    env = {**os.environ, "MUTEXCRON_LOCK_URL": url, "FASTAPI_APP_RUNS_LOG": str(runs_log),
+           "MUTEXCRON_UNACTIVE_INTERVAL": "2"}
+    root = Path(__file__).resolve().parent.parent
+    replicas = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        replicas.append(subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "examples.fastapi_app:app", "--port", str(port), "--log-level", "warning"],
+            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))
+    try:
+        time.sleep(8)
+        for proc in replicas:
+            proc.send_signal(signal.SIGTERM)
+        outputs = [proc.communicate(timeout=20)[0] for proc in replicas]
+    finally:
+        for proc in replicas:
+            if proc.poll() is None:
+                proc.kill()
+    # uvicorn re-raises the signal once its shutdown is complete (exit by SIGTERM, not 0).
+    assert all(proc.returncode in (0, -signal.SIGTERM) for proc in replicas), outputs
+    runs = [json.loads(line) for line in runs_log.read_text().splitlines()]
+    fires = Counter(run["fire"] for run in runs)
+    assert len(runs) >= 4 and max(fires.values()) == 1, f"a fire time ran twice: {fires}"
+    store = lock_store_from_url(url)
+    record = store.read("fastapi-app-rates")
+    store.close()
+    assert record is not None and record.holder is None, "both replicas stopped: the lease was released"
+    assert record.attrs["refreshed"] == len(runs), "the counter was handed from run to run"
