@@ -23,9 +23,11 @@ mongomock = pytest.importorskip("mongomock")
 from pymongo.errors import DuplicateKeyError, WTimeoutError  # noqa: E402
 from pymongo.read_preferences import ReadPreference  # noqa: E402
 
+from mutexcron.backends.mongodb import SERVER_NOW, parse_url  # noqa: E402
 from mutexcron.errors import AttrsError, ConfigurationError, StoreUnavailableError  # noqa: E402
 from mutexcron.locks import FireClaim, Node, RunInfo, lock_store_from_url  # noqa: E402
-from mutexcron.locks.mongodb import EPOCH, SERVER_NOW, MongoDBLockStore, parse_url  # noqa: E402
+from mutexcron.locks.mongodb import MongoDBLockStore  # noqa: E402
+from mutexcron.timeutil import EPOCH  # noqa: E402
 from tests.backends import FakeClock, require_server  # noqa: E402
 from tests.mongomock_support import CLOCK_ORIGIN  # noqa: E402
 
