@@ -24,14 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import StoreError, StoreUnavailableError
+from .handoff import AttrsHandOff
+from .health import StoreHealth
 from .locks import AcquireResult, FireClaim, LockStore, Node, RunInfo
-from .record import LockRecord, dump_attrs
+from .record import LockRecord
 from .views import STANDBY_REFRESH, RecordViews
 
 log = logging.getLogger(__name__)
-
-MAX_BACKOFF = 30.0
-
 
 @dataclass
 class _Held:
@@ -67,23 +66,16 @@ class LeaseManager:
         self._locks = dict(locks)
         self.on_acquired = on_acquired
         self.clock = clock
-        self.max_attrs_bytes = max_attrs_bytes
         self._stopping = False
         self._held: dict[str, _Held] = {}
         self._mutex = threading.Lock()
-        self._state_lock = threading.Lock()
-        # Attrs as stored under this node's current token, per lock; every attrs write of the
-        # node goes through ``_writing[lock]``. Only the token holder can write attrs, so this
-        # node's serialised writes are the only writes: concurrent runs of a lock group merge.
-        self._attrs: dict[str, tuple[int, dict[str, Any]]] = {}
-        self._writing: dict[str, threading.Lock] = {}
+        self.handoff = AttrsHandOff(store, node, max_attrs_bytes)
+        self.health = StoreHealth(store.masked_url, node.node_id)
         self._running: dict[str, int] = {}
         self.views = RecordViews()  # other holders' records: standbys' ticks need no store call
         self._idle = threading.Condition(self._mutex)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._store_up: bool | None = None  # None until the first answer: log the first state too
-        self._failures = 0
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -127,27 +119,6 @@ class LeaseManager:
         now = self.clock()
         with self._mutex:
             return {n: h.token for n, h in self._held.items() if now < h.deadline}
-
-    def _store_state(self, up: bool, exc: BaseException | None = None) -> None:
-        with self._state_lock:  # ticks on executor threads and the heartbeat thread both report
-            self._log_store_state(up, exc)
-
-    def _log_store_state(self, up: bool, exc: BaseException | None) -> None:
-        if up:
-            self._failures = 0
-            if self._store_up is False:
-                log.warning("lock store %s is reachable again; guarded jobs resume", self.store.masked_url)
-            elif self._store_up is None:
-                log.info("lock store %s is reachable (node %s)", self.store.masked_url, self.node.node_id)
-        else:
-            self._failures += 1
-            if self._store_up is not False:
-                log.error(
-                    "lock store %s is unreachable: guarded jobs will not run until it is back; retrying (%s)",
-                    self.store.masked_url,
-                    exc,
-                )
-        self._store_up = up
 
     def _set_held(self, name: str, token: int, sent_at: float, ttl: float, previous: LockRecord | None) -> bool:
         """Record a held lease; True if this node just became the holder (then logs it once)."""
@@ -204,14 +175,14 @@ class LeaseManager:
         try:
             result = self.store.acquire_or_renew(name, self.node, ttl, claim)
         except (StoreUnavailableError, StoreError) as exc:
-            self._store_state(False, exc)
+            self.health.report(False, exc)
             return None
-        self._store_state(True)
+        self.health.report(True)
         self.views.seen(name, result.record, sent_at, self.clock(), self.node.node_id)
         if result.uncertain:
             log.info("lock %r: the store could not settle this acquire (contention); not counted", name)
         elif result.acquired:
-            self._remember_attrs(name, result.token, result.record)
+            self.handoff.remember(name, result.token, result.record)
             if self._set_held(name, result.token, sent_at, ttl, None):
                 # Another job of the same lock group may have missed a fire time during the
                 # failover; this job's own fire time is already claimed, so it is not repeated.
@@ -240,51 +211,17 @@ class LeaseManager:
             self._idle.notify_all()
 
     # -- attrs -------------------------------------------------------------------------------------
-    def _remember_attrs(self, name: str, token: int, record: LockRecord) -> None:
-        """Start the attrs cache for a token this node just got (later writes are its own)."""
-        with self._mutex:
-            cached = self._attrs.get(name)
-            if cached is None or cached[0] != token:
-                self._attrs[name] = (token, dict(record.attrs))
-            self._writing.setdefault(name, threading.Lock())
-
     def attrs(self, name: str, token: int) -> dict[str, Any]:
         """The attrs stored under ``token`` as this node knows them (a copy; {} if unknown)."""
-        with self._mutex:
-            cached = self._attrs.get(name)
-            return dict(cached[1]) if cached is not None and cached[0] == token else {}
-
-    def _write_attrs(
-        self, name: str, token: int, seen: set[str], attrs: Mapping[str, Any] | None, run: RunInfo | None, job: str
-    ) -> bool:
-        """One fenced write of attrs (merged) and run info. Raises StoreUnavailableError/StoreError.
-
-        The job's attrs replace the keys it was given (``seen``): keys it was given and did not
-        return are deleted, and keys it never saw (a group mate's) are kept.
-        """
-        with self._mutex:
-            writing = self._writing.setdefault(name, threading.Lock())
-        with writing:
-            merged = None
-            if attrs is not None:
-                base = self.attrs(name, token)
-                merged = {k: v for k, v in base.items() if k not in seen}
-                merged.update(attrs)
-                dump_attrs(merged, job=job, limit=self.max_attrs_bytes)
-            if not self.store.heartbeat(name, self.node, token, merged, run):
-                return False
-            if merged is not None:
-                with self._mutex:
-                    self._attrs[name] = (token, merged)
-            return True
+        return self.handoff.attrs(name, token)
 
     def checkpoint(self, name: str, token: int, seen: set[str], attrs: Mapping[str, Any], job: str) -> bool:
         """Store attrs during a run, conditional on holder and token (``Lease.save``)."""
-        dump_attrs(attrs, job=job, limit=self.max_attrs_bytes)  # bad attrs raise before any write
+        self.handoff.check(attrs, job)  # bad attrs raise before any write
         if not self.holds(name, token):
             return False
         try:
-            saved = self._write_attrs(name, token, seen, attrs, None, job)
+            saved = self.handoff.write(name, token, seen, attrs, None, job)
         except (StoreUnavailableError, StoreError) as exc:
             log.warning("checkpoint of lock %r not saved: %s", name, exc)
             return False
@@ -305,7 +242,7 @@ class LeaseManager:
         delay, give_up = 0.2, self.clock() + self.ttl(name)
         while True:
             try:
-                if self._write_attrs(name, token, seen, attrs, run, job):
+                if self.handoff.write(name, token, seen, attrs, run, job):
                     return True
                 log.warning(
                     "job %r finished after lock %r (token %d) passed to another node: its attrs and run info "
@@ -348,15 +285,14 @@ class LeaseManager:
             self._renew()
             if not self._stopping:
                 self._take_over()
-            self._store_state(True)
+            self.health.report(True)
         except (StoreUnavailableError, StoreError) as exc:
-            self._store_state(False, exc)
+            self.health.report(False, exc)
         except Exception:  # never let the heartbeat thread die
             log.exception("heartbeat round failed")
         self._expire()
-        if self._store_up is False:
-            backoff = min(MAX_BACKOFF, self.period * 2.0 ** min(self._failures, 8))
-            return min(backoff, self.period) if self.held() else backoff
+        if self.health.up is False:
+            return self.health.backoff(self.period, holding=bool(self.held()))
         return self._next_round()
 
     def _next_round(self) -> float:
@@ -413,7 +349,7 @@ class LeaseManager:
         self.views.seen(name, result.record, sent_at, self.clock(), self.node.node_id)
         if not result.acquired:
             return
-        self._remember_attrs(name, result.token, result.record)
+        self.handoff.remember(name, result.token, result.record)
         if self._set_held(name, result.token, sent_at, ttl, before):
             self._acquired(name, before)
 
