@@ -1,22 +1,26 @@
-"""How far it scales: 3 ``mutexcron run`` nodes, J guarded every-second jobs, each job its own lock.
+"""How far it scales, and what the guard costs: J every-second jobs on 3 nodes, guarded vs plain APScheduler.
 
-    python benchmarks/scale.py [--stores sqlite,postgresql] [--jobs 10,100,1000] [--duration 60]
+    python benchmarks/scale.py [--stores sqlite,redis] [--jobs 10,100,1000] [--groups 10] [--duration 30] [--json [FILE]]
 
-For each store and J it starts the nodes (through :class:`mutexcron.drill.Cluster`, so they are
-real processes and are cleaned up the same way), lets them warm up, then measures for
-``--duration`` seconds:
+Row sets: each ``--jobs`` count J with one lock per job, and the largest J in ``--groups`` lock
+groups (J / G jobs per lock). For each row set it first runs the **plain baseline**: ``--nodes``
+processes of ``plain_jobs.py``, each running all J jobs unguarded on a plain APScheduler
+``BlockingScheduler`` (APScheduler's floor). Then, for each store, ``--nodes`` ``mutexcron run``
+nodes of ``scale_jobs.py`` (through :class:`mutexcron.drill.Cluster`, so they are real processes
+and are cleaned up the same way) run the same J jobs guarded. Each run warms up, then measures for
+``--duration`` seconds starting on a whole second:
 
-* duplicates: a (job, fire time) that ran more than once (target 0);
-* missed: fire times in the window that never ran, or ran more than ``--drain`` s late (target 0);
-* start delay: when the job's function started minus its scheduled fire time, p50 and p99;
-* CPU seconds per node per minute, from ``/proc/<pid>/stat`` of each node;
-* store calls per second by all nodes, counted in the nodes by :class:`~mutexcron.drill.TimedLockStore`
-  (server-wide counters would also count other clients of a shared server), and the
-  ``acquire_or_renew`` latency the nodes saw under that load;
-* APScheduler's own warnings in the node logs: runs skipped because the previous run of the
-  job was still queued (``max_instances``), and runs later than the misfire grace time.
+* CPU seconds per node per minute: user + system of each node process, ``/proc/<pid>/stat``;
+* start delay p50/p99: when the job's function started minus its scheduled fire time;
+* store calls per second per node, counted in the nodes by the drill's
+  :class:`~mutexcron.drill.TimedLockStore` (plain: 0), and the ``acquire_or_renew`` latency they saw;
+* fire times run (within ``--drain`` s), missed, duplicated: guarded, cluster-wide (each fire time
+  of each job exactly once across the nodes); plain, per node (each node runs each fire time once);
+* APScheduler's warnings in the node logs: runs skipped by ``max_instances``, misfires.
 
-Prints markdown tables. The store URLs are those of ``overhead.py``.
+Every guarded figure is also printed as a ratio to the plain baseline of the same row set. Prints one
+markdown table per row set; ``--json`` prints JSON instead (or, with a file name, writes it there as
+well). The store URLs are those of ``overhead.py``.
 """
 
 from __future__ import annotations
@@ -28,13 +32,20 @@ import math
 import os
 import re
 import secrets
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import apscheduler
 from overhead import ALL_STORES, isolated, md_table, server_version
+from scale_runs import Run, read_runs
 
 from mutexcron.drill import Cluster, percentile
 from mutexcron.errors import MutexcronError
@@ -42,192 +53,436 @@ from mutexcron.locks import lock_store_from_url
 
 log = logging.getLogger("benchmarks.scale")
 
-JOBS_FILE = str(Path(__file__).with_name("scale_jobs.py"))  # what the nodes run
+GUARDED_JOBS = str(Path(__file__).with_name("scale_jobs.py"))  # what the guarded nodes run (mutexcron run)
+PLAIN_JOBS = str(Path(__file__).with_name("plain_jobs.py"))  # what the plain nodes run (python)
+PLAIN = f"plain APScheduler {apscheduler.__version__}"
+#: The figures printed as guarded / plain.
+RATIO_FIELDS = (
+    "cpu_per_node_min", "delay_p50", "delay_p99", "calls_per_s_node", "run", "missed", "duplicated",
+    "skipped_max_instances", "misfired",
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    duration: float
+    warmup: float
+    drain: float
+    nodes: int
+    lease: float
+    workers: int
+    pool_size: int | None
+
+
+@dataclass(frozen=True)
+class RowSet:
+    """J every-second jobs on L locks (L = J: each job its own lock)."""
+
+    jobs: int
+    locks: int
+
+    @property
+    def title(self) -> str:
+        if self.locks == self.jobs:
+            return f"{self.jobs:,} every-second jobs, each with its own lock"
+        return f"{self.jobs:,} every-second jobs in {self.locks:,} lock groups ({self.jobs / self.locks:g} jobs per lock)"
+
+
+@dataclass
+class Window:
+    """The measured window: wall-clock ``[w0, w1)``, the same on the monotonic clock, CPU per node."""
+
+    wall: tuple[float, float]
+    mono: tuple[float, float]
+    cpu_per_min: list[float]  # CPU seconds per minute of each node in the window
+
+    @property
+    def seconds(self) -> float:
+        return self.mono[1] - self.mono[0]
+
+
+@dataclass
+class FireCounts:
+    """What happened to the fire times of the window, for one node (plain) or the cluster (guarded)."""
+
+    expected: int
+    run: float  # fire times run within --drain s of their time
+    missed: float  # expected - run
+    duplicated: float  # runs beyond the first of a fire time
+    delays: list[float] = field(default_factory=list, repr=False)  # seconds, every run
 
 
 @dataclass
 class Result:
-    kind: str
+    name: str  # "plain APScheduler 3.11.3" or "sqlite 3.40.1"
+    kind: str  # "plain" or the store kind
     jobs: int
+    locks: int  # 0 for plain
     seconds: float
-    expected: int
-    runs: int
-    duplicates: int
-    missed: int
-    delay_p50: float
+    expected: int  # fire times in the window (plain: per node)
+    run: float  # plain: mean per node
+    missed: float
+    duplicated: float
+    delay_p50: float  # ms
     delay_p99: float
     cpu_per_node_min: float
     cpu_max_node_min: float
-    calls_per_s: float
-    acquire_p50: float
-    acquire_p99: float
-    skipped_max_instances: int
-    misfired: int
+    calls_per_s_node: float = 0.0
+    acquire_p50: float = math.nan  # ms
+    acquire_p99: float = math.nan
+    skipped_max_instances: int = 0  # all nodes
+    misfired: int = 0
+    per_node: dict[str, dict[str, float]] = field(default_factory=dict)  # plain: run/missed/duplicated by node
 
 
+# -- measuring ------------------------------------------------------------------------------------
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process, from ``/proc/<pid>/stat``."""
+    """User + system CPU seconds of a process (all its threads), from ``/proc/<pid>/stat``."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_one(
-    kind: str, url: str, jobs: int, duration: float, warmup: float, drain: float, nodes: int, ui: float,
-    store_options: dict[str, Any] | None = None, workers: int = 0,
-) -> Result:
-    prefix = f"scale-{secrets.token_hex(3)}"
-    cluster = Cluster(
-        url,
-        nodes=nodes,
-        unactive_interval=ui,
-        lock=f"{prefix}-0",
-        jobs=JOBS_FILE,
-        release_locks=tuple(f"{prefix}-{j}" for j in range(jobs)),
+def observe(check: Callable[[], None], pids: list[int], settings: Settings) -> Window:
+    """Warm up, measure ``duration`` s from a whole second (so every job has the same fire times in
+    it), then wait ``drain`` s for late runs to finish and be flushed. ``check`` raises if a node died."""
+    time.sleep(settings.warmup)
+    check()
+    w0 = float(int(time.time()) + 1)
+    time.sleep(max(0.0, w0 - time.time()))
+    cpu0 = [cpu_seconds(pid) for pid in pids]
+    m0 = time.monotonic()
+    time.sleep(settings.duration)
+    cpu1 = [cpu_seconds(pid) for pid in pids]
+    m1 = time.monotonic()
+    time.sleep(settings.drain)
+    check()
+    per_min = [(b - a) / (m1 - m0) * 60 for a, b in zip(cpu0, cpu1, strict=True)]
+    return Window((w0, w0 + (m1 - m0)), (m0, m1), per_min)
+
+
+def count_fires(runs: list[Run], window: Window, jobs: int, drain: float) -> FireCounts:
+    """Every (job, fire time) of the window: ran in time, missed, or ran more than once."""
+    w0, w1 = window.wall
+    by_fire: dict[tuple[int, float], list[float]] = {}
+    for r in runs:
+        if w0 <= r.fire < w1:
+            by_fire.setdefault((r.job, round(r.fire, 3)), []).append(r.started - r.fire)
+    expected = jobs * (math.ceil(w1) - int(w0))  # whole-second fire times in [w0, w1)
+    in_time = sum(1 for delays in by_fire.values() if min(delays) <= drain)
+    return FireCounts(
+        expected=expected,
+        run=in_time,
+        missed=expected - in_time,
+        duplicated=sum(len(delays) - 1 for delays in by_fire.values()),
+        delays=[d for delays in by_fire.values() for d in delays],
     )
+
+
+def log_warnings(workdir: Path, nodes: list[str]) -> tuple[int, int]:
+    """APScheduler's "skipped: max_instances" and "was missed by" warnings in the nodes' logs."""
+    text = "".join((workdir / f"{n}.log").read_text(errors="replace") for n in nodes if (workdir / f"{n}.log").exists())
+    return (
+        len(re.findall(r"maximum number of running instances reached", text)),
+        len(re.findall(r"was missed by", text)),
+    )
+
+
+def result(name: str, kind: str, rs: RowSet, window: Window, counts: FireCounts, **extra: Any) -> Result:
+    """A Result from the window and the fire-time counts (``extra``: the other fields)."""
+    return Result(
+        name=name, kind=kind, jobs=rs.jobs, locks=rs.locks if kind != "plain" else 0, seconds=window.seconds,
+        expected=counts.expected, run=counts.run, missed=counts.missed, duplicated=counts.duplicated,
+        delay_p50=percentile(counts.delays, 50) * 1000, delay_p99=percentile(counts.delays, 99) * 1000,
+        cpu_per_node_min=sum(window.cpu_per_min) / len(window.cpu_per_min), cpu_max_node_min=max(window.cpu_per_min),
+        **extra,
+    )
+
+
+# -- the plain baseline ---------------------------------------------------------------------------
+class PlainNodes:
+    """N ``plain_jobs.py`` processes, started, checked and stopped the way the drill's Cluster does it."""
+
+    def __init__(self, nodes: int, env: dict[str, str]) -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix="mutexcron-scale-plain-"))
+        self.nodes = nodes
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("MUTEXCRON_")}
+        self.env.update(env, MUTEXCRON_SCALE_DIR=str(self.workdir), MUTEXCRON_DRILL_PARENT=str(os.getpid()))
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def __enter__(self) -> PlainNodes:
+        try:
+            for i in range(self.nodes):
+                node = f"plain-{i}-{secrets.token_hex(2)}"
+                with open(self.workdir / f"{node}.log", "wb") as out:  # Popen keeps its own copy
+                    self.procs[node] = subprocess.Popen(
+                        [sys.executable, PLAIN_JOBS], stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir,
+                        env={**self.env, "MUTEXCRON_NODE_ID": node, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+                    )
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def check(self) -> None:
+        for node, proc in self.procs.items():
+            if proc.poll() is not None:
+                tail = (self.workdir / f"{node}.log").read_text(errors="replace")[-2000:]
+                raise MutexcronError(f"plain node {node} exited with {proc.returncode}:\n{tail}")
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def run_plain(rs: RowSet, settings: Settings) -> Result:
+    """Every node runs all J jobs unguarded; fire-time counts are per node, averaged over the nodes."""
+    env = {"MUTEXCRON_SCALE_JOBS": str(rs.jobs), "MUTEXCRON_SCALE_WORKERS": str(settings.workers or "")}
+    with PlainNodes(settings.nodes, env) as plain:
+        window = observe(plain.check, [p.pid for p in plain.procs.values()], settings)
+        runs = read_runs(plain.workdir)
+        skipped, misfired = log_warnings(plain.workdir, list(plain.procs))
+        nodes = list(plain.procs)
+    by_node = {n: count_fires([r for r in runs if r.node == n], window, rs.jobs, settings.drain) for n in nodes}
+    counts = FireCounts(
+        expected=by_node[nodes[0]].expected,
+        run=sum(c.run for c in by_node.values()) / len(nodes),
+        missed=sum(c.missed for c in by_node.values()) / len(nodes),
+        duplicated=sum(c.duplicated for c in by_node.values()) / len(nodes),
+        delays=[d for c in by_node.values() for d in c.delays],
+    )
+    per_node = {n: {"run": c.run, "missed": c.missed, "duplicated": c.duplicated} for n, c in by_node.items()}
+    return result(PLAIN, "plain", rs, window, counts, skipped_max_instances=skipped, misfired=misfired, per_node=per_node)
+
+
+# -- guarded --------------------------------------------------------------------------------------
+def run_guarded(kind: str, name: str, url: str, rs: RowSet, settings: Settings) -> Result:
+    """J guarded jobs on ``--nodes`` ``mutexcron run`` nodes; fire-time counts are cluster-wide."""
+    prefix = f"scale-{secrets.token_hex(3)}"
+    locks = tuple(f"{prefix}-{i}" for i in range(rs.locks))
+    cluster = Cluster(
+        url, nodes=settings.nodes, unactive_interval=settings.lease, lock=locks[0], jobs=GUARDED_JOBS, release_locks=locks
+    )
+    pool = {"pool_size": settings.pool_size} if settings.pool_size and kind != "redis" else {}
     cluster.env.update(
         MUTEXCRON_SCALE_DIR=str(cluster.workdir),
         MUTEXCRON_SCALE_PREFIX=prefix,
-        MUTEXCRON_SCALE_JOBS=str(jobs),
-        MUTEXCRON_SCALE_STORE_OPTIONS=json.dumps(store_options or {}),
-        MUTEXCRON_SCALE_WORKERS=str(workers or ""),
+        MUTEXCRON_SCALE_JOBS=str(rs.jobs),
+        MUTEXCRON_SCALE_LOCKS=str(rs.locks),
+        MUTEXCRON_SCALE_STORE_OPTIONS=json.dumps(pool),
+        MUTEXCRON_SCALE_WORKERS=str(settings.workers or ""),
     )
     with cluster:
-        time.sleep(warmup)
-        cluster.check_nodes()
-        pids = [p.pid for p in cluster.procs.values()]
-        cpu0 = [cpu_seconds(pid) for pid in pids]
-        # The window starts on a whole second of the wall clock, so every job has the same fire times in it.
-        w0 = float(int(time.time()) + 1)
-        time.sleep(w0 - time.time())
-        m0 = time.monotonic()
-        time.sleep(duration)
-        m1 = time.monotonic()
-        w1 = w0 + (m1 - m0)
-        cpu1 = [cpu_seconds(pid) for pid in pids]
-        time.sleep(drain)  # let late runs of the window's fire times finish and be flushed
-        cluster.check_nodes()
-        runs: dict[tuple[int, float], list[float]] = {}
-        for path in cluster.workdir.glob("runs-*.txt"):
-            for line in path.read_text().splitlines():
-                parts = line.split()
-                if len(parts) != 4:
-                    continue
-                j, fire, started = int(parts[0]), float(parts[1]), float(parts[2])
-                if w0 <= fire < w1:
-                    runs.setdefault((j, fire), []).append(started - fire)
+        window = observe(cluster.check_nodes, [p.pid for p in cluster.procs.values()], settings)
+        runs = read_runs(cluster.workdir)
         ops = cluster.ops()
-        logs = "".join(
-            (cluster.workdir / f"{n}.log").read_text(errors="replace")
-            for n in cluster.procs
-            if (cluster.workdir / f"{n}.log").exists()
-        )
-    fires = math.ceil(w1) - int(w0)  # whole-second fire times in [w0, w1)
-    expected = jobs * fires
-    in_time = {key: delays for key, delays in runs.items() if min(delays) <= drain}
-    delays = [d for ds in runs.values() for d in ds]
+        skipped, misfired = log_warnings(cluster.workdir, list(cluster.procs))
+    m0, m1 = window.mono
     calls = [s for s in ops.samples if m0 <= s[2] < m1]
     acquire = [s[3] * 1000 for s in calls if s[1] == "acquire_or_renew"]
-    cpu = [(b - a) / (m1 - m0) * 60 for a, b in zip(cpu0, cpu1, strict=True)]
-    return Result(
-        kind=kind,
-        jobs=jobs,
-        seconds=m1 - m0,
-        expected=expected,
-        runs=sum(len(v) for v in runs.values()),
-        duplicates=sum(len(v) - 1 for v in runs.values() if len(v) > 1),
-        missed=expected - len(in_time),
-        delay_p50=percentile(delays, 50) * 1000,
-        delay_p99=percentile(delays, 99) * 1000,
-        cpu_per_node_min=sum(cpu) / len(cpu),
-        cpu_max_node_min=max(cpu),
-        calls_per_s=len(calls) / (m1 - m0),
-        acquire_p50=percentile(acquire, 50),
-        acquire_p99=percentile(acquire, 99),
-        skipped_max_instances=len(re.findall(r"maximum number of running instances reached", logs)),
-        misfired=len(re.findall(r"was missed by", logs)),
+    return result(
+        name, kind, rs, window, count_fires(runs, window, rs.jobs, settings.drain),
+        calls_per_s_node=len(calls) / window.seconds / settings.nodes,
+        acquire_p50=percentile(acquire, 50), acquire_p99=percentile(acquire, 99),
+        skipped_max_instances=skipped, misfired=misfired,
     )
 
 
-def render(version: str, results: list[Result], nodes: int, ui: float, note: str = "") -> str:
+def guarded_row(kind: str, rs: RowSet, settings: Settings, notes: list[str]) -> Result | None:
+    """One store's guarded run of a row set on a table/namespace/file of its own; None (and a note) if it could not run."""
+    if kind == "mongodb" and not os.environ.get("MUTEXCRON_TEST_MONGODB_URL"):
+        notes.append("mongodb: skipped (set MUTEXCRON_TEST_MONGODB_URL)")
+        return None
+    try:
+        iso = isolated(kind)
+    except MutexcronError as exc:
+        notes.append(f"{kind}: skipped ({exc})")
+        return None
+    try:
+        store = lock_store_from_url(iso.url)
+        try:
+            store.ping()
+            name = server_version(kind, store)
+        finally:
+            store.close()
+        print(f"{name}: {rs.title}...", file=sys.stderr, flush=True)
+        return run_guarded(kind, name, iso.url, rs, settings)
+    except MutexcronError as exc:
+        notes.append(f"{kind}: failed ({exc})")
+        return None
+    finally:
+        iso.cleanup()
+
+
+# -- output ---------------------------------------------------------------------------------------
+def ratios(r: Result, plain: Result | None) -> dict[str, float | None]:
+    """guarded / plain for each of RATIO_FIELDS; None where there is no ratio (no plain run, plain 0, NaN)."""
+    out: dict[str, float | None] = {}
+    for name in RATIO_FIELDS:
+        value, base = getattr(r, name), getattr(plain, name) if plain else math.nan
+        out[name] = value / base if base and math.isfinite(base) and math.isfinite(value) else None
+    return out
+
+
+def cell(r: Result, plain: Result | None, name: str, text: str) -> str:
+    """``text`` and, on a guarded row, its ratio to plain: ``(2.3x)``, ``(=)`` both 0, ``(plain 0)``."""
+    if r.kind == "plain":
+        return text
+    value, base = getattr(r, name), getattr(plain, name) if plain else math.nan
+    ratio = ratios(r, plain)[name]
+    if ratio is not None:
+        return f"{text} ({ratio:.0f}x)" if ratio >= 100 else f"{text} ({ratio:.1f}x)" if ratio >= 1 else f"{text} ({ratio:.2f}x)"
+    if base == 0:
+        return f"{text} (=)" if value == 0 else f"{text} (plain 0)"
+    return text
+
+
+def number(value: float, digits: int = 0) -> str:
+    return "-" if not math.isfinite(value) else f"{value:,.{digits}f}"
+
+
+def table_row(r: Result, plain: Result | None) -> list[str]:
+    return [
+        r.name,
+        cell(r, plain, "cpu_per_node_min", f"{number(r.cpu_per_node_min, 2)} / {number(r.cpu_max_node_min, 2)}"),
+        cell(r, plain, "delay_p50", number(r.delay_p50)),
+        cell(r, plain, "delay_p99", number(r.delay_p99)),
+        cell(r, plain, "calls_per_s_node", number(r.calls_per_s_node)),
+        f"{r.expected:,}",
+        cell(r, plain, "run", number(r.run)),
+        cell(r, plain, "missed", f"{number(r.missed)} ({100 * r.missed / max(r.expected, 1):.1f}%)"),
+        cell(r, plain, "duplicated", number(r.duplicated)),
+        f"{number(r.acquire_p50, 1)} / {number(r.acquire_p99, 1)}" if r.kind != "plain" else "-",
+        cell(r, plain, "skipped_max_instances", f"{r.skipped_max_instances:,}"),
+        cell(r, plain, "misfired", f"{r.misfired:,}"),
+    ]
+
+
+def render(rs: RowSet, plain: Result | None, guarded: list[Result], notes: list[str]) -> str:
     header = [
-        "jobs", "fire times", "duplicates", "missed", "start delay p50 / p99 ms", "CPU s per node per min (max)",
-        "store calls/s", "acquire p50 / p99 ms", "skipped: max_instances", "misfire warnings",
+        "nodes running", "CPU s per node per min (mean / max)", "start delay p50 ms", "start delay p99 ms",
+        "store calls/s per node", "fire times", "run", "missed", "duplicated", "acquire p50 / p99 ms",
+        "skipped: max_instances", "misfire warnings",
     ]
-    rows = [
-        [
-            f"{r.jobs:,}", f"{r.expected:,}", str(r.duplicates),
-            f"{r.missed:,} ({100 * r.missed / max(r.expected, 1):.1f}%)",
-            f"{r.delay_p50:.0f} / {r.delay_p99:.0f}", f"{r.cpu_per_node_min:.1f} ({r.cpu_max_node_min:.1f})",
-            f"{r.calls_per_s:,.0f}", f"{r.acquire_p50:.1f} / {r.acquire_p99:.1f}",
-            f"{r.skipped_max_instances:,}", f"{r.misfired:,}",
-        ]
-        for r in results
-    ]
-    seconds = results[0].seconds if results else 0
+    rows = [table_row(r, plain) for r in ([plain] if plain else []) + guarded]
+    text = f"## {rs.title}\n\n" + md_table(header, rows) + "\n"
+    return text + "".join(f"\n_{note}_\n" for note in notes)
+
+
+def legend(settings: Settings) -> str:
     return (
-        f"**{version}**: {nodes} nodes, every-second jobs, lease {ui:g}s, {seconds:.0f}s measured per row{note}\n\n"
-        + md_table(header, rows) + "\n"
+        f"# Scale: guarded vs plain APScheduler ({settings.nodes} nodes, {os.cpu_count()} CPUs, "
+        f"{settings.duration:g}s measured per row after {settings.warmup:g}s warm-up, lease {settings.lease:g}s"
+        + (f", pool_size={settings.pool_size}" if settings.pool_size else "")
+        + (f", {settings.workers} executor threads per node" if settings.workers else "")
+        + ")\n\n"
+        "First row: every node runs every job unguarded on a plain BlockingScheduler (APScheduler's floor); "
+        "its fire times, run, missed and duplicated are per node (mean of the nodes). Then each store, "
+        "guarded: those counts are cluster-wide (each fire time once across the nodes). In brackets: "
+        "guarded / plain; (=): both 0; (plain 0): no ratio. Missed: not run, or run more than "
+        f"{settings.drain:g}s late. Warnings are totals of all nodes.\n"
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stores", default="sqlite,mysql,postgresql,redis", help="comma-separated")
-    parser.add_argument("--jobs", default="10,100,1000", help="comma-separated job counts [10,100,1000]")
-    parser.add_argument("--duration", type=float, default=60.0, help="measured seconds per store and job count [60]")
+def finite(obj: Any) -> Any:
+    """``obj`` with NaN and infinities as None (JSON has no NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def to_json(rs: RowSet, plain: Result | None, guarded: list[Result], notes: list[str]) -> dict[str, Any]:
+    return finite(
+        {
+            "jobs": rs.jobs,
+            "locks": rs.locks,
+            "title": rs.title,
+            "plain": asdict(plain) if plain else None,
+            "guarded": [{**asdict(r), "ratio_to_plain": ratios(r, plain)} for r in guarded],
+            "notes": notes,
+        }
+    )
+
+
+# -- main -----------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument(
+        "--stores", default="sqlite,mysql,postgresql,redis", help="comma-separated [sqlite,mysql,postgresql,redis]"
+    )
+    parser.add_argument("--jobs", default="10,100,1000", help="comma-separated job counts, each job its own lock [10,100,1000]")
+    parser.add_argument(
+        "--groups", type=int, default=10, help="also run the largest --jobs count in this many lock groups; 0: no such row [10]"
+    )
+    parser.add_argument("--duration", type=float, default=30.0, help="measured seconds per row [30]")
     parser.add_argument("--warmup", type=float, default=8.0, help="seconds before measuring [8]")
     parser.add_argument("--drain", type=float, default=5.0, help="a run later than this counts as missed [5]")
-    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--nodes", type=int, default=3, help="node processes per run, plain and guarded [3]")
     parser.add_argument("--unactive-interval", type=float, default=10.0, help="lease length [10, the default]")
-    parser.add_argument(
-        "--workers", type=int, default=0, help="threads of each node's executor [APScheduler's default, 10]"
-    )
+    parser.add_argument("--workers", type=int, default=0, help="threads of each node's executor [APScheduler's default, 10]")
     parser.add_argument(
         "--pool-size", type=int, default=None,
         help="SQL stores: SQLAlchemy pool_size for the nodes' engines [the store's default]",
     )
+    parser.add_argument(
+        "--json", nargs="?", const="-", metavar="FILE", help="print JSON instead of the tables; with FILE, write it there too"
+    )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    kinds = [k.strip() for k in args.stores.split(",") if k.strip()]
-    if set(kinds) - set(ALL_STORES) - {"memory"} or "memory" in kinds:
+    args.kinds = [k.strip() for k in args.stores.split(",") if k.strip()]
+    if set(args.kinds) - set(ALL_STORES) or "memory" in args.kinds:
         parser.error(f"choose stores from {', '.join(k for k in ALL_STORES if k != 'memory')}")
-    counts = [int(j) for j in args.jobs.split(",")]
-    print(f"# Scale ({args.nodes} nodes, {os.cpu_count()} CPUs, {args.duration:g}s per row)\n")
-    for kind in kinds:
-        if kind == "mongodb" and not os.environ.get("MUTEXCRON_TEST_MONGODB_URL"):
-            print("_mongodb: skipped (set MUTEXCRON_TEST_MONGODB_URL)_\n")
-            continue
-        results = []
-        version = kind
-        for jobs in counts:
+    try:
+        counts = [int(j) for j in args.jobs.split(",") if j.strip()]
+    except ValueError:
+        parser.error("--jobs takes comma-separated whole numbers")
+    args.row_sets = [RowSet(j, j) for j in counts]
+    if counts and 0 < args.groups < max(counts):
+        args.row_sets.append(RowSet(max(counts), args.groups))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    settings = Settings(
+        args.duration, args.warmup, args.drain, args.nodes, args.unactive_interval, args.workers, args.pool_size
+    )
+    tables = args.json != "-"
+    if tables:
+        print(legend(settings), flush=True)
+    plain_by_jobs: dict[int, Result | None] = {}  # one baseline per job count: a group row reuses it
+    doc: dict[str, Any] = {"settings": asdict(settings), "cpus": os.cpu_count(), "baseline": PLAIN, "row_sets": []}
+    for rs in args.row_sets:
+        notes: list[str] = []
+        if rs.jobs not in plain_by_jobs:
+            print(f"{PLAIN}: {rs.jobs:,} every-second jobs...", file=sys.stderr, flush=True)
             try:
-                iso = isolated(kind)
+                plain_by_jobs[rs.jobs] = run_plain(rs, settings)
             except MutexcronError as exc:
-                print(f"_{kind}: skipped ({exc})_\n")
-                break
-            try:
-                store = lock_store_from_url(iso.url)
-                try:
-                    store.ping()
-                    version = server_version(kind, store)
-                finally:
-                    store.close()
-                print(f"{kind}: {jobs} jobs...", file=sys.stderr, flush=True)
-                results.append(
-                    run_one(
-                        kind, iso.url, jobs, args.duration, args.warmup, args.drain, args.nodes, args.unactive_interval,
-                        {"pool_size": args.pool_size} if args.pool_size and kind != "redis" else None,
-                        args.workers,
-                    )
-                )
-            except MutexcronError as exc:
-                print(f"_{kind}, {jobs} jobs: failed ({exc})_\n")
-            finally:
-                iso.cleanup()
-        if results:
-            note = f", pool_size={args.pool_size}" if args.pool_size and kind != "redis" else ""
-            note += f", {args.workers} executor threads per node" if args.workers else ""
-            print(render(version, results, args.nodes, args.unactive_interval, note), flush=True)
+                plain_by_jobs[rs.jobs] = None
+                notes.append(f"plain baseline: failed ({exc})")
+        plain = plain_by_jobs[rs.jobs]
+        guarded = [r for kind in args.kinds if (r := guarded_row(kind, rs, settings, notes)) is not None]
+        if tables:
+            print(render(rs, plain, guarded, notes), flush=True)
+        doc["row_sets"].append(to_json(rs, plain, guarded, notes))
+    if args.json:
+        text = json.dumps(doc, indent=2, default=str)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
     return 0
 
 

@@ -1,22 +1,26 @@
-"""scale.py's jobs file, run by its nodes: J every-second jobs, each guarded by its own lock.
+"""scale.py's guarded jobs file, run by its nodes: J every-second jobs on L locks (each its own lock by default).
 
     mutexcron run benchmarks/scale_jobs.py   # started by scale.py through mutexcron.drill.Cluster
 
 Configured by the environment scale.py gives the nodes: ``MUTEXCRON_SCALE_JOBS`` (J),
-``MUTEXCRON_SCALE_PREFIX`` (lock names ``<prefix>-<j>``), ``MUTEXCRON_SCALE_DIR`` (where each node
-appends its runs), ``MUTEXCRON_SCALE_WORKERS`` (executor threads, empty for APScheduler's default),
-``MUTEXCRON_SCALE_STORE_OPTIONS`` (JSON options of the store), plus the drill's ``MUTEXCRON_DRILL_*``.
+``MUTEXCRON_SCALE_LOCKS`` (L: job j takes lock ``<prefix>-<j mod L>``, so L < J makes lock groups),
+``MUTEXCRON_SCALE_PREFIX`` (the lock names' prefix), ``MUTEXCRON_SCALE_DIR`` (where each node
+appends its runs, see ``scale_runs.py``), ``MUTEXCRON_SCALE_WORKERS`` (executor threads, empty for
+APScheduler's default), ``MUTEXCRON_SCALE_STORE_OPTIONS`` (JSON options of the store), plus the
+drill's ``MUTEXCRON_DRILL_*``. The store is wrapped in the drill's node-side
+:class:`~mutexcron.drill.TimedLockStore`, which counts and times every store call in the node.
+``plain_jobs.py`` is the same jobs on plain APScheduler, unguarded.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from scale_runs import RunLog  # a neighbour of this file: mutexcron run puts its directory on sys.path
 
 from mutexcron import MutexScheduler, MutexThreadPoolExecutor, current_lease
 from mutexcron.drill import die_with_parent, timed_store_from_env
@@ -27,31 +31,18 @@ options: dict[str, Any] = {"executors": {"default": MutexThreadPoolExecutor(WORK
 sched = MutexScheduler(
     lock_store=timed_store_from_env(**json.loads(os.environ["MUTEXCRON_SCALE_STORE_OPTIONS"])), **options
 )
-OUT = os.path.join(os.environ["MUTEXCRON_SCALE_DIR"], f"runs-{os.getpid()}.txt")
 PREFIX = os.environ["MUTEXCRON_SCALE_PREFIX"]
-_lines: collections.deque[str] = collections.deque()
-
-
-def _flush() -> None:
-    while True:
-        time.sleep(1.0)
-        batch = [_lines.popleft() for _ in range(len(_lines))]
-        if batch:
-            with open(OUT, "a") as fh:
-                fh.write("".join(batch))
-
-
-threading.Thread(target=_flush, daemon=True).start()
+LOCKS = int(os.environ["MUTEXCRON_SCALE_LOCKS"])
+runs = RunLog(os.environ["MUTEXCRON_SCALE_DIR"], os.environ.get("MUTEXCRON_NODE_ID", str(os.getpid())))
 
 
 def make(j: int) -> Callable[[], Any]:
     def job() -> None:
         started = time.time()
-        lease = current_lease()
-        _lines.append(f"{j} {lease.fire_time.timestamp():.3f} {started:.6f} {lease.node_id}\n")
+        runs.add(j, current_lease().fire_time.timestamp(), started)
 
     return job
 
 
 for j in range(int(os.environ["MUTEXCRON_SCALE_JOBS"])):
-    sched.add_job(make(j), "cron", second="*", id=f"job{j}", mutex={"lock": f"{PREFIX}-{j}"})
+    sched.add_job(make(j), "cron", second="*", id=f"job{j}", mutex={"lock": f"{PREFIX}-{j % LOCKS}"})
