@@ -15,6 +15,7 @@ from .errors import (
 from .guard import MutexConfig, MutexThreadPoolExecutor
 from .lease import Lease, current_lease
 from .locks import LockStore, lock_store_from_url
+from .mutex import HeldLease, Mutex
 from .record import LockRecord
 from .scheduler import BlockingMutexScheduler, MutexScheduler, MutexSchedulerMixin
 
@@ -25,11 +26,13 @@ __all__ = [
     "AttrsError",
     "BlockingMutexScheduler",
     "ConfigurationError",
+    "HeldLease",
     "JobsFileError",
     "Lease",
     "LeaseError",
     "LockRecord",
     "LockStore",
+    "Mutex",
     "MutexConfig",
     "MutexScheduler",
     "MutexSchedulerMixin",
