@@ -23,7 +23,7 @@ from .errors import ConfigurationError, MutexcronError
 from .locks import DEFAULT_LOCK_URL, SCHEMES, lock_store_from_url
 from .record import LockRecord
 
-log = logging.getLogger("mutexcron.cli")
+log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]

@@ -18,18 +18,18 @@ class Lease:
     """What a running guarded job knows about its lease.
 
     Attributes:
-        name: the lock name.
+        lock: the lock name (also readable as ``name``).
         token: the fencing token; pass it to systems that can reject stale writers.
         node_id: this node's id (the holder).
         fire_time: the scheduled fire time this run claimed (UTC).
-        job: the job key the fire time was claimed for.
+        job_id: the job id the fire time was claimed for (also readable as ``job``).
     """
 
-    name: str
+    lock: str
     token: int
     node_id: str
     fire_time: datetime
-    job: str
+    job_id: str
     _held: Callable[[str, int], bool] = field(repr=False, compare=False)
     _save: Callable[[Mapping[str, Any]], bool] = field(repr=False, compare=False)
 
@@ -40,7 +40,17 @@ class Lease:
         That is: another node took the lock, or renewals failed for longer than the lease by
         this node's monotonic clock. Check it before side effects in long jobs.
         """
-        return not self._held(self.name, self.token)
+        return not self._held(self.lock, self.token)
+
+    @property
+    def name(self) -> str:
+        """The lock name: the same as ``lock``."""
+        return self.lock
+
+    @property
+    def job(self) -> str:
+        """The job id: the same as ``job_id``."""
+        return self.job_id
 
     def save(self, attrs: Mapping[str, Any]) -> bool:
         """Checkpoint ``attrs`` in the lock record now, fenced by holder and token.

@@ -375,7 +375,7 @@ def test_key_layout_never_expires_and_keeps_16_digit_fire_times(shared_url: str)
         assert fields["ttl"] == "10000"
         assert int(fields["hb"]) // 1000 == pytest.approx(int(raw.time()[0]), abs=2)
         assert raw.get(token) == "1" and raw.smembers(names) == {"jobs.tick"}
-        assert json.loads(fields["fires"]) == {claim.job: [fire_us, claim.nonce]}, "no precision lost"
+        assert json.loads(fields["fires"]) == {claim.job_id: [fire_us, claim.nonce]}, "no precision lost"
         assert int(result.record.fire_times['job "x"/y'].timestamp() * 1_000_000) == pytest.approx(fire_us, abs=1)
         # Released: holder gone, the rest kept; the hash still never expires.
         assert store.release("jobs.tick", A, 1)

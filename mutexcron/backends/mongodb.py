@@ -27,7 +27,7 @@ from ..urls import mask_url, url_scheme
 from . import family
 from .base import Backend, UncertainOutcome
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 __all__ = ["MongoDBBackend", "MongoURL", "parse_url"]
 
@@ -167,7 +167,7 @@ class MongoDBBackend(Backend):
                 ) from exc
         self.client = client
         self.database = client.get_database(parsed.database)
-        logger.debug("MongoDB backend %s: database %r, collection %r", self.masked_url, parsed.database, parsed.collection)
+        log.debug("MongoDB backend %s: database %r, collection %r", self.masked_url, parsed.database, parsed.collection)
 
     def collection(self, name: str) -> Any:
         """The collection ``name``: primary reads, the client's write concern (``majority`` by default)."""
@@ -204,7 +204,7 @@ class MongoDBBackend(Backend):
         except pymongo.errors.WriteConcernError as exc:  # incl. WTimeoutError
             if not write:
                 raise self.error(exc, operation) from exc
-            logger.warning(
+            log.warning(
                 "MongoDB store %s: %s: write concern not satisfied (%s); outcome unknown",
                 self.masked_url,
                 operation,

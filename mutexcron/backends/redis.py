@@ -36,7 +36,7 @@ from ..urls import mask_url, pop_query, url_scheme
 from . import family
 from .base import Backend
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 URL_FORMS = (
     "redis://[user:password@]host[:port][/db], "
@@ -217,7 +217,7 @@ class RedisBackend(Backend):
             self.make_cluster = self._cluster_factory(url, rest, conn)
         else:
             self.redis = self._plain_client(url, rest, conn)
-        logger.debug("Redis backend %s (namespace %r, timeout %ss)", self.masked_url, namespace, timeout)
+        log.debug("Redis backend %s (namespace %r, timeout %ss)", self.masked_url, namespace, timeout)
 
     # -- clients -----------------------------------------------------------------------------
     def _plain_client(self, url: str, rest: str, conn: dict[str, Any]) -> redis.Redis:

@@ -9,7 +9,7 @@ Rules every implementation follows (the contract suite in ``tests/test_contract.
   with its lease. Never the node's wall clock.
 * The fencing token goes up by one on every change of holder (including from "released") and
   survives a release; it never goes down.
-* Fire claims: ``acquire_or_renew(..., claim=FireClaim(job, fire_us, nonce))`` records
+* Fire claims: ``acquire_or_renew(..., claim=FireClaim(job_id, fire_us, nonce))`` records
   ``fires[job] = [fire_us, nonce]`` in the same atomic operation, only if the lease is acquired
   and ``fire_us`` is greater than the stored one. ``AcquireResult.claimed`` is True only if this
   call wrote that claim (the stored nonce is ours).
@@ -46,13 +46,13 @@ class Node:
 class FireClaim:
     """A claim on one scheduled fire time of one job, made atomically with the lease."""
 
-    job: str
+    job_id: str
     fire_us: int
     nonce: str
 
     @classmethod
-    def new(cls, job: str, fire_us: int) -> FireClaim:
-        return cls(job=job, fire_us=fire_us, nonce=secrets.token_hex(8))
+    def new(cls, job_id: str, fire_us: int) -> FireClaim:
+        return cls(job_id=job_id, fire_us=fire_us, nonce=secrets.token_hex(8))
 
 
 @dataclass(frozen=True)
@@ -96,10 +96,10 @@ def fire_times_from_json(fires: Mapping[str, Any] | None) -> dict[str, datetime]
 
 
 def claim_won(fires: Mapping[str, Any] | None, claim: FireClaim | None) -> bool:
-    """True if the stored claim for ``claim.job`` is exactly ours (same time and nonce)."""
+    """True if the stored claim for ``claim.job_id`` is exactly ours (same time and nonce)."""
     if claim is None or not fires:
         return False
-    value = fires.get(claim.job)
+    value = fires.get(claim.job_id)
     return (
         isinstance(value, (list, tuple))
         and len(value) == 2

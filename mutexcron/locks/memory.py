@@ -89,9 +89,9 @@ class MemoryLockStore(LockStore):
                     row.token += 1
                 row.holder, row.active_ip, row.hb, row.ttl = node.node_id, node.ip, now, ttl
                 if claim is not None:
-                    stored = row.fires.get(claim.job)
+                    stored = row.fires.get(claim.job_id)
                     if stored is None or int(stored[0]) < claim.fire_us:
-                        row.fires[claim.job] = [claim.fire_us, claim.nonce]
+                        row.fires[claim.job_id] = [claim.fire_us, claim.nonce]
             record = self._record(name, row, now)
             return AcquireResult(free, record, free and claim_won(copy.deepcopy(row.fires), claim))
 

@@ -38,7 +38,7 @@ from ..record import LockRecord, dump_attrs, load_attrs
 from ..timeutil import EPOCH, as_utc
 from .base import AcquireResult, FireClaim, LockStore, Node, RunInfo, claim_won, fire_times_from_json
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 __all__ = ["MongoDBLockStore"]
 
@@ -270,12 +270,13 @@ def _claim_expr(claim: FireClaim) -> dict[str, Any]:
     4.2+ and on mongomock alike (mongomock lacks ``$getField``, ``$setField``, ``$mergeObjects``
     and ``$reduce`` as expressions).
     """
-    job = {"$literal": claim.job}
+    job = {"$literal": claim.job_id}
     pairs = {"$objectToArray": {"$ifNull": ["$fires", {}]}}
     ours = {"$filter": {"input": pairs, "cond": {"$eq": ["$$this.k", job]}}}
     stored_us = {
         "$ifNull": [{"$arrayElemAt": [{"$arrayElemAt": [{"$map": {"input": ours, "in": "$$this.v"}}, 0]}, 0]}, _MIN_INT64]
     }
     others = {"$filter": {"input": pairs, "cond": {"$ne": ["$$this.k", job]}}}
-    claimed = {"$arrayToObject": {"$concatArrays": [others, {"$literal": [{"k": claim.job, "v": [claim.fire_us, claim.nonce]}]}]}}
+    mine = {"$literal": [{"k": claim.job_id, "v": [claim.fire_us, claim.nonce]}]}
+    claimed = {"$arrayToObject": {"$concatArrays": [others, mine]}}
     return {"$cond": [{"$gt": [claim.fire_us, stored_us]}, claimed, {"$ifNull": ["$fires", {}]}]}

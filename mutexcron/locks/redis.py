@@ -153,7 +153,7 @@ class RedisLockStore(LockStore):
         ttl_ms = max(1, round(ttl * 1000))
         args: list[str | int] = [node.node_id, node.ip, ttl_ms, self.token_floor(name), name]
         if claim is not None:
-            args += [claim.job, claim.fire_us, claim.nonce]
+            args += [claim.job_id, claim.fire_us, claim.nonce]
         with self.backend.errors("acquire_or_renew"):
             keys = [self._lock_key(name), self._token_key(name), self._names_key]
             reply = self._acquire(keys=keys, args=args, client=self.backend.client)

@@ -156,7 +156,7 @@ class SQLLockStore(LockStore):
     def acquire_or_renew(
         self, name: str, node: Node, ttl: float, claim: FireClaim | None = None
     ) -> AcquireResult:
-        job = claim.job if claim else ""
+        job = claim.job_id if claim else ""
         params = {
             "name": name,
             "me": node.node_id,
