@@ -8,7 +8,7 @@ For each reachable store it times, in one run and on one connection pool:
   ``{ping: 1}`` (MongoDB), and ``store.ping()`` (the same through the store's own plumbing);
 * ``acquire_or_renew`` as the holder renewing with a fire claim (the per-tick hot path), and as
   a standby that is refused;
-* ``heartbeat`` with attrs and run info (what a run does when it finishes);
+* ``hand_off`` with attrs and run info (what a run does when it finishes);
 * ``renew_many`` with 1, 100 and 10,000 held locks,
 
 and counts the round trips each operation makes: SQL statements (a ``before_cursor_execute``
@@ -289,8 +289,8 @@ def bench_store(kind: str, iterations: int, big: int) -> tuple[str, list[Row]]:
             ))
             token = store.acquire_or_renew("hot", holder, 30.0).token
             rows.append(timed(
-                "heartbeat: attrs + run info",
-                lambda i: store.heartbeat("hot", holder, token, {"n": i, "cursor": "x" * 32}, RunInfo(0.01)),
+                "hand_off: attrs + run info",
+                lambda i: store.hand_off("hot", holder, token, {"n": i, "cursor": "x" * 32}, RunInfo(0.01)),
                 iterations, trips,
             ))
 

@@ -91,12 +91,12 @@ class MutexConfig:
         if self.callable_lock:
             if not callable(self.heartbeat):
                 raise ConfigurationError(
-                    "mutex(lock=<callable>) is the seed-compatible mode and needs heartbeat=<callable> too "
+                    "mutex(lock=<callable>) is the callable-lock mode and needs heartbeat=<callable> too "
                     "(heartbeat(ip, now, **attrs)); or pass lock='name' to use the built-in atomic store"
                 )
         elif self.heartbeat is not None:
             raise ConfigurationError(
-                "mutex(heartbeat=...) is only for the seed-compatible mode with lock=<callable>; "
+                "mutex(heartbeat=...) is only for the callable-lock mode with lock=<callable>; "
                 "built-in stores renew leases themselves"
             )
         elif self.lock is not None:

@@ -60,7 +60,7 @@ class AttrsHandOff:
                 merged = {k: v for k, v in self.attrs(lock, token).items() if k not in seen}
                 merged.update(attrs)
                 self.check(merged, job)
-            if not self.store.heartbeat(lock, self.node, token, merged, run):
+            if not self.store.hand_off(lock, self.node, token, merged, run):
                 return False
             if merged is not None:
                 with self._lock:

@@ -165,7 +165,7 @@ class MutexSchedulerMixin:
             lock_else: called with the LockRecord on a node that is not the holder, at each tick.
             unactive_interval: lease length: a holder whose heartbeat is older than this, by the
                 store's clock, is dead (seconds or timedelta; default the scheduler's, 10 s).
-            heartbeat: seed mode only: ``heartbeat(ip, now, **attrs)``.
+            heartbeat: callable-lock mode only: ``heartbeat(ip, now, **attrs)``.
         """
         config = MutexConfig(lock, lock_else, _seconds(unactive_interval, "unactive_interval"), heartbeat)
 

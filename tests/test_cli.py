@@ -105,7 +105,7 @@ def test_status_table_json_and_masked_password(tmp_path: Path) -> None:
     store = lock_store_from_url(url)
     node = Node("web-1:42:abcd", "10.1.2.3")
     token = store.acquire_or_renew("billing", node, ttl=30).token
-    store.heartbeat("billing", node, token, {"cursor": 300, "note": "x" * 100}, RunInfo(0.5, "ValueError: bad row"))
+    store.hand_off("billing", node, token, {"cursor": 300, "note": "x" * 100}, RunInfo(0.5, "ValueError: bad row"))
     store.acquire_or_renew("reports", node, ttl=30)
     store.release("reports", node, 1)
     store.close()

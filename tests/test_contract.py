@@ -66,14 +66,14 @@ def test_refused_while_fresh_then_renewed_by_holder(ctx: StoreCtx) -> None:
 def test_takeover_after_staleness_increments_token_and_fences_old_holder(ctx: StoreCtx) -> None:
     a, b = ctx.make(), ctx.make()
     assert a.acquire_or_renew("l", A, ttl=TTL).token == 1
-    assert a.heartbeat("l", A, 1, {"step": 1})
+    assert a.hand_off("l", A, 1, {"step": 1})
     ctx.wait_stale(TTL)
     assert a.read("l").state == "stale"  # type: ignore[union-attr]
     took = b.acquire_or_renew("l", B, ttl=10)
     assert took.acquired and took.token == 2 and took.record.holder == B.node_id
     assert dict(took.record.attrs) == {"step": 1}, "attrs are handed to the next holder"
     # The old holder is fenced out everywhere.
-    assert not a.heartbeat("l", A, 1, {"step": 99})
+    assert not a.hand_off("l", A, 1, {"step": 99})
     assert a.renew_many(A, {"l": 1}) == set()
     assert not a.release("l", A, 1)
     assert not a.acquire_or_renew("l", A, ttl=TTL).acquired
@@ -84,7 +84,7 @@ def test_takeover_after_staleness_increments_token_and_fences_old_holder(ctx: St
 def test_release_keeps_token_and_next_acquire_is_immediate(ctx: StoreCtx) -> None:
     a, b = ctx.make(), ctx.make()
     a.acquire_or_renew("l", A, ttl=60)
-    a.heartbeat("l", A, 1, {"k": "v"})
+    a.hand_off("l", A, 1, {"k": "v"})
     assert not a.release("l", A, 7), "release with the wrong token is refused"
     assert not b.release("l", B, 1), "release by a non-holder is refused"
     assert a.read("l").holder == A.node_id  # type: ignore[union-attr]
@@ -128,7 +128,7 @@ def test_attrs_round_trip_unicode_nested_and_64kb(ctx: StoreCtx) -> None:
         "$dollar": {"$set": 1, "a.b": 2},
         "blob": "x" * 64_000,
     }
-    assert store.heartbeat("attrs", A, token, attrs, RunInfo(duration=1.5, error=None))
+    assert store.hand_off("attrs", A, token, attrs, RunInfo(duration=1.5, error=None))
     rec = ctx.make().read("attrs")
     assert rec is not None and dict(rec.attrs) == attrs
     assert rec["cursor"] == 12345678901234
@@ -136,7 +136,7 @@ def test_attrs_round_trip_unicode_nested_and_64kb(ctx: StoreCtx) -> None:
     assert 1.0 < (rec.last_run_finished - rec.last_run_started).total_seconds() < 2.0
     assert rec.last_error is None
     # attrs=None keeps the attrs; the error is recorded.
-    assert store.heartbeat("attrs", A, token, None, RunInfo(duration=0.1, error="ValueError: boom"))
+    assert store.hand_off("attrs", A, token, None, RunInfo(duration=0.1, error="ValueError: boom"))
     rec = store.read("attrs")
     assert rec is not None and dict(rec.attrs) == attrs and rec.last_error == "ValueError: boom"
 
@@ -144,11 +144,11 @@ def test_attrs_round_trip_unicode_nested_and_64kb(ctx: StoreCtx) -> None:
 def test_attrs_that_are_not_json_are_refused_and_record_unchanged(ctx: StoreCtx) -> None:
     store = ctx.make()
     token = store.acquire_or_renew("bad", A, ttl=60).token
-    store.heartbeat("bad", A, token, {"good": 1})
+    store.hand_off("bad", A, token, {"good": 1})
     with pytest.raises(AttrsError, match=r"'when'.*datetime"):
-        store.heartbeat("bad", A, token, {"when": datetime.now(timezone.utc)})
+        store.hand_off("bad", A, token, {"when": datetime.now(timezone.utc)})
     with pytest.raises(AttrsError, match="non-string key"):
-        store.heartbeat("bad", A, token, {1: "x"})  # type: ignore[dict-item]
+        store.hand_off("bad", A, token, {1: "x"})  # type: ignore[dict-item]
     assert dict(store.read("bad").attrs) == {"good": 1}  # type: ignore[union-attr]
 
 

@@ -180,7 +180,7 @@ def test_production_store_sends_server_now_in_filters_and_updates(recording: Any
     store, collection = recording
     assert store.now_expr() == SERVER_NOW == "$$NOW"
     store.acquire_or_renew("l", A, ttl=30, claim=FireClaim("job", 1_000_000, "n1"))
-    store.heartbeat("l", A, 1, {"k": 1}, RunInfo(duration=1.5, error="boom"))
+    store.hand_off("l", A, 1, {"k": 1}, RunInfo(duration=1.5, error="boom"))
     store.renew_many(A, {"l": 1, "m": 2})
     store.release("l", A, 1)
     store.read("l")
@@ -225,7 +225,7 @@ def test_attrs_node_ids_and_job_keys_are_sent_as_literals(recording: Any) -> Non
     attrs = {"$set": {"a.b": 1}, "$$NOW": "$hb", "x.y": ["$literal"]}
     odd = Node("$holder.x", "$ip")
     store.acquire_or_renew("l", odd, ttl=30, claim=FireClaim("$job.with.dots", 5, "$nonce"))
-    store.heartbeat("l", odd, 1, attrs)
+    store.hand_off("l", odd, 1, attrs)
 
     (_, update), _ = collection.sent("find_one_and_update")[0]
     fields = update[0]["$set"]
@@ -255,14 +255,14 @@ def test_odd_keys_round_trip_on_mongomock(flaky: Any) -> None:
     assert rec is not None and rec.holder == "$holder.x" and rec.active_ip == "$ip"
     assert set(rec.fire_times) == set(jobs)
     attrs = {"$set": {"a.b": 1}, "$$NOW": "$hb", "n": 2**80}
-    assert store.heartbeat("l", odd, 1, attrs)
+    assert store.hand_off("l", odd, 1, attrs)
     assert dict(store.read("l").attrs) == attrs  # type: ignore[union-attr]
 
 
 def test_bad_attrs_send_nothing(recording: Any) -> None:
     store, collection = recording
     with pytest.raises(AttrsError):
-        store.heartbeat("l", A, 1, {"when": datetime.now(timezone.utc)})
+        store.hand_off("l", A, 1, {"when": datetime.now(timezone.utc)})
     assert collection.calls == []
 
 
@@ -334,7 +334,7 @@ def test_wtimeout_on_heartbeat_and_renew_many_raises_unavailable(flaky: Any, whe
     token = store.acquire_or_renew("l", A, ttl=30).token
     flaky.plan["find_one_and_update"] = (when, wtimeout())
     with pytest.raises(StoreUnavailableError, match="outcome unknown"):
-        store.heartbeat("l", A, token, {"k": 1})
+        store.hand_off("l", A, token, {"k": 1})
     flaky.plan["update_many"] = (when, wtimeout())
     with pytest.raises(StoreUnavailableError, match="outcome unknown"):
         store.renew_many(A, {"l": token, "gone": 3})
@@ -450,7 +450,7 @@ def test_unreachable_server_raises_store_unavailable_quickly(caplog: pytest.LogC
     store = MongoDBLockStore("mongodb://user:s3cret@127.0.0.1:1/db?serverSelectionTimeoutMS=300&connectTimeoutMS=300")
     operations = {
         "acquire_or_renew": lambda: store.acquire_or_renew("l", A, ttl=30, claim=FireClaim("j", 1, "n")),
-        "heartbeat": lambda: store.heartbeat("l", A, 1, {"k": 1}, RunInfo(1.0)),
+        "heartbeat": lambda: store.hand_off("l", A, 1, {"k": 1}, RunInfo(1.0)),
         "renew_many": lambda: store.renew_many(A, {"l": 1}),
         "release": lambda: store.release("l", A, 1),
         "read": lambda: store.read("l"),
@@ -492,7 +492,7 @@ def test_server_stores_odd_job_keys_attrs_and_node_ids(server_store: MongoDBLock
         assert got.acquired and got.claimed
         assert not server_store.acquire_or_renew("odd", odd, ttl=30, claim=FireClaim(job, 1_000_000 + i, "x")).claimed
     attrs = {"$set": {"a.b": 1}, "$$NOW": "$hb", "n": 2**80}
-    assert server_store.heartbeat("odd", odd, 1, attrs)
+    assert server_store.hand_off("odd", odd, 1, attrs)
     rec = server_store.read("odd")
     assert rec is not None and rec.holder == "$holder.x" and set(rec.fire_times) == set(jobs) and dict(rec.attrs) == attrs
 

@@ -119,9 +119,9 @@ class CountingStore(LockStore):
             return AcquireResult(False, result.record, uncertain=True)
         return result
 
-    def heartbeat(self, name: str, node: Node, token: int, attrs: Any = None, run: RunInfo | None = None) -> bool:
-        self.calls["heartbeat"] += 1
-        return self.inner.heartbeat(name, node, token, attrs, run)
+    def hand_off(self, name: str, node: Node, token: int, attrs: Any = None, run: RunInfo | None = None) -> bool:
+        self.calls["hand_off"] += 1
+        return self.inner.hand_off(name, node, token, attrs, run)
 
     def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
         self.calls["renew_many"] += 1

@@ -299,7 +299,7 @@ def test_hung_server_raises_store_unavailable_within_the_socket_timeout(hung_ser
     store = RedisLockStore(f"redis://127.0.0.1:{hung_server}/0?socket_timeout=0.5")
     operations: dict[str, Callable[[], Any]] = {
         "acquire_or_renew": lambda: store.acquire_or_renew("l", A, ttl=10, claim=FireClaim.new("j", 1)),
-        "heartbeat": lambda: store.heartbeat("l", A, 1, {"k": 1}),
+        "heartbeat": lambda: store.hand_off("l", A, 1, {"k": 1}),
         "renew_many": lambda: store.renew_many(A, {"l": 1}),
         "release": lambda: store.release("l", A, 1),
         "read": lambda: store.read("l"),
@@ -432,14 +432,14 @@ def test_run_info_and_error_round_trip(shared_url: str) -> None:
     store = RedisLockStore(shared_url)
     try:
         token = store.acquire_or_renew("r", A, ttl=60).token
-        assert store.heartbeat("r", A, token, None, RunInfo(duration=2.0, error="KeyError: 'x'"))
+        assert store.hand_off("r", A, token, None, RunInfo(duration=2.0, error="KeyError: 'x'"))
         rec = store.read("r")
         assert rec is not None and rec.last_error == "KeyError: 'x'"
         assert rec.last_run_started is not None and rec.last_run_finished is not None
         assert (rec.last_run_finished - rec.last_run_started).total_seconds() == pytest.approx(2.0, abs=0.01)
-        assert store.heartbeat("r", A, token, None, RunInfo(duration=0.0))
+        assert store.hand_off("r", A, token, None, RunInfo(duration=0.0))
         assert store.read("r").last_error is None  # type: ignore[union-attr]
-        assert not store.heartbeat("r", B, token), "a non-holder's heartbeat changes nothing"
+        assert not store.hand_off("r", B, token), "a non-holder's heartbeat changes nothing"
     finally:
         store.close()
 
@@ -456,7 +456,7 @@ def test_token_floor_survives_a_wiped_namespace(shared_url: str) -> None:
             assert store.release("l", A, token)
         assert store.token_floor("l") == 3
         assert wiper.destroy_namespace() >= 3
-        assert not store.heartbeat("l", A, 3), "the lost lease is not renewed"
+        assert not store.hand_off("l", A, 3), "the lost lease is not renewed"
         again = store.acquire_or_renew("l", A, ttl=60)
         assert again.acquired and again.token == 4, "never at or below a token this client saw"
         assert wiper.read("l").token == 4  # type: ignore[union-attr]
@@ -563,7 +563,7 @@ def test_sentinel_acquire_renew_release(sentinel_port: int) -> None:
         assert not b.acquire_or_renew("s", B, ttl=60).acquired
         assert a.acquire_or_renew("s", A, ttl=60).token == 1, "renewed"
         assert a.renew_many(A, {"s": 1}) == {"s"}
-        assert a.heartbeat("s", A, 1, {"via": "sentinel"})
+        assert a.hand_off("s", A, 1, {"via": "sentinel"})
         assert a.release("s", A, 1)
         got = b.acquire_or_renew("s", B, ttl=60)
         assert got.acquired and got.token == 2 and dict(got.record.attrs) == {"via": "sentinel"}

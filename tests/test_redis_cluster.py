@@ -325,7 +325,7 @@ def test_plain_client_to_the_first_node_gets_moved_the_cluster_url_follows(redis
         assert not isinstance(info.value, StoreUnavailableError), "a misrouted request is not an outage"
         got = cluster.acquire_or_renew("l", A, ttl=60)
         assert got.acquired and got.token == 1
-        assert cluster.heartbeat("l", A, 1, {"k": 1}) and cluster.release("l", A, 1)
+        assert cluster.hand_off("l", A, 1, {"k": 1}) and cluster.release("l", A, 1)
         assert [(r.name, r.state, dict(r.attrs)) for r in cluster.list()] == [("l", "released", {"k": 1})]
         cluster.ping()
     finally:
@@ -361,7 +361,7 @@ def test_a_resharded_namespace_is_followed_through_moved(redis_cluster: RedisClu
         target = next(p for p in redis_cluster.ports if p != before)
         _migrate_slot(redis_cluster, namespace, target)
         assert redis_cluster.owner(namespace) == target
-        assert a.heartbeat("l", A, 2, {"moved": True}), "the holder's fenced write reaches the new owner"
+        assert a.hand_off("l", A, 2, {"moved": True}), "the holder's fenced write reaches the new owner"
         assert not b.acquire_or_renew("l", B, ttl=60).acquired, "the lease moved with the slot"
         assert a.release("l", A, 2)
         took = b.acquire_or_renew("l", B, ttl=60)

@@ -269,7 +269,7 @@ def test_catch_up_runs_a_fire_time_missed_during_failover(schedulers: list[Mutex
 
     def renew_dead() -> None:
         while not keep_alive.wait(0.2):
-            store.heartbeat("hourly", dead, 1)
+            store.hand_off("hourly", dead, 1)
 
     renewer = threading.Thread(target=renew_dead, daemon=True)
     renewer.start()
@@ -311,9 +311,9 @@ class FlakyStore(LockStore):
         self._check()
         return self.inner.acquire_or_renew(*a, **k)
 
-    def heartbeat(self, *a: Any, **k: Any) -> bool:
+    def hand_off(self, *a: Any, **k: Any) -> bool:
         self._check()
-        return self.inner.heartbeat(*a, **k)
+        return self.inner.hand_off(*a, **k)
 
     def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
         self._check()
@@ -395,11 +395,11 @@ def test_attrs_write_after_losing_the_lease_is_refused(caplog: pytest.LogCapture
     b = LeaseManager(store, Node("b", "ip-b"), {"l": 1.0}, clock=clock)
     first = a.tick("l", None)
     assert first is not None
-    store.heartbeat("l", a.node, first.token, {"n": 1})
+    store.hand_off("l", a.node, first.token, {"n": 1})
     clock.advance(2.0)  # a froze mid-run
     took = b.tick("l", None)
     assert took is not None and took.acquired and took.token == 2
-    store.heartbeat("l", b.node, 2, {"n": 2})
+    store.hand_off("l", b.node, 2, {"n": 2})
     caplog.set_level(logging.WARNING)
     assert not a.finish("l", first.token, set(), {"n": 99}, RunInfo(0.1), "job")
     assert "NOT saved" in caplog.text
@@ -407,7 +407,7 @@ def test_attrs_write_after_losing_the_lease_is_refused(caplog: pytest.LogCapture
     assert rec is not None and dict(rec.attrs) == {"n": 2}, "the new holder's state is kept"
 
 
-def test_seed_compatible_mode_calls_the_users_functions() -> None:
+def test_callable_lock_mode_calls_the_users_functions() -> None:
     table: dict[str, Any] = {}
     calls: list[tuple[str, Any]] = []
 
@@ -475,7 +475,7 @@ def test_catch_up_also_when_another_job_of_the_group_takes_the_lock_over(
 
     def renew_dead() -> None:
         while not keep_alive.wait(0.2):
-            store.heartbeat("group", dead, 1)
+            store.hand_off("group", dead, 1)
 
     threading.Thread(target=renew_dead, daemon=True).start()
     hourly_runs: list[datetime] = []

@@ -135,7 +135,7 @@ def test_acquire_that_meets_contention_is_uncertain_not_a_renewal(ctx: StoreCtx)
         assert busy.record.holder == A.node_id and busy.token == 1, "the re-read record still shows the holder"
         # The other writes meet the same contention: an outage for the caller, never a refusal.
         for write in (
-            lambda: store.heartbeat("l", A, 1, {"k": 1}),
+            lambda: store.hand_off("l", A, 1, {"k": 1}),
             lambda: store.renew_many(A, {"l": 1}),
             lambda: store.release("l", A, 1),
         ):
@@ -381,10 +381,10 @@ def test_mysql_oversized_write_is_a_request_error_sent_once(ctx: StoreCtx) -> No
     sqlalchemy.event.listen(
         store.engine, "before_cursor_execute", lambda c, cur, sql, params, *a: sent.append(len(str(params)))
     )
-    error = _refused(store, lambda: store.heartbeat("big", A, token, {"blob": "x" * (limit + 1_000_000)}))
+    error = _refused(store, lambda: store.hand_off("big", A, token, {"blob": "x" * (limit + 1_000_000)}))
     assert "max_allowed_packet" in str(error)
     assert len([n for n in sent if n > limit]) == 1, "an oversized request is not sent twice"
-    assert store.heartbeat("big", A, token, {"blob": "small"}), "the store still works"
+    assert store.hand_off("big", A, token, {"blob": "small"}), "the store still works"
 
 
 @pytest.mark.parametrize("kind", backend_params("mysql", "postgresql"))
@@ -393,14 +393,14 @@ def test_values_the_database_refuses_are_request_errors(ctx: StoreCtx) -> None:
     assert isinstance(store, SQLLockStore)
     token = store.acquire_or_renew("bad", A, ttl=60).token
     # Out of range for the database's integer/interval arithmetic (MySQL 1916, PostgreSQL 22008).
-    _refused(store, lambda: store.heartbeat("bad", A, token, None, RunInfo(duration=1e300)))
+    _refused(store, lambda: store.hand_off("bad", A, token, None, RunInfo(duration=1e300)))
     # A lone surrogate (as in a file name decoded with surrogateescape) cannot be sent as UTF-8.
-    _refused(store, lambda: store.heartbeat("bad", A, token, None, RunInfo(duration=1, error="no such file '\udcff'")))
+    _refused(store, lambda: store.hand_off("bad", A, token, None, RunInfo(duration=1, error="no such file '\udcff'")))
     if store.engine.dialect.name == "postgresql":
-        _refused(store, lambda: store.heartbeat("bad", A, token, None, RunInfo(duration=1, error="nul \x00 byte")))  # 22021
+        _refused(store, lambda: store.hand_off("bad", A, token, None, RunInfo(duration=1, error="nul \x00 byte")))  # 22021
     else:
-        _refused(store, lambda: store.heartbeat("bad", A, token, None, RunInfo(duration=1, error="e" * 70_000)))  # 1406
-    assert store.heartbeat("bad", A, token, {"ok": 1}, RunInfo(duration=1, error="fine"))
+        _refused(store, lambda: store.hand_off("bad", A, token, None, RunInfo(duration=1, error="e" * 70_000)))  # 1406
+    assert store.hand_off("bad", A, token, {"ok": 1}, RunInfo(duration=1, error="fine"))
 
 
 @pytest.mark.parametrize("kind", backend_params("mysql"))
@@ -418,5 +418,5 @@ def test_mysql_operations_send_no_hidden_rollback(ctx: StoreCtx) -> None:
     before = rollbacks()
     for _ in range(10):
         store.acquire_or_renew("l", A, ttl=60)
-        store.heartbeat("l", A, 1, {"k": 1})
+        store.hand_off("l", A, 1, {"k": 1})
     assert rollbacks() - before == 0

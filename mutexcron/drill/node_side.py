@@ -107,11 +107,11 @@ class TimedLockStore(LockStore):
             )
         return result
 
-    def heartbeat(
+    def hand_off(
         self, name: str, node: Node, token: int, attrs: Mapping[str, Any] | None = None, run: RunInfo | None = None
     ) -> bool:
-        with self._timed("heartbeat"):
-            return self.inner.heartbeat(name, node, token, attrs, run)
+        with self._timed("hand_off"):
+            return self.inner.hand_off(name, node, token, attrs, run)
 
     def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
         with self._timed("renew_many"):

@@ -147,7 +147,7 @@ class LockStore(ABC):
         """
 
     @abstractmethod
-    def heartbeat(
+    def hand_off(
         self,
         name: str,
         node: Node,

@@ -95,7 +95,7 @@ class MemoryLockStore(LockStore):
             record = self._record(name, row, now)
             return AcquireResult(free, record, free and claim_won(copy.deepcopy(row.fires), claim))
 
-    def heartbeat(
+    def hand_off(
         self,
         name: str,
         node: Node,

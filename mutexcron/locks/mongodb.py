@@ -194,7 +194,7 @@ class MongoDBLockStore(LockStore):
         # upserts of a new lock race). Not this call's renewal, and not a loss.
         return AcquireResult(False, record, False, uncertain=record.holder == node.node_id)
 
-    def heartbeat(
+    def hand_off(
         self,
         name: str,
         node: Node,
@@ -213,7 +213,7 @@ class MongoDBLockStore(LockStore):
             fields["last_error"] = {"$literal": run.error}
         query = {"_id": name, "holder": node.node_id, "token": token}
         try:
-            with self.backend.errors("heartbeat", write=True):
+            with self.backend.errors("hand_off", write=True):
                 doc = self.collection.find_one_and_update(
                     query, [{"$set": fields}], projection={"_id": True}, return_document=ReturnDocument.AFTER
                 )

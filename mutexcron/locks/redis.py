@@ -24,7 +24,7 @@ from ..backends.redis import RedisBackend, now_ms
 from ..record import LockRecord, dump_attrs, load_attrs
 from ..timeutil import MILLISECONDS, as_utc
 from .base import AcquireResult, FireClaim, LockStore, Node, RunInfo, claim_won, fire_times_from_json
-from .redis_scripts import ACQUIRE_LUA, HEARTBEAT_LUA, READ_LUA, RELEASE_LUA, RENEW_MANY_LUA
+from .redis_scripts import ACQUIRE_LUA, HAND_OFF_LUA, READ_LUA, RELEASE_LUA, RENEW_MANY_LUA
 
 __all__ = ["RedisLockStore"]
 
@@ -51,7 +51,7 @@ class RedisLockStore(LockStore):
         super().__init__(backend.url)
         self.backend = backend
         self._acquire = backend.script(ACQUIRE_LUA)
-        self._heartbeat = backend.script(HEARTBEAT_LUA)
+        self._hand_off = backend.script(HAND_OFF_LUA)
         self._renew_many = backend.script(RENEW_MANY_LUA)
         self._release = backend.script(RELEASE_LUA)
         self._read = backend.script(READ_LUA)
@@ -163,7 +163,7 @@ class RedisLockStore(LockStore):
         record = self._record(name, fields, int(now), fires)
         return AcquireResult(bool(acquired), record, bool(acquired) and claim_won(fires, claim))
 
-    def heartbeat(
+    def hand_off(
         self,
         name: str,
         node: Node,
@@ -177,8 +177,8 @@ class RedisLockStore(LockStore):
             args += ["0", 0, "0", ""]
         else:
             args += ["1", max(0, round(run.duration * 1000)), "0" if run.error is None else "1", run.error or ""]
-        with self.backend.errors("heartbeat"):
-            return bool(self._heartbeat(keys=[self._lock_key(name)], args=args, client=self.backend.client))
+        with self.backend.errors("hand_off"):
+            return bool(self._hand_off(keys=[self._lock_key(name)], args=args, client=self.backend.client))
 
     def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
         if not leases:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..backends.redis import LUA_NOW
 
-__all__ = ["ACQUIRE_LUA", "HEARTBEAT_LUA", "READ_LUA", "RELEASE_LUA", "RENEW_MANY_LUA"]
+__all__ = ["ACQUIRE_LUA", "HAND_OFF_LUA", "READ_LUA", "RELEASE_LUA", "RENEW_MANY_LUA"]
 
 # acquire_or_renew: take the lock if it is free, released, ours or stale by the *holder's* stored
 # ttl (new token on every change of holder), claim a fire time if asked; return the whole record.
@@ -67,10 +67,10 @@ return cjson.encode({acquired, string.format('%d', now), redis.call('HGETALL', K
 """
 )
 
-# heartbeat: refresh the lease if ARGV[1] still holds it with token ARGV[2]; optionally store
+# hand_off: refresh the lease if ARGV[1] still holds it with token ARGV[2]; optionally store
 # attrs (ARGV[3]=='1', text ARGV[4]) and the last run (ARGV[5]=='1', duration_ms ARGV[6], error ARGV[7..8]).
 # KEYS: hash. ARGV: node_id, token, has_attrs, attrs, has_run, duration_ms, has_error, error. Returns 1 or 0.
-HEARTBEAT_LUA = (
+HAND_OFF_LUA = (
     LUA_NOW
     + """
 local h = redis.call('HMGET', KEYS[1], 'holder', 'token')

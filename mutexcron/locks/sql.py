@@ -9,7 +9,7 @@ run in autocommit (READ COMMITTED) by a :class:`~mutexcron.backends.sql.SQLBacke
   is part of the same statement. PostgreSQL, SQLite and MariaDB return the row with
   ``RETURNING``; MySQL (no ``RETURNING``) reads it back in the same short transaction, whose row
   lock keeps other writers out until the read is done.
-* heartbeat, renew_many and release are conditional UPDATEs on holder **and** token.
+* hand_off, renew_many and release are conditional UPDATEs on holder **and** token.
 
 Failures: contention makes an acquire *uncertain* and the other writes raise
 StoreUnavailableError; the backend reports outages and refused requests (see
@@ -203,7 +203,7 @@ class SQLLockStore(LockStore):
         conn.execute(text(self._sql.acquire), dict(params))
         return list(conn.execute(text(self._sql.read_one), {"name": params["name"]}).fetchall())
 
-    def heartbeat(
+    def hand_off(
         self,
         name: str,
         node: Node,
@@ -216,7 +216,7 @@ class SQLLockStore(LockStore):
             params["attrs"] = dump_attrs(attrs, job=name)
         if run is not None:
             params.update(dur=max(0.0, run.duration), dur_us=int(max(0.0, run.duration) * 1e6), err=run.error)
-        _, count = self._write(self._sql.heartbeat[attrs is not None, run is not None], params, "heartbeat")
+        _, count = self._write(self._sql.hand_off[attrs is not None, run is not None], params, "hand_off")
         return bool(count == 1)
 
     def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:

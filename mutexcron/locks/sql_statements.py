@@ -53,8 +53,8 @@ def _renew_row_values(sql: str, leases: Mapping[str, int]) -> tuple[str, dict[st
     return sql.replace("{pairs}", ", ".join(pairs)), params
 
 
-#: ``heartbeat`` by (stores attrs, stores the last run): the same on every dialect but for the clock.
-_HEARTBEATS: Mapping[tuple[bool, bool], str] = {
+#: ``hand_off`` by (stores attrs, stores the last run): the same on every dialect but for the clock.
+_HAND_OFFS: Mapping[tuple[bool, bool], str] = {
     (False, False): "UPDATE {t} SET hb = {now} WHERE name = :name AND holder = :me AND token = :token",
     (True, False): "UPDATE {t} SET hb = {now}, attrs = :attrs WHERE name = :name AND holder = :me AND token = :token",
     (False, True): "UPDATE {t} SET hb = {now}, last_run_started = {run_started}, last_run_finished = {now}, "
@@ -78,7 +78,7 @@ class LockStatements:
     renew_shape: RenewShape
     #: True: ``renew_many`` returns the renewed names; False: the store checks the count, then reads.
     renew_returns_names: bool
-    heartbeat: Mapping[tuple[bool, bool], str] = field(default_factory=lambda: dict(_HEARTBEATS))
+    hand_off: Mapping[tuple[bool, bool], str] = field(default_factory=lambda: dict(_HAND_OFFS))
     release: str = "UPDATE {t} SET holder = NULL WHERE name = :name AND holder = :me AND token = :token"
     read_one: str = "SELECT {cols}, {age} AS age FROM {t} WHERE name = :name"
     read_many: str = "SELECT {cols}, {age} AS age FROM {t} WHERE name IN ({names})"
@@ -103,7 +103,7 @@ class LockStatements:
             ddl=tuple(s.format(**fill) for s in self.ddl),
             acquire=self.acquire.format(**fill),
             renew_many=self.renew_many.format(**fill),
-            heartbeat={key: s.format(**fill) for key, s in self.heartbeat.items()},
+            hand_off={key: s.format(**fill) for key, s in self.hand_off.items()},
             release=self.release.format(**fill),
             read_one=self.read_one.format(**fill),
             read_many=self.read_many.format(**fill),
