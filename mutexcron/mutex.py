@@ -212,7 +212,10 @@ class Mutex:
         Args:
             name: a lock name template filled from the call's arguments, e.g. ``"import:{url}"``
                 (``{feed.id}`` and format specs work too).
-            lease, wait, strict, on_lost: as in :meth:`hold`.
+            lease: lease length in seconds, as in :meth:`hold`.
+            wait: how long to wait for the lock, as in :meth:`hold`.
+            strict: raise LeaseError at exit if the lease was lost, as in :meth:`hold`.
+            on_lost: called once if the lease is lost, as in :meth:`hold`.
             lock_else: called with the holder's LockRecord when the lock is not acquired; its
                 return value is returned. Default: log at INFO and return None.
 
