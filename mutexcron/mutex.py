@@ -29,13 +29,11 @@ from typing import Any, ParamSpec
 
 from .errors import ConfigurationError, LeaseError, StoreError, StoreUnavailableError
 from .locks import DEFAULT_LOCK_URL, LockStore, Node, lock_store_from_url
+from .mutex_lease import HeldLease, OnLost, Renewer
 from .mutex_support import (
     Attempt,
     Call,
-    HeldLease,
     LockName,
-    OnLost,
-    Renewer,
     Sleep,
     Step,
     Steps,
@@ -53,7 +51,7 @@ from .record import LockRecord
 
 __all__ = ["HeldLease", "Mutex"]
 
-log = logging.getLogger("mutexcron.mutex")
+log = logging.getLogger(__name__)
 P = ParamSpec("P")
 
 RELEASE_TRIES = 3
