@@ -100,6 +100,12 @@ def test_a_job_that_blocks_the_loop_past_its_lease_keeps_renewals_going(tmp_path
             lost.append(current_lease().lost)
 
     node = LoopNode(add, lock_url=url, node_id="a", unactive_interval=1)
+    probe = lock_store_from_url(url)
+    deadline = time.monotonic() + 10
+    while (rec := probe.read("blocker")) is None or rec.holder != "a":  # node a is the holder first
+        assert time.monotonic() < deadline, "node a never took the lock"
+        time.sleep(0.05)
+    probe.close()
     standby = MutexScheduler(lock_url=url, node_id="b", unactive_interval=1)
     standby_runs: list[datetime] = []
     standby.add_job(lambda: standby_runs.append(current_lease().fire_time), "cron", second="*/10", id="blocker",
