@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from click.testing import CliRunner
 
 from mutexcron import ConfigurationError, HeldLease, LeaseError, LockRecord, Mutex, MutexScheduler, StoreUnavailableError
 from mutexcron.cli import main as cli_main
-from mutexcron.locks import AcquireResult, FireClaim, LockStore, Node, RunInfo
+from mutexcron.locks import AcquireResult, BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, RunInfo
 from mutexcron.mutex_support import FIRST_BACKOFF, MAX_BACKOFF
 from tests.backends import ALL_BACKENDS, FakeClock, StoreCtx, backend_params, open_backend
 from tests.test_redis import PrivateRedis, private_redis  # noqa: F401 - the fixture, requested by name below
@@ -126,6 +126,10 @@ class CountingStore(LockStore):
     def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
         self.calls["renew_many"] += 1
         return self.inner.renew_many(node, leases)
+
+    def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
+        self.calls["claim_many"] += 1
+        return self.inner.claim_many(node, claims)
 
     def release(self, name: str, node: Node, token: int) -> bool:
         self.calls["release"] += 1

@@ -6,7 +6,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -23,7 +23,7 @@ from mutexcron import (
 )
 from mutexcron.guard import GuardedJob
 from mutexcron.heartbeat import LeaseManager
-from mutexcron.locks import FireClaim, LockStore, Node, RunInfo
+from mutexcron.locks import BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, RunInfo
 from mutexcron.locks.memory import MemoryLockStore
 from tests.backends import FakeClock
 
@@ -318,6 +318,10 @@ class FlakyStore(LockStore):
     def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
         self._check()
         return self.inner.renew_many(node, leases)
+
+    def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
+        self._check()
+        return self.inner.claim_many(node, claims)
 
     def release(self, *a: Any, **k: Any) -> bool:
         self._check()

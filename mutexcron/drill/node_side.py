@@ -14,12 +14,12 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from ..errors import ConfigurationError, StoreError
-from ..locks import AcquireResult, FireClaim, LockStore, Node, RunInfo, lock_store_from_url
+from ..locks import AcquireResult, BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, RunInfo, lock_store_from_url
 from ..record import LockRecord
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,10 @@ class TimedLockStore(LockStore):
     def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
         with self._timed("renew_many"):
             return self.inner.renew_many(node, leases)
+
+    def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
+        with self._timed("claim_many"):
+            return self.inner.claim_many(node, claims)
 
     def release(self, name: str, node: Node, token: int) -> bool:
         with self._timed("release"):

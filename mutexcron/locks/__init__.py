@@ -6,13 +6,15 @@ from typing import Any
 
 from ..backends import FAMILIES, build, family_of
 from ..errors import ConfigurationError
-from .base import AcquireResult, FireClaim, LockStore, Node, RunInfo
+from .base import AcquireResult, BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, RunInfo
 
 __all__ = [
     "DEFAULT_LOCK_URL",
     "SCHEMES",
     "AcquireResult",
+    "BatchClaimResult",
     "FireClaim",
+    "HeldClaim",
     "LockStore",
     "Node",
     "RunInfo",

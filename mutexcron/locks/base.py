@@ -13,6 +13,12 @@ Rules every implementation follows (the contract suite in ``tests/test_contract.
   ``fires[job] = [fire_us, nonce]`` in the same atomic operation, only if the lease is acquired
   and ``fire_us`` is greater than the stored one. ``AcquireResult.claimed`` is True only if this
   call wrote that claim (the stored nonce is ours).
+* Batched claims: ``claim_many(node, [HeldClaim(lock, token, claim), ...])`` is the same claim for
+  locks ``node`` already holds, many at once: per lock, the lease check (holder **and** token),
+  the renewal and every claim of that lock happen together or not at all. Like ``renew_many``, it
+  does not judge staleness: a holder whose lease ran out by the store clock, but whose record
+  still names it with that token, renews and claims. That never lets two nodes run one fire time:
+  a takeover changes the token first, and the fire times already claimed stay in the record.
 * Contention (a lost race for the row, a deadlock, a busy database) or a write whose outcome is
   unknown makes ``acquire_or_renew`` return ``uncertain=True`` (not acquired, not claimed), and
   makes the other writes raise :class:`~mutexcron.errors.StoreUnavailableError`: it is never
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -82,6 +88,71 @@ class AcquireResult:
     @property
     def token(self) -> int:
         return self.record.token
+
+
+@dataclass(frozen=True)
+class HeldClaim:
+    """A fire claim on a lock the caller holds: one item of :meth:`LockStore.claim_many`."""
+
+    #: The lock name.
+    lock: str
+    #: The token the caller holds the lock with.
+    token: int
+    #: The fire time claimed (job id, fire time in epoch microseconds, nonce).
+    claim: FireClaim
+
+
+@dataclass(frozen=True)
+class BatchClaimResult:
+    """The outcome of :meth:`LockStore.claim_many`."""
+
+    #: Locks still held by the caller with the given token: their lease was renewed.
+    renewed: frozenset[str] = frozenset()
+    #: Nonces of the claims this call wrote: each one's fire time is now the caller's to run. As for
+    #: :attr:`AcquireResult.claimed`, "wrote" is read as "the stored nonce is ours", so a retry with
+    #: the same nonces after an unknown outcome reports the claims an earlier attempt wrote.
+    won: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class LockClaims:
+    """The claims of one call of :meth:`LockStore.claim_many` on one lock (see :func:`group_claims`)."""
+
+    token: int
+    #: ``{job_id: claim}``: per job id, the claim with the greatest fire time (the first of equals).
+    claims: dict[str, FireClaim]
+
+
+def group_claims(claims: Iterable[HeldClaim]) -> dict[str, LockClaims]:
+    """``claims`` by lock, sorted by lock name, one claim per job id: what every store writes.
+
+    Two claims for one job id on one lock: the greater fire time is kept (the first of equal ones),
+    as if they were applied one after the other. Every store writes only these, so ``won`` never
+    holds the nonce of a claim that a greater one of the same call replaced.
+
+    Raises:
+        ValueError: one lock is given with two different tokens.
+    """
+    out: dict[str, LockClaims] = {}
+    for item in claims:
+        group = out.setdefault(item.lock, LockClaims(item.token, {}))
+        if group.token != item.token:
+            raise ValueError(f"claim_many: lock {item.lock!r} given with tokens {group.token} and {item.token}")
+        kept = group.claims.get(item.claim.job_id)
+        if kept is None or item.claim.fire_us > kept.fire_us:
+            group.claims[item.claim.job_id] = item.claim
+    return dict(sorted(out.items()))
+
+
+def won_claims(groups: Mapping[str, LockClaims], fires_by_lock: Mapping[str, Mapping[str, Any] | None]) -> frozenset[str]:
+    """Nonces of the claims in ``groups`` that the stored ``fires`` of their (renewed) lock show as ours."""
+    return frozenset(
+        claim.nonce
+        for lock, fires in fires_by_lock.items()
+        if lock in groups
+        for claim in groups[lock].claims.values()
+        if claim_won(fires, claim)
+    )
 
 
 def fire_times_from_json(fires: Mapping[str, Any] | None) -> dict[str, datetime]:
@@ -166,6 +237,37 @@ class LockStore(ABC):
         """Refresh every lease in ``{name: token}`` held by ``node``, in one round trip.
 
         Returns the names that were renewed; the others were lost.
+        """
+
+    @abstractmethod
+    def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
+        """Claim fire times on locks ``node`` holds, renewing their leases, in one atomic round trip.
+
+        For every lock in ``claims`` that ``node`` holds with the given token: renew its lease
+        (``hb`` = the store's clock; ttl, attrs and ``active_ip`` are kept) and record each of its
+        claims whose fire time is greater than the one stored for that job id. Several claims of
+        one lock (a lock group) are all applied; two claims for one job id on one lock: the
+        greater fire time wins (the first of equal ones). Each lock's part is atomic with its
+        lease check: either all of it happens while the record names ``node`` with that token, or
+        none of it. Locks not held with that token (taken over, released, missing) are left
+        untouched and appear in neither set.
+
+        Staleness is not judged here, as in :meth:`renew_many`: a holder whose lease expired by
+        the store's clock, but whose record still names it with that token (nobody took over
+        yet), renews and claims. A takeover always changes the token, and claimed fire times stay
+        in the record, so a fire time is still claimed once.
+
+        Args:
+            node: the caller.
+            claims: what to claim, on which lock, with which token. Empty: nothing is sent.
+
+        Returns:
+            The locks renewed and the nonces of the claims this call wrote.
+
+        Raises:
+            ValueError: one lock is given with two different tokens.
+            StoreUnavailableError: the store cannot be reached, or met contention (nothing may be
+                counted as renewed or won; the caller retries).
         """
 
     @abstractmethod

@@ -9,13 +9,24 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends.memory import MemoryBackend
 from ..record import LockRecord, dump_attrs
-from .base import AcquireResult, FireClaim, LockStore, Node, RunInfo, claim_won, fire_times_from_json
+from .base import (
+    AcquireResult,
+    BatchClaimResult,
+    FireClaim,
+    HeldClaim,
+    LockStore,
+    Node,
+    RunInfo,
+    claim_won,
+    fire_times_from_json,
+    group_claims,
+)
 
 
 @dataclass
@@ -128,6 +139,26 @@ class MemoryLockStore(LockStore):
                     row.hb = now
                     renewed.add(name)
         return renewed
+
+    def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
+        groups = group_claims(claims)
+        renewed: set[str] = set()
+        won: set[str] = set()
+        with self.backend.mutex:
+            now = self.clock()
+            for name, group in groups.items():
+                row = self._rows.get(name)
+                if row is None or row.holder != node.node_id or row.token != group.token:
+                    continue
+                row.hb = now
+                renewed.add(name)
+                for claim in group.claims.values():
+                    stored = row.fires.get(claim.job_id)
+                    if stored is None or int(stored[0]) < claim.fire_us:
+                        row.fires[claim.job_id] = [claim.fire_us, claim.nonce]
+                    if claim_won(row.fires, claim):
+                        won.add(claim.nonce)
+        return BatchClaimResult(frozenset(renewed), frozenset(won))
 
     def release(self, name: str, node: Node, token: int) -> bool:
         with self.backend.mutex:

@@ -12,6 +12,12 @@ growing. Every write is one command (``find_one_and_update`` with an update pipe
 :func:`~mutexcron.record.dump_attrs` makes, so every JSON value round-trips exactly (``$``-prefixed
 and dotted keys, integers beyond 64 bits) on every server version.
 
+``claim_many`` is one ``bulk_write`` (one ``update`` command): per lock an ``update_one`` filtered on
+holder and token whose pipeline renews ``hb`` and writes each newer claim, then one ``find`` of
+the claimed documents to say which claims are ours. Two round trips: a bulk write reports only
+how many documents matched, not which ones, nor what they hold now (see
+:meth:`MongoDBLockStore.claim_many`).
+
 Writes use write concern ``majority`` and reads the primary. A write whose outcome is unknown
 (a write-concern error or timeout) is never assumed to have happened, nor not to have happened:
 an acquire reports ``uncertain`` (with the majority-committed document as the record), a
@@ -26,17 +32,29 @@ filters, update pipelines and parsing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import pymongo.errors
-from pymongo import ReturnDocument
+from pymongo import ReturnDocument, UpdateOne
 
 from ..backends.base import UncertainOutcome
 from ..backends.mongodb import MongoDBBackend
 from ..record import LockRecord, dump_attrs, load_attrs
 from ..timeutil import EPOCH, as_utc
-from .base import AcquireResult, FireClaim, LockStore, Node, RunInfo, claim_won, fire_times_from_json
+from .base import (
+    AcquireResult,
+    BatchClaimResult,
+    FireClaim,
+    HeldClaim,
+    LockStore,
+    Node,
+    RunInfo,
+    claim_won,
+    fire_times_from_json,
+    group_claims,
+    won_claims,
+)
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +261,53 @@ class MongoDBLockStore(LockStore):
         with self.backend.errors("renew_many (read)"):
             docs = list(self.collection.find({"_id": {"$in": names}, "holder": node.node_id}, {"token": True}))
         return {doc["_id"] for doc in docs if doc.get("token") == leases[doc["_id"]]}
+
+    def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
+        """One ``bulk_write``, then one ``find`` of the claimed documents: two round trips.
+
+        Each lock is one ``update_one`` (filter: holder and token), so each lock's renewal and
+        claims are one atomic document write; its pipeline sets ``hb`` and then applies each claim
+        in its own ``$set`` stage (each stage sees the fires the one before left). A bulk write
+        reports only how many documents matched, so the ``find`` says which locks are still ours
+        and which of our nonces they hold. It follows the write at once; only a newer fire time of
+        the same job claimed in between (by this node, or by a node that took the lock over in
+        between) can hide one of our claims from it, and the claim is then reported lost: a fire
+        time may be reported lost, never won twice.
+        """
+        groups = group_claims(claims)
+        if not groups:
+            return BatchClaimResult()
+        now = self.now_expr()
+        ops = [
+            UpdateOne(
+                {"_id": name, "holder": node.node_id, "token": group.token},
+                [{"$set": {"hb": now}}, *({"$set": {"fires": _claim_expr(c)}} for c in group.claims.values())],
+            )
+            for name, group in groups.items()
+        ]
+        try:
+            with self.backend.errors("claim_many", write=True):
+                try:
+                    result = self.collection.bulk_write(ops, ordered=False)
+                except pymongo.errors.BulkWriteError as exc:
+                    # A bulk write reports a write concern failure in its details, not as WriteConcernError.
+                    if exc.details.get("writeConcernErrors") and not exc.details.get("writeErrors"):
+                        raise UncertainOutcome("claim_many", "outcome unknown") from exc
+                    raise
+        except UncertainOutcome as exc:
+            # Nothing may be counted as renewed or claimed (nor lost): the caller retries.
+            raise self.backend.uncertain(exc) from exc
+        if result.matched_count == 0:
+            return BatchClaimResult()
+        names = list(groups)
+        with self.backend.errors("claim_many (read)"):
+            docs = list(
+                self.collection.find(
+                    {"_id": {"$in": names}, "holder": node.node_id}, {"token": True, "fires": True}, batch_size=len(names)
+                )
+            )
+        fires = {doc["_id"]: doc.get("fires") for doc in docs if doc.get("token") == groups[doc["_id"]].token}
+        return BatchClaimResult(frozenset(fires), won_claims(groups, fires))
 
     def release(self, name: str, node: Node, token: int) -> bool:
         query = {"_id": name, "holder": node.node_id, "token": token}

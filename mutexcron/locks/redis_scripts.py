@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..backends.redis import LUA_NOW
 
-__all__ = ["ACQUIRE_LUA", "HAND_OFF_LUA", "READ_LUA", "RELEASE_LUA", "RENEW_MANY_LUA"]
+__all__ = ["ACQUIRE_LUA", "CLAIM_MANY_LUA", "HAND_OFF_LUA", "READ_LUA", "RELEASE_LUA", "RENEW_MANY_LUA"]
 
 # acquire_or_renew: take the lock if it is free, released, ours or stale by the *holder's* stored
 # ttl (new token on every change of holder), claim a fire time if asked; return the whole record.
@@ -102,6 +102,56 @@ for i, key in ipairs(KEYS) do
   end
 end
 return out
+"""
+)
+
+# claim_many: for every lock KEYS[i] that ARGV[1] holds with its token, refresh the lease and write
+# each of its claims whose fire time is newer than the stored one for that job; all of a lock's
+# part happens inside this script, so it is atomic with the lease check. Returns JSON
+# [[i of each renewed lock], [nonce of each claim the record now holds as ours]].
+# KEYS: hash of each lock. ARGV: node_id, then for each lock in KEYS order: token, number of
+# claims n, then n times job, fire_us, nonce.
+CLAIM_MANY_LUA = (
+    LUA_NOW
+    + """
+local stamp = string.format('%d', now)
+local renewed, won = {}, {}
+local a = 2
+for i, key in ipairs(KEYS) do
+  local token, first = tonumber(ARGV[a]), a + 2
+  a = first + 3 * tonumber(ARGV[a + 1])
+  local h = redis.call('HMGET', key, 'holder', 'token', 'fires')
+  if h[1] == ARGV[1] and tonumber(h[2]) == token then
+    renewed[#renewed + 1] = i
+    local ok, fires = pcall(cjson.decode, h[3] or '{}')
+    if not ok or type(fires) ~= 'table' then fires = {} end
+    local changed = false
+    for c = first, a - 1, 3 do
+      local job, fire_us, nonce = ARGV[c], tonumber(ARGV[c + 1]), ARGV[c + 2]
+      local cur = fires[job]
+      if type(cur) ~= 'table' or (tonumber(cur[1]) or 0) < fire_us then
+        fires[job] = {fire_us, nonce}
+        changed = true
+      end
+      cur = fires[job]
+      if tonumber(cur[1]) == fire_us and cur[2] == nonce then won[#won + 1] = nonce end
+    end
+    if changed then
+      -- Encoded by hand, as in ACQUIRE_LUA: cjson prints numbers with 14 digits, epoch microseconds need 16.
+      local parts = {}
+      for job, v in pairs(fires) do
+        if type(v) == 'table' then
+          parts[#parts + 1] = cjson.encode(tostring(job)) .. ':[' .. string.format('%d', tonumber(v[1]) or 0)
+                              .. ',' .. cjson.encode(tostring(v[2])) .. ']'
+        end
+      end
+      redis.call('HSET', key, 'hb', stamp, 'fires', '{' .. table.concat(parts, ',') .. '}')
+    else
+      redis.call('HSET', key, 'hb', stamp)
+    end
+  end
+end
+return cjson.encode({renewed, won})
 """
 )
 

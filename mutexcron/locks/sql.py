@@ -10,6 +10,10 @@ run in autocommit (READ COMMITTED) by a :class:`~mutexcron.backends.sql.SQLBacke
   ``RETURNING``; MySQL (no ``RETURNING``) reads it back in the same short transaction, whose row
   lock keeps other writers out until the read is done.
 * hand_off, renew_many and release are conditional UPDATEs on holder **and** token.
+* claim_many is one UPDATE over every claimed lock (conditional on holder and token, the claims
+  passed as one JSON array) that renews the leases and writes the newer claims. PostgreSQL and
+  SQLite return each renewed lock's fires with ``RETURNING``; MySQL and MariaDB (no ``UPDATE ...
+  RETURNING``) read them back in the same short transaction, as MySQL's acquire does.
 
 Failures: contention makes an acquire *uncertain* and the other writes raise
 StoreUnavailableError; the backend reports outages and refused requests (see
@@ -24,7 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy.engine import Connection, Engine
@@ -34,8 +38,21 @@ from ..backends.sql import SQLBackend
 from ..errors import StoreError
 from ..record import LockRecord, dump_attrs, load_attrs
 from ..timeutil import as_utc
-from .base import AcquireResult, FireClaim, LockStore, Node, RunInfo, claim_won, fire_times_from_json
+from .base import (
+    AcquireResult,
+    BatchClaimResult,
+    FireClaim,
+    HeldClaim,
+    LockStore,
+    Node,
+    RunInfo,
+    claim_won,
+    fire_times_from_json,
+    group_claims,
+    won_claims,
+)
 from .sql_statements import MARIADB, NO_CLAIM, STATEMENTS
+from .sql_statements import json_path as _json_path
 
 __all__ = ["SQLLockStore"]
 
@@ -43,9 +60,11 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-def _json_path(job: str) -> str:
-    """A JSON path to the key ``job`` (quoted, so dots and spaces are literal)."""
-    return '$."' + job.replace("\\", "\\\\").replace('"', '\\"') + '"'
+def _load_fires(fires: Any) -> dict[str, Any]:
+    """The ``fires`` column as a dict (PostgreSQL returns it parsed, the others as JSON text)."""
+    if isinstance(fires, (str, bytes)):
+        fires = json.loads(fires or "{}")
+    return fires if isinstance(fires, dict) else {}
 
 
 class SQLLockStore(LockStore):
@@ -231,6 +250,39 @@ class SQLLockStore(LockStore):
         # MySQL/MariaDB UPDATE has no RETURNING: one read says which ones were renewed.
         current = self.read_many(leases)
         return {n for n, rec in current.items() if rec.holder == node.node_id and rec.token == leases[n]}
+
+    def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
+        groups = group_claims(claims)
+        if not groups:
+            return BatchClaimResult()
+        self._ensure_table()  # first: it picks MariaDB's statements once it knows the server
+        params = {"me": node.node_id, **self._sql.claim_shape(groups)}
+        if self._sql.claim_returns_rows:
+            rows, _ = self._write(self._sql.claim_many, params, "claim_many")
+        else:
+            rows = self._claim_and_read(params, {name: group.token for name, group in groups.items()})
+        fires = {name: _load_fires(value) for name, value in rows}
+        return BatchClaimResult(frozenset(fires), won_claims(groups, fires))
+
+    def _claim_and_read(self, params: Mapping[str, Any], leases: Mapping[str, int]) -> list[Any]:
+        """MySQL/MariaDB: the claiming UPDATE, then the renewed rows' fires, in one short transaction.
+
+        The UPDATE keeps the rows it renewed locked until COMMIT, so the read sees exactly what it
+        wrote; a row it did not renew cannot come to name this node with that token meanwhile (a
+        token never comes back).
+        """
+        read, read_params = self._sql.renew_shape(self._sql.claim_read, leases)
+        read_params["me"] = params["me"]
+
+        def work(conn: Connection) -> list[Any]:
+            text = self.backend.text
+            conn.execute(text(self._sql.claim_many), dict(params))
+            return list(conn.execute(text(read), read_params).fetchall())
+
+        try:
+            return self._run(lambda conn: self.backend.transaction(conn, work), "claim_many")
+        except UncertainOutcome as exc:
+            raise self.backend.uncertain(exc) from exc
 
     def release(self, name: str, node: Node, token: int) -> bool:
         _, count = self._write(self._sql.release, {"name": name, "me": node.node_id, "token": token}, "release")

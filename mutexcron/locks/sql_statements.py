@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends.sql_dialects import SQLClock
+from .base import LockClaims
 
 COLUMNS = "name, holder, active_ip, token, hb, ttl_ms, attrs, fires, last_run_started, last_run_finished, last_error"
 #: A fire time no claim can be below: ``COALESCE(stored, -1) < -1`` is always false.
@@ -31,6 +32,13 @@ NO_CLAIM = -1
 
 #: (statement, parameters) for ``renew_many`` of ``{name: token}``: each dialect passes the list its own way.
 RenewShape = Callable[[str, Mapping[str, int]], tuple[str, dict[str, Any]]]
+#: The parameters of ``claim_many`` for the claims grouped by lock (:func:`mutexcron.locks.base.group_claims`).
+ClaimShape = Callable[[Mapping[str, LockClaims]], dict[str, Any]]
+
+
+def json_path(job: str) -> str:
+    """A JSON path to the key ``job`` (quoted, so dots and spaces are literal)."""
+    return '$."' + job.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _renew_json_records(sql: str, leases: Mapping[str, int]) -> tuple[str, dict[str, Any]]:
@@ -51,6 +59,29 @@ def _renew_row_values(sql: str, leases: Mapping[str, int]) -> tuple[str, dict[st
         params[f"n{i}"], params[f"t{i}"] = n, t
         pairs.append(f"(:n{i}, :t{i})")
     return sql.replace("{pairs}", ", ".join(pairs)), params
+
+
+def _claim_rows(groups: Mapping[str, LockClaims], *, paths: bool = False) -> str:
+    """One JSON array of ``{name, token, job, ft, nonce}`` records, one per claim (``p``: the path to the job's fire time)."""
+    rows = []
+    for name, group in groups.items():
+        for claim in group.claims.values():
+            row: dict[str, Any] = {"name": name, "token": group.token, "job": claim.job_id}
+            row.update(ft=claim.fire_us, nonce=claim.nonce)
+            if paths:
+                row["p"] = json_path(claim.job_id) + "[0]"
+            rows.append(row)
+    return json.dumps(rows)
+
+
+def _claims_json(groups: Mapping[str, LockClaims]) -> dict[str, Any]:
+    """PostgreSQL, SQLite: the claims as one JSON array (``jsonb_to_recordset``, ``json_each``)."""
+    return {"claims": _claim_rows(groups)}
+
+
+def _claims_json_with_paths(groups: Mapping[str, LockClaims]) -> dict[str, Any]:
+    """MySQL/MariaDB: the same array (``JSON_TABLE``), with each job's JSON path (``JSON_EXTRACT``)."""
+    return {"claims": _claim_rows(groups, paths=True)}
 
 
 #: ``hand_off`` by (stores attrs, stores the last run): the same on every dialect but for the clock.
@@ -78,6 +109,14 @@ class LockStatements:
     renew_shape: RenewShape
     #: True: ``renew_many`` returns the renewed names; False: the store checks the count, then reads.
     renew_returns_names: bool
+    #: ``claim_many``: renew the held locks and write their newer claims (params me, and ``claim_shape``'s).
+    claim_many: str
+    claim_shape: ClaimShape
+    #: True: ``claim_many`` returns ``(name, fires)`` of each lock it renewed. False (MySQL, MariaDB:
+    #: an UPDATE has no RETURNING): the store runs ``claim_read`` (its ``{pairs}`` filled by
+    #: ``renew_shape``) in the same transaction.
+    claim_returns_rows: bool
+    claim_read: str = ""
     hand_off: Mapping[tuple[bool, bool], str] = field(default_factory=lambda: dict(_HAND_OFFS))
     release: str = "UPDATE {t} SET holder = NULL WHERE name = :name AND holder = :me AND token = :token"
     read_one: str = "SELECT {cols}, {age} AS age FROM {t} WHERE name = :name"
@@ -103,6 +142,8 @@ class LockStatements:
             ddl=tuple(s.format(**fill) for s in self.ddl),
             acquire=self.acquire.format(**fill),
             renew_many=self.renew_many.format(**fill),
+            claim_many=self.claim_many.format(**fill),
+            claim_read=self.claim_read.format(**fill),
             hand_off={key: s.format(**fill) for key, s in self.hand_off.items()},
             release=self.release.format(**fill),
             read_one=self.read_one.format(**fill),
@@ -152,6 +193,24 @@ WHERE l.name = v.name AND l.token = v.token AND l.holder = :me
 RETURNING l.name""",
     renew_shape=_renew_json_records,
     renew_returns_names=True,
+    # The patch is aggregated per lock first; the UPDATE keeps only its entries newer than the row's,
+    # read from the row it updates: a row another session changed meanwhile is re-read (and the
+    # WHERE re-checked) before this statement writes it, so a claim is never judged on old fires.
+    claim_many="""
+WITH c AS (
+    SELECT v.name, v.token, jsonb_object_agg(v.job, jsonb_build_array(v.ft, v.nonce)) AS patch
+    FROM jsonb_to_recordset(CAST(:claims AS jsonb)) AS v(name text, token bigint, job text, ft bigint, nonce text)
+    GROUP BY v.name, v.token
+)
+UPDATE {t} AS l SET hb = {now},
+    fires = l.fires || COALESCE((
+        SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(c.patch) AS e
+        WHERE COALESCE(CAST(l.fires -> e.key ->> 0 AS bigint), -1) < CAST(e.value ->> 0 AS bigint)), '{{}}'::jsonb)
+FROM c
+WHERE l.name = c.name AND l.token = c.token AND l.holder = :me
+RETURNING l.name, l.fires""",
+    claim_shape=_claims_json,
+    claim_returns_rows=True,
 )
 
 # MySQL assigns ON DUPLICATE KEY UPDATE columns left to right, and later expressions see the new
@@ -171,6 +230,23 @@ ON DUPLICATE KEY UPDATE
     active_ip = IF({free}, :ip, active_ip),
     ttl_ms = IF({free}, :ttl_ms, ttl_ms),
     hb = IF({free}, {now}, hb)""".replace("{free}", _MY_FREE)
+
+# claim_many: the claims grouped per lock (derived table c), joined to the lock rows by primary key
+# (STRAIGHT_JOIN: c first, whatever the table's size, so only the claimed rows are locked). Each
+# lock's newer claims are picked from the row being updated (an UPDATE reads the latest committed
+# row, locked). VARCHAR(255) for names: a longer one is cut to 255 characters and still matches no
+# stored name (at most 191).
+_MY_CLAIM_COLUMNS = "job TEXT PATH '$.job', p TEXT PATH '$.p', ft BIGINT PATH '$.ft', nonce TEXT PATH '$.nonce'"
+_MYSQL_CLAIM_MANY = """
+UPDATE (SELECT j.name, j.token, JSON_ARRAYAGG(JSON_OBJECT('job', j.job, 'p', j.p, 'ft', j.ft, 'nonce', j.nonce)) AS claims
+        FROM JSON_TABLE(:claims, '$[*]' COLUMNS (name VARCHAR(255) PATH '$.name', token BIGINT PATH '$.token', {cc})) AS j
+        GROUP BY j.name, j.token) AS c
+STRAIGHT_JOIN {t} AS l ON l.name = c.name AND l.token = c.token
+SET l.hb = {now},
+    l.fires = JSON_MERGE_PATCH(l.fires, COALESCE((
+        SELECT JSON_OBJECTAGG(e.job, JSON_ARRAY(e.ft, e.nonce)) FROM JSON_TABLE(c.claims, '$[*]' COLUMNS ({cc})) AS e
+        WHERE COALESCE(CAST(JSON_EXTRACT(l.fires, e.p) AS SIGNED), -1) < e.ft), '{{}}'))
+WHERE l.holder = :me""".replace("{cc}", _MY_CLAIM_COLUMNS)
 
 MYSQL = LockStatements(
     dialect="mysql",
@@ -195,6 +271,10 @@ MYSQL = LockStatements(
     renew_many="UPDATE {t} SET hb = {now} WHERE holder = :me AND (name, token) IN ({pairs})",
     renew_shape=_renew_row_values,
     renew_returns_names=False,
+    claim_many=_MYSQL_CLAIM_MANY,
+    claim_shape=_claims_json_with_paths,
+    claim_returns_rows=False,  # neither MySQL 8 nor MariaDB has UPDATE ... RETURNING
+    claim_read="SELECT name, fires FROM {t} WHERE holder = :me AND (name, token) IN ({pairs})",
 )
 
 #: MariaDB returns the row as updated, even from ON DUPLICATE KEY UPDATE (its UPDATE has no RETURNING).
@@ -239,6 +319,25 @@ WHERE holder = :me AND (name || char(31) || token) IN (SELECT value FROM json_ea
 RETURNING name""",
     renew_shape=_renew_joined_keys,
     renew_returns_names=True,
+    # SQLite >= 3.35 (UPDATE ... FROM: 3.33, RETURNING: 3.35). One writer at a time: the statement
+    # reads the rows it writes under the database's write lock.
+    claim_many="""
+WITH c AS (
+    SELECT json_extract(value, '$.name') AS name, json_extract(value, '$.token') AS token,
+           json_group_object(json_extract(value, '$.job'),
+                             json_array(json_extract(value, '$.ft'), json_extract(value, '$.nonce'))) AS patch
+    FROM json_each(:claims) GROUP BY 1, 2
+)
+UPDATE {t} AS l SET hb = {now},
+    fires = json_patch(l.fires, COALESCE((
+        SELECT json_group_object(e.key, json(e.value)) FROM json_each(c.patch) AS e
+        WHERE COALESCE((SELECT json_extract(f.value, '$[0]') FROM json_each(l.fires) AS f WHERE f.key = e.key), -1)
+              < json_extract(e.value, '$[0]')), '{{}}'))
+FROM c
+WHERE l.name = c.name AND l.token = c.token AND l.holder = :me
+RETURNING name, fires""",
+    claim_shape=_claims_json,
+    claim_returns_rows=True,
 )
 
 #: The statements for each backend dialect; MariaDB's row replaces MySQL's once the server says it is MariaDB.
