@@ -16,11 +16,12 @@ from typing import Any
 import pytest
 import sqlalchemy
 
+from mutexcron.backends.sql import POOL_IDLE_TIMEOUT, POOL_MIN_IDLE, IdleTrimmingPool
 from mutexcron.backends.sql_dialects import OPERATION_TIMEOUT
 from mutexcron.errors import ConfigurationError, StoreError, StoreUnavailableError
 from mutexcron.locks import FireClaim, Node, RunInfo
 from mutexcron.locks.sql import SQLLockStore
-from tests.backends import StoreCtx, backend_params, open_backend
+from tests.backends import FakeClock, StoreCtx, backend_params, open_backend
 
 A = Node("a:1:aa", "10.0.0.1")
 B = Node("b:2:bb", "10.0.0.2")
@@ -420,3 +421,155 @@ def test_mysql_operations_send_no_hidden_rollback(ctx: StoreCtx) -> None:
         store.acquire_or_renew("l", A, ttl=60)
         store.hand_off("l", A, 1, {"k": 1})
     assert rollbacks() - before == 0
+
+
+# -- the pool rule: keep what the node uses at once, close what it stopped using ------------------
+def _pool(store: SQLLockStore) -> IdleTrimmingPool:
+    pool = store.engine.pool
+    assert isinstance(pool, IdleTrimmingPool)
+    return pool
+
+
+def _opened_and_closed(store: SQLLockStore) -> tuple[list[int], list[int]]:
+    """Lists that grow by one for each DBAPI connection the store's pool opens, and closes."""
+    opened: list[int] = []
+    closed: list[int] = []
+    sqlalchemy.event.listen(store.engine, "connect", lambda *_: opened.append(1))
+    sqlalchemy.event.listen(store.engine, "close", lambda *_: closed.append(1))
+    return opened, closed
+
+
+def _burst(store: SQLLockStore, width: int) -> None:
+    """``width`` connections in use at once, then all returned: a burst of concurrent store calls."""
+    connections = [store.engine.connect() for _ in range(width)]
+    for conn in connections:
+        conn.close()
+
+
+def _threads_at_once(store: SQLLockStore, threads: int) -> None:
+    """``threads`` threads each in a store call at the same time (each holds its connection until all do)."""
+    barrier = threading.Barrier(threads, timeout=10)
+
+    def call() -> None:
+        store.backend.run(lambda conn: (conn.exec_driver_sql("SELECT 1").all(), barrier.wait()), "burst")
+
+    workers = [threading.Thread(target=call) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=15)
+    assert not barrier.broken
+
+
+@pytest.mark.parametrize("kind", backend_params("sqlite", "mysql", "postgresql"))
+def test_every_second_bursts_on_all_threads_reuse_their_connections(ctx: StoreCtx) -> None:
+    """10 executor threads + heartbeat + catch-up calling at once, burst after burst: no connection churn."""
+    store = ctx.make()
+    assert isinstance(store, SQLLockStore)
+    store.ping()
+    opened, closed = _opened_and_closed(store)
+    _threads_at_once(store, 12)
+    assert len(opened) == 11, "the first burst opens what it needs (one was open already)"
+    for _ in range(3):
+        _threads_at_once(store, 12)
+    assert (len(opened), len(closed)) == (11, 0), "later bursts open and close nothing"
+    assert (_pool(store).checkedin(), _pool(store).checkedout()) == (12, 0)
+
+
+def test_connections_left_unused_for_the_idle_timeout_are_closed_down_to_the_minimum(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(IdleTrimmingPool, "_clock", staticmethod(clock))
+    store = SQLLockStore(f"sqlite:///{tmp_path}/l.db")
+    store.ping()
+    _, closed = _opened_and_closed(store)
+    _burst(store, 8)
+    assert _pool(store).checkedin() == 8
+    clock.advance(POOL_IDLE_TIMEOUT - 1)
+    store.ping()  # a quiet node: one call at a time, on the most recently used connection
+    assert _pool(store).checkedin() == 8 and not closed, "not idle long enough yet"
+    clock.advance(2)
+    store.ping()
+    assert _pool(store).checkedin() == POOL_MIN_IDLE
+    assert len(closed) == 8 - POOL_MIN_IDLE
+    _burst(store, 8)  # the next peak opens what it needs again
+    assert _pool(store).checkedin() == 8
+    store.close()
+
+
+def test_one_call_at_a_time_reuses_the_most_recent_connection(tmp_path: Path) -> None:
+    """Last in, first out: the connections a quiet node does not need stay unused, so they can age out."""
+    store = SQLLockStore(f"sqlite:///{tmp_path}/l.db")
+    _burst(store, 5)
+    seen = set()
+    for _ in range(10):
+        with store.engine.connect() as conn:
+            seen.add(id(conn.connection.dbapi_connection))
+    assert len(seen) == 1
+    store.close()
+
+
+def test_size_pool_sets_how_many_connections_are_kept(tmp_path: Path) -> None:
+    store = SQLLockStore(f"sqlite:///{tmp_path}/l.db")
+    opened, closed = _opened_and_closed(store)
+    _burst(store, 15)
+    assert _pool(store).checkedin() == 12, "default: 10 executor threads + heartbeat + catch-up"
+    assert len(closed) == 3, "connections over the pool size are closed when they come back"
+    store.backend.size_pool(20)  # the scheduler, with a 18-thread executor
+    _burst(store, 20)
+    assert _pool(store).checkedin() == 20
+    store.backend.size_pool(4)
+    assert _pool(store).checkedin() == 4, "idle connections beyond the new size are closed at once"
+    assert len(opened) - len(closed) == 4
+    with pytest.raises(ValueError, match="at least 1"):
+        store.backend.size_pool(0)
+    store.close()
+    assert _pool(store).size() == 4 and _pool(store).checkedin() == 0, "closing keeps the size, not the connections"
+
+
+@pytest.mark.parametrize("url_option, engine_options", [("?pool_size=3", {}), ("", {"pool_size": 3})])
+def test_an_explicit_pool_size_keeps_that_many_for_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url_option: str, engine_options: dict[str, Any]
+) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(IdleTrimmingPool, "_clock", staticmethod(clock))
+    store = SQLLockStore(f"sqlite:///{tmp_path}/l.db{url_option}", **engine_options)
+    _burst(store, 6)
+    assert _pool(store).checkedin() == 3
+    clock.advance(10 * POOL_IDLE_TIMEOUT)
+    store.ping()
+    assert _pool(store).checkedin() == 3, "never trimmed below the size the user chose"
+    store.backend.size_pool(12)
+    assert _pool(store).size() == 3, "size_pool leaves an explicit choice alone"
+    store.close()
+
+
+@pytest.mark.parametrize("size", ["0", "-1", "abc", "1.5"])
+def test_bad_pool_sizes_are_refused(tmp_path: Path, size: str) -> None:
+    with pytest.raises(ConfigurationError, match="bad \\?pool_size="):
+        SQLLockStore(f"sqlite:///{tmp_path}/l.db?pool_size={size}")
+
+
+def test_a_pool_class_of_the_callers_own_is_used_as_given(tmp_path: Path) -> None:
+    store = SQLLockStore(f"sqlite:///{tmp_path}/l.db", poolclass=sqlalchemy.pool.NullPool)
+    assert store.acquire_or_renew("l", A, ttl=60).acquired
+    assert isinstance(store.engine.pool, sqlalchemy.pool.NullPool)
+    store.backend.size_pool(12)  # nothing to size: no error
+    store.close()
+
+
+def test_a_caller_waits_for_a_connection_to_come_back_then_fails_closed(tmp_path: Path) -> None:
+    store = SQLLockStore(f"sqlite:///{tmp_path}/l.db", pool_size=1, max_overflow=0, connect_timeout=0.5)
+    store.ping()
+    held = store.engine.connect()
+    threading.Timer(0.1, held.close).start()
+    store.ping()  # waits for the held connection, then uses it
+    held = store.engine.connect()
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailableError):
+        store.ping()
+    assert 0.4 < time.monotonic() - started < 3, "waits pool_timeout (the connect timeout), no longer"
+    held.close()
+    store.ping()
+    store.close()

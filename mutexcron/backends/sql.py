@@ -1,9 +1,11 @@
 """SQL backends through SQLAlchemy 2 Core: ``sqlite://``, ``mysql://``/``mariadb://``, ``postgresql://``.
 
 One engine per backend. Every statement runs on a pooled connection in autocommit (READ
-COMMITTED); an explicit transaction (:meth:`SQLBackend.transaction`) is the exception. What differs
-between databases (driver, session settings, timeouts, the clock in SQL) is one
-:class:`~mutexcron.backends.sql_dialects.SQLDialect` per registry family, in
+COMMITTED); an explicit transaction (:meth:`SQLBackend.transaction`) is the exception. The pool
+(:class:`IdleTrimmingPool`) keeps as many connections as the node really uses at once, up to the
+number of threads that can call the store (:meth:`SQLBackend.size_pool`), and closes the ones left
+idle for minutes. What differs between databases (driver, session settings, timeouts, the clock in
+SQL) is one :class:`~mutexcron.backends.sql_dialects.SQLDialect` per registry family, in
 :mod:`mutexcron.backends.sql_dialects`.
 
 Failures: contention (a busy SQLite file, a lock wait timeout, a deadlock, a lost insert race)
@@ -18,6 +20,9 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -25,6 +30,7 @@ import sqlalchemy
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.pool import ConnectionPoolEntry, Pool
 
 from ..errors import ConfigurationError, StoreError, StoreUnavailableError
 from ..urls import mask_url, pop_query
@@ -60,6 +66,169 @@ _MYSQL_DISCONNECTS = frozenset({2006, 2013})  # server has gone away, lost conne
 _MYSQL_PACKET_CHECK_BYTES = 1 << 20
 _T = TypeVar("_T")
 
+# The pool rule (see IdleTrimmingPool). Kept connections: up to the threads that can call the store
+# at once, which the scheduler tells size_pool() at start; until then APScheduler's default
+# executor (10 threads) + the heartbeat thread + the catch-up thread.
+DEFAULT_POOL_SIZE = 12
+# Connections opened beyond that for a burst of unexpected callers (a user's own threads), closed
+# on check-in; SQLAlchemy's default overflow, so no caller waits where it did not wait before.
+POOL_OVERFLOW = 10
+# A kept connection unused this long is closed, down to POOL_MIN_IDLE. Five minutes outlasts the gap
+# between the bursts of every-minute jobs (so they reuse their connections), while a node whose
+# peak has passed gives its idle server connections back instead of holding them for good.
+POOL_IDLE_TIMEOUT = 300.0
+# Idle connections always kept: the heartbeat's renewal and the next tick find one open.
+POOL_MIN_IDLE = 2
+
+
+class IdleTrimmingPool(Pool):
+    """A last-in-first-out connection pool that keeps what the node really uses and lets the rest go.
+
+    SQLAlchemy's QueuePool keeps ``pool_size`` connections for good and closes every overflow
+    connection on check-in: a pool smaller than the node's burst of store calls (every-second jobs
+    firing together on the executor's threads) opens and closes connections every second, and a
+    pool as large as the burst keeps that many idle server connections per node forever. This pool
+    keeps up to ``pool_size`` returned connections, but hands out the most recently returned one
+    first, so the connections a quiet node does not need sink to the bottom unused; on each
+    check-in, those unused for ``idle_timeout`` seconds are closed, down to ``min_idle``. A node
+    keeps what it used at once within the last ``idle_timeout`` seconds, never more than
+    ``pool_size`` idle. Beyond ``pool_size`` it opens up to ``max_overflow`` more (-1: no limit),
+    closed on check-in as in QueuePool, then waits ``timeout`` seconds for one to come back.
+
+    Trimming happens when a connection comes back (the heartbeat's renewals do that regularly); a
+    store nobody calls keeps its connections until it is called or closed.
+    """
+
+    _clock = staticmethod(time.monotonic)  # when a connection came back; tests replace it to age them
+
+    def __init__(
+        self,
+        creator: Any,
+        pool_size: int = DEFAULT_POOL_SIZE,
+        max_overflow: int = POOL_OVERFLOW,
+        timeout: float = 30.0,
+        idle_timeout: float = POOL_IDLE_TIMEOUT,
+        min_idle: int = POOL_MIN_IDLE,
+        **kw: Any,
+    ) -> None:
+        super().__init__(creator, **kw)
+        self._size = pool_size
+        self._max_overflow = max_overflow
+        self._timeout = timeout
+        self._idle_timeout = idle_timeout
+        self._min_idle = min_idle
+        self._idle: deque[tuple[float, ConnectionPoolEntry]] = deque()  # (returned at, record), newest last
+        self._open = 0  # records of this pool not closed yet: idle + checked out
+        self._cond = threading.Condition()
+
+    def _do_get(self) -> ConnectionPoolEntry:
+        deadline = time.monotonic() + self._timeout
+        with self._cond:
+            while not self._idle and not self._room():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise sa_exc.TimeoutError(
+                        f"connection pool limit of {self._size} kept + {self._max_overflow} overflow reached, "
+                        f"timed out after {self._timeout:g} s"
+                    )
+                self._cond.wait(remaining)
+            if self._idle:
+                return self._idle.pop()[1]
+            self._open += 1
+        try:
+            return self._create_connection()
+        except BaseException:
+            self._closed(1)
+            raise
+
+    def _room(self) -> bool:
+        return self._max_overflow < 0 or self._open < self._size + self._max_overflow
+
+    def _do_return_conn(self, record: ConnectionPoolEntry) -> None:
+        now = self._clock()
+        with self._cond:
+            if len(self._idle) < self._size:
+                self._idle.append((now, record))
+                surplus = self._trim(now)
+                self._cond.notify()  # a caller waiting for a connection takes this one
+            else:
+                surplus = [record]  # over pool_size: an overflow connection, closed as in QueuePool
+        self._close(surplus)
+
+    def _trim(self, now: float) -> list[ConnectionPoolEntry]:
+        """Take the connections left unused for ``idle_timeout`` (the oldest first) down to ``min_idle``."""
+        surplus = []
+        while len(self._idle) > self._min_idle and now - self._idle[0][0] >= self._idle_timeout:
+            surplus.append(self._idle.popleft()[1])
+        return surplus
+
+    def _close(self, records: list[ConnectionPoolEntry]) -> None:
+        """Close ``records`` outside the lock (closing talks to the server) and make room for new ones."""
+        if not records:
+            return
+        try:
+            for record in records:
+                record.close()
+        finally:
+            self._closed(len(records))
+
+    def _closed(self, count: int) -> None:
+        with self._cond:
+            self._open -= count
+            self._cond.notify(count)  # a caller waiting for room may open a connection now
+
+    def resize(self, pool_size: int) -> None:
+        """Keep up to ``pool_size`` connections from now on (idle ones beyond it are closed now)."""
+        with self._cond:
+            self._size = pool_size
+            surplus = [self._idle.popleft()[1] for _ in range(max(0, len(self._idle) - pool_size))]
+            self._cond.notify_all()  # more room: callers waiting for a connection may open one
+        self._close(surplus)
+
+    def dispose(self) -> None:
+        with self._cond:
+            records = [record for _, record in self._idle]
+            self._idle.clear()
+        self._close(records)
+
+    def recreate(self) -> IdleTrimmingPool:
+        self.logger.info("Pool recreating")
+        return self.__class__(
+            self._creator,
+            pool_size=self._size,
+            max_overflow=self._max_overflow,
+            timeout=self._timeout,
+            idle_timeout=self._idle_timeout,
+            min_idle=self._min_idle,
+            recycle=self._recycle,
+            echo=self.echo,
+            logging_name=self._orig_logging_name,
+            reset_on_return=self._reset_on_return,
+            pre_ping=self._pre_ping,
+            _dispatch=self.dispatch,
+            dialect=self._dialect,
+        )
+
+    def size(self) -> int:
+        """The most connections kept."""
+        return self._size
+
+    def checkedin(self) -> int:
+        """Idle connections kept now."""
+        with self._cond:
+            return len(self._idle)
+
+    def checkedout(self) -> int:
+        """Connections in use now."""
+        with self._cond:
+            return self._open - len(self._idle)
+
+    def status(self) -> str:
+        return (
+            f"IdleTrimmingPool: keeps up to {self._size} (at least {self._min_idle} idle), "
+            f"{self.checkedin()} idle, {self.checkedout()} checked out"
+        )
+
 
 class SQLBackend(Backend):
     """A SQLAlchemy engine on one database, and the table name from ``?table=``.
@@ -67,9 +236,11 @@ class SQLBackend(Backend):
     Args:
         url: ``sqlite:///path``, ``mysql://``, ``mysql+pymysql://``, ``mariadb://``,
             ``postgresql://`` or ``postgres://``; any driver options SQLAlchemy accepts, plus
-            ``?table=`` (default ``mutexcron_locks``) and ``?pool_size=``.
+            ``?table=`` (default ``mutexcron_locks``) and ``?pool_size=`` (keep exactly that many
+            connections for good, instead of the pool rule of :class:`IdleTrimmingPool`).
         connect_timeout: seconds to wait for a connection before failing closed.
-        **engine_options: passed to :func:`sqlalchemy.create_engine` (``connect_args`` are merged).
+        **engine_options: passed to :func:`sqlalchemy.create_engine` (``connect_args`` are merged);
+            ``pool_size``, ``poolclass`` or ``pool`` here choose the pool as ``?pool_size=`` does.
     """
 
     driver_errors = (sa_exc.DBAPIError, sa_exc.TimeoutError)
@@ -78,12 +249,12 @@ class SQLBackend(Backend):
         super().__init__(url)
         rest, options = pop_query(url, *OWN_OPTIONS)
         if "pool_size" in options:
-            try:
-                engine_options.setdefault("pool_size", int(options["pool_size"]))
-            except ValueError:
-                raise ConfigurationError(
-                    f"bad ?pool_size={options['pool_size']!r} in {mask_url(url)}: use a whole number"
-                ) from None
+            size = options["pool_size"]
+            if not size.isdecimal() or int(size) < 1:
+                raise ConfigurationError(f"bad ?pool_size={size!r} in {mask_url(url)}: use a whole number of at least 1")
+            engine_options.setdefault("pool_size", int(size))
+        #: The caller chose the pool (its size or its class): :meth:`size_pool` leaves it alone.
+        self.pool_fixed = any(key in engine_options for key in ("pool_size", "poolclass", "pool"))
         #: The lock table (``?table=``); other stores name their tables after it.
         self.table = options.get("table", DEFAULT_TABLE)
         if not TABLE_RE.fullmatch(self.table):
@@ -124,10 +295,7 @@ class SQLBackend(Backend):
             # Autocommit leaves no transaction open, so the ROLLBACK a pool sends on every
             # check-in would only be another round trip.
             "pool_reset_on_return": None,
-            # SQLAlchemy's default pool (5 kept + 10 overflow). Many every-second jobs firing
-            # together churn the overflow connections: ?pool_size=12 (above the executor's 10
-            # threads) avoids that, at the price of more idle server connections per node.
-            "pool_timeout": connect_timeout,
+            **_pool_options(engine_options, connect_timeout),
             **dialect.engine_options,
             "connect_args": {**dialect.connect_args(connect_timeout), **engine_options.pop("connect_args", {})},
         }
@@ -148,6 +316,26 @@ class SQLBackend(Backend):
                 cur.close()
 
         return engine
+
+    def size_pool(self, concurrency: int) -> None:
+        """Keep up to ``concurrency`` pooled connections: the threads of this node that can call the store at once.
+
+        The store is built before the scheduler knows its executors, so the scheduler calls this at
+        start with its executors' threads plus its own two (the heartbeat and the catch-up thread).
+        Only the connections the node really uses at once are kept (see :class:`IdleTrimmingPool`),
+        so a count above the real need costs nothing. No effect when the caller chose the pool
+        (``?pool_size=``, ``pool_size=``, ``poolclass=``, ``pool=``): an explicit choice wins.
+
+        Raises:
+            ValueError: ``concurrency`` is below 1.
+        """
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, not {concurrency}")
+        pool = self.engine.pool
+        if self.pool_fixed or not isinstance(pool, IdleTrimmingPool):
+            log.debug("%s: the pool was chosen explicitly; not resized to %d", self.masked_url, concurrency)
+            return
+        pool.resize(concurrency)
 
     # -- running statements ------------------------------------------------------------------
     def run(self, work: Callable[[Connection], _T], operation: str) -> _T:
@@ -287,6 +475,23 @@ class SQLBackend(Backend):
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+def _pool_options(engine_options: Mapping[str, Any], connect_timeout: float) -> dict[str, Any]:
+    """The engine options of the pool rule (:class:`IdleTrimmingPool`), or none for a pool the caller brings."""
+    if "poolclass" in engine_options or "pool" in engine_options:
+        return {}  # the caller's pool: its options are the caller's too
+    explicit = engine_options.get("pool_size")
+    return {
+        "poolclass": IdleTrimmingPool,
+        "pool_size": DEFAULT_POOL_SIZE,
+        "max_overflow": POOL_OVERFLOW,
+        # Waiting longer for a pooled connection than for a new one would hide an outage.
+        "pool_timeout": connect_timeout,
+        "idle_timeout": POOL_IDLE_TIMEOUT,
+        # An explicit ?pool_size= keeps that many for good, as SQLAlchemy's QueuePool did.
+        "min_idle": POOL_MIN_IDLE if explicit is None else explicit,
+    }
 
 
 def _is_lock_conflict(exc: BaseException) -> bool:
