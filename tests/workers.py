@@ -9,7 +9,19 @@ from collections.abc import Callable
 from typing import Any
 
 from mutexcron.errors import StoreUnavailableError
-from mutexcron.locks import FireClaim, HeldClaim, Node, lock_store_from_url
+from mutexcron.locks import FireClaim, HeldClaim, LockStore, Node, lock_store_from_url
+from mutexcron.locks.sql import SQLLockStore
+
+
+class MySQL8LockStore(SQLLockStore):
+    """MySQL 8's code path on MariaDB (no RETURNING: statements read back in one transaction)."""
+
+    _use_mariadb_returning = False
+
+
+def open_store(url: str, variant: str = "") -> LockStore:
+    """The store for ``url``; ``variant="mysql8"``: :class:`MySQL8LockStore`."""
+    return MySQL8LockStore(url) if variant == "mysql8" else lock_store_from_url(url)
 
 
 def race_rounds(url: str, prefix: str, rounds: int, index: int) -> list[int]:
@@ -54,14 +66,15 @@ def claim_race(
 
     Returns:
         ``won``: ``[lock, job, round, nonce]`` of every claim this racer was told it won;
-        ``lost``: locks claim_many reported not renewed; ``errors``: uncertain outcomes.
+        ``lost``: locks claim_many reported not renewed; ``errors``: uncertain outcomes (contention),
+        ``claim_errors`` of them from claim_many.
     """
     rng = random.Random(seed)
     node_rng = random.Random(node.node_id)  # the same stalls in every racer of this node
     names = [f"{prefix}-{lock}" for lock in RACE_LOCKS]
     held: dict[str, int] = {}
     won: list[list[Any]] = []
-    lost = errors = 0
+    lost = errors = claim_errors = 0
     for r in range(rounds):
         barrier.wait(timeout=120)
         fire = RACE_BASE_US + r * 1000
@@ -88,18 +101,19 @@ def claim_race(
             claimed = store.claim_many(node, batch)
         except StoreUnavailableError:
             errors += 1
+            claim_errors += 1
             continue
         won += [[h.lock, h.claim.job_id, r, h.claim.nonce] for h in batch if h.claim.nonce in claimed.won]
         lost += len(held.keys() - claimed.renewed)
         held = {name: token for name, token in held.items() if name in claimed.renewed}
-    return {"won": won, "lost": lost, "errors": errors}
+    return {"won": won, "lost": lost, "errors": errors, "claim_errors": claim_errors}
 
 
 def claim_race_process(
-    url: str, node_id: str, prefix: str, rounds: int, ttl: float, barrier: Any, results: Any, index: int
+    url: str, variant: str, node_id: str, prefix: str, rounds: int, ttl: float, barrier: Any, results: Any, index: int
 ) -> None:
     """:func:`claim_race` in a child process, on its own store; puts ``(index, outcome)`` on ``results``."""
-    store = lock_store_from_url(url)
+    store = open_store(url, variant)
     try:
         outcome = claim_race(store, Node(node_id, "127.0.0.1"), prefix, rounds, ttl, barrier, time.sleep, index, ttl / 8)
     except BaseException as exc:

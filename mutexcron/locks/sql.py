@@ -10,10 +10,12 @@ run in autocommit (READ COMMITTED) by a :class:`~mutexcron.backends.sql.SQLBacke
   ``RETURNING``; MySQL (no ``RETURNING``) reads it back in the same short transaction, whose row
   lock keeps other writers out until the read is done.
 * hand_off, renew_many and release are conditional UPDATEs on holder **and** token.
-* claim_many is one UPDATE over every claimed lock (conditional on holder and token, the claims
-  passed as one JSON array) that renews the leases and writes the newer claims. PostgreSQL and
-  SQLite return each renewed lock's fires with ``RETURNING``; MySQL and MariaDB (no ``UPDATE ...
-  RETURNING``) read them back in the same short transaction, as MySQL's acquire does.
+* claim_many is one statement over every claimed lock (the claims passed as one JSON array) that,
+  on each row naming this node with the given token, renews the lease and writes the newer
+  claims, and returns the rows: an UPDATE ... RETURNING on PostgreSQL and SQLite, an INSERT ...
+  SELECT ... ON DUPLICATE KEY UPDATE ... RETURNING of existing rows on MariaDB (its UPDATE has no
+  RETURNING). MySQL 8 runs a joined UPDATE and reads the rows back in the same short
+  transaction, as its acquire does.
 
 Failures: contention makes an acquire *uncertain* and the other writes raise
 StoreUnavailableError; the backend reports outages and refused requests (see
@@ -261,11 +263,15 @@ class SQLLockStore(LockStore):
             rows, _ = self._write(self._sql.claim_many, params, "claim_many")
         else:
             rows = self._claim_and_read(params, {name: group.token for name, group in groups.items()})
-        fires = {name: _load_fires(value) for name, value in rows}
+        fires = {
+            name: _load_fires(value)
+            for name, holder, token, value in rows
+            if holder == node.node_id and name in groups and int(token) == groups[name].token
+        }
         return BatchClaimResult(frozenset(fires), won_claims(groups, fires))
 
     def _claim_and_read(self, params: Mapping[str, Any], leases: Mapping[str, int]) -> list[Any]:
-        """MySQL/MariaDB: the claiming UPDATE, then the renewed rows' fires, in one short transaction.
+        """MySQL 8: the claiming UPDATE, then the renewed rows, in one short transaction.
 
         The UPDATE keeps the rows it renewed locked until COMMIT, so the read sees exactly what it
         wrote; a row it did not renew cannot come to name this node with that token meanwhile (a

@@ -112,9 +112,9 @@ class LockStatements:
     #: ``claim_many``: renew the held locks and write their newer claims (params me, and ``claim_shape``'s).
     claim_many: str
     claim_shape: ClaimShape
-    #: True: ``claim_many`` returns ``(name, fires)`` of each lock it renewed. False (MySQL, MariaDB:
-    #: an UPDATE has no RETURNING): the store runs ``claim_read`` (its ``{pairs}`` filled by
-    #: ``renew_shape``) in the same transaction.
+    #: True: ``claim_many`` returns ``(name, holder, token, fires)`` of the claimed locks as it left
+    #: them. False (MySQL 8: no RETURNING): the store runs ``claim_read`` (its ``{pairs}`` filled by
+    #: ``renew_shape``), which returns the same, in the same transaction.
     claim_returns_rows: bool
     claim_read: str = ""
     hand_off: Mapping[tuple[bool, bool], str] = field(default_factory=lambda: dict(_HAND_OFFS))
@@ -208,7 +208,7 @@ UPDATE {t} AS l SET hb = {now},
         WHERE COALESCE(CAST(l.fires -> e.key ->> 0 AS bigint), -1) < CAST(e.value ->> 0 AS bigint)), '{{}}'::jsonb)
 FROM c
 WHERE l.name = c.name AND l.token = c.token AND l.holder = :me
-RETURNING l.name, l.fires""",
+RETURNING l.name, l.holder, l.token, l.fires""",
     claim_shape=_claims_json,
     claim_returns_rows=True,
 )
@@ -231,22 +231,48 @@ ON DUPLICATE KEY UPDATE
     ttl_ms = IF({free}, :ttl_ms, ttl_ms),
     hb = IF({free}, {now}, hb)""".replace("{free}", _MY_FREE)
 
-# claim_many: the claims grouped per lock (derived table c), joined to the lock rows by primary key
-# (STRAIGHT_JOIN: c first, whatever the table's size, so only the claimed rows are locked). Each
-# lock's newer claims are picked from the row being updated (an UPDATE reads the latest committed
-# row, locked). VARCHAR(255) for names: a longer one is cut to 255 characters and still matches no
-# stored name (at most 191).
+# claim_many on MySQL and MariaDB: the claims grouped per lock (derived table c, from JSON_TABLE);
+# each lock's newer claims are picked from the row being written, which InnoDB reads as last
+# committed and locks. VARCHAR(255) for names: a longer one is cut to 255 characters and still
+# matches no stored name (at most 191).
 _MY_CLAIM_COLUMNS = "job TEXT PATH '$.job', p TEXT PATH '$.p', ft BIGINT PATH '$.ft', nonce TEXT PATH '$.nonce'"
-_MYSQL_CLAIM_MANY = """
-UPDATE (SELECT j.name, j.token, JSON_ARRAYAGG(JSON_OBJECT('job', j.job, 'p', j.p, 'ft', j.ft, 'nonce', j.nonce)) AS claims
+_MY_CLAIMS = """(SELECT j.name AS cname, j.token AS ctoken,
+               JSON_ARRAYAGG(JSON_OBJECT('job', j.job, 'p', j.p, 'ft', j.ft, 'nonce', j.nonce)) AS claims
         FROM JSON_TABLE(:claims, '$[*]' COLUMNS (name VARCHAR(255) PATH '$.name', token BIGINT PATH '$.token', {cc})) AS j
-        GROUP BY j.name, j.token) AS c
-STRAIGHT_JOIN {t} AS l ON l.name = c.name AND l.token = c.token
-SET l.hb = {now},
-    l.fires = JSON_MERGE_PATCH(l.fires, COALESCE((
-        SELECT JSON_OBJECTAGG(e.job, JSON_ARRAY(e.ft, e.nonce)) FROM JSON_TABLE(c.claims, '$[*]' COLUMNS ({cc})) AS e
-        WHERE COALESCE(CAST(JSON_EXTRACT(l.fires, e.p) AS SIGNED), -1) < e.ft), '{{}}'))
-WHERE l.holder = :me""".replace("{cc}", _MY_CLAIM_COLUMNS)
+        GROUP BY j.name, j.token) AS c"""
+#: ``{f}`` (the row's fires) merged with those of the lock's claims ``{c}`` that are newer than its own.
+_MY_NEWER = """JSON_MERGE_PATCH({f}, COALESCE((
+        SELECT JSON_OBJECTAGG(e.job, JSON_ARRAY(e.ft, e.nonce)) FROM JSON_TABLE({c}, '$[*]' COLUMNS ({cc})) AS e
+        WHERE COALESCE(CAST(JSON_EXTRACT({f}, e.p) AS SIGNED), -1) < e.ft), '{{}}'))"""
+# MySQL 8 (no RETURNING at all): a joined UPDATE (STRAIGHT_JOIN: c first, whatever the table's
+# size, so only the claimed rows are read and locked), then claim_read in the same transaction.
+_MYSQL_CLAIM_MANY = """
+UPDATE {claims}
+STRAIGHT_JOIN {t} AS l ON l.name = c.cname AND l.token = c.ctoken
+SET l.hb = {now}, l.fires = {newer}
+WHERE l.holder = :me"""
+# MariaDB has RETURNING on INSERT only: the same claims as an INSERT ... SELECT of the claimed rows
+# (read FOR UPDATE, in name order, so none can vanish before its turn and no two calls lock in
+# opposite orders), each a duplicate key: ON DUPLICATE KEY UPDATE renews and claims if the row
+# names this node with the token inserted (VALUE(token)), taking the claims from the fires
+# inserted (VALUE(fires): never stored, as no row is new), and RETURNING gives every row as left.
+# One statement. Columns are qualified: the table is also in the SELECT.
+_MARIADB_CLAIM_MANY = """
+INSERT INTO {t} (name, holder, token, hb, ttl_ms, attrs, fires)
+SELECT c.cname, NULL, c.ctoken, NULL, 0, '{{}}', c.claims FROM {claims}
+STRAIGHT_JOIN {t} AS x ON x.name = c.cname
+FOR UPDATE
+ON DUPLICATE KEY UPDATE
+    fires = IF({t}.holder = :me AND {t}.token = VALUE({t}.token), {newer}, {t}.fires),
+    hb = IF({t}.holder = :me AND {t}.token = VALUE({t}.token), {now}, {t}.hb)
+RETURNING name, holder, token, fires"""
+
+
+def _my_claim_many(template: str, fires: str, claims: str) -> str:
+    """A claim_many template with the claims table and the merge of the newer ones into ``fires`` spelled out."""
+    newer = _MY_NEWER.replace("{f}", fires).replace("{c}", claims)
+    return template.replace("{claims}", _MY_CLAIMS).replace("{newer}", newer).replace("{cc}", _MY_CLAIM_COLUMNS)
+
 
 MYSQL = LockStatements(
     dialect="mysql",
@@ -271,15 +297,20 @@ MYSQL = LockStatements(
     renew_many="UPDATE {t} SET hb = {now} WHERE holder = :me AND (name, token) IN ({pairs})",
     renew_shape=_renew_row_values,
     renew_returns_names=False,
-    claim_many=_MYSQL_CLAIM_MANY,
+    claim_many=_my_claim_many(_MYSQL_CLAIM_MANY, "l.fires", "c.claims"),
     claim_shape=_claims_json_with_paths,
-    claim_returns_rows=False,  # neither MySQL 8 nor MariaDB has UPDATE ... RETURNING
-    claim_read="SELECT name, fires FROM {t} WHERE holder = :me AND (name, token) IN ({pairs})",
+    claim_returns_rows=False,  # MySQL 8 has no RETURNING
+    claim_read="SELECT name, holder, token, fires FROM {t} WHERE holder = :me AND (name, token) IN ({pairs})",
 )
 
 #: MariaDB returns the row as updated, even from ON DUPLICATE KEY UPDATE (its UPDATE has no RETURNING).
 MARIADB = dataclasses.replace(
-    MYSQL, dialect="mariadb", acquire=_MYSQL_ACQUIRE + "\nRETURNING {cols}, {age}", acquire_returns_row=True
+    MYSQL,
+    dialect="mariadb",
+    acquire=_MYSQL_ACQUIRE + "\nRETURNING {cols}, {age}",
+    acquire_returns_row=True,
+    claim_many=_my_claim_many(_MARIADB_CLAIM_MANY, "{t}.fires", "VALUE({t}.fires)"),
+    claim_returns_rows=True,
 )
 
 SQLITE = LockStatements(
@@ -335,7 +366,7 @@ UPDATE {t} AS l SET hb = {now},
               < json_extract(e.value, '$[0]')), '{{}}'))
 FROM c
 WHERE l.name = c.name AND l.token = c.token AND l.holder = :me
-RETURNING name, fires""",
+RETURNING name, holder, token, fires""",
     claim_shape=_claims_json,
     claim_returns_rows=True,
 )
