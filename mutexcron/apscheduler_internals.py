@@ -78,6 +78,22 @@ def submit_to_pool(executor: Any, job: Any, work: Callable[[], list[Any]]) -> No
     executor._pool.submit(work).add_done_callback(callback)
 
 
+def submit_work(executor: Any, work: Callable[[], Any]) -> None:
+    """Run ``work`` on the executor's thread pool (``_pool``), outside any job's accounting."""
+    executor._pool.submit(work)
+
+
+def release_instance(executor: Any, job: Any) -> None:
+    """Give back the running-instance slot ``submit_job`` counted for a run that will not start
+    (``_run_job_success`` with no events)."""
+    executor._run_job_success(job.id, [])
+
+
+def process_jobs(scheduler: Any, super_process: Callable[[], Any]) -> Any:
+    """``BaseScheduler._process_jobs``: one pass of APScheduler's loop (submits every due job)."""
+    return super_process()
+
+
 def run_job(job: Any, run_time: datetime, logger_name: str) -> list[Any]:
     """APScheduler's ``run_job`` (public in the module, undocumented) for one run time."""
     events: list[Any] = _run_job(job, jobstore_alias(job), [run_time], logger_name)

@@ -20,6 +20,7 @@ from apscheduler.events import JobExecutionEvent
 from apscheduler.executors.pool import ThreadPoolExecutor
 
 from . import apscheduler_internals as aps
+from .batch import PRECLAIMED, ClaimBatch, Preclaim
 from .errors import AttrsError, ConfigurationError, LeaseError
 from .firetimes import slot_of
 from .lease import Lease, _enter, _exit
@@ -180,12 +181,15 @@ class GuardedJob:
             return self._run_with_user_lock(*args, **kwargs)
         fire_time = self._fire_time()
         manager = self.context.leases
+        preclaimed = PRECLAIMED.get(None)  # a batch claimed it, and counted the run already
+        if preclaimed is not None:
+            preclaimed.taken = True
         # The run counts from before its store call: a stop that begins now waits for it.
-        if manager is None or not manager.begin_run(self.lock):
+        if manager is None or (preclaimed is None and not manager.begin_run(self.lock)):
             log.info("job %r not started: the scheduler is stopping", self.job_id)
             return None
         try:
-            token = self._claim(manager, fire_time)
+            token = preclaimed.token if preclaimed is not None else self._claim(manager, fire_time)
             run = None if token is None else self._start(manager, token, fire_time, args, kwargs)
             if run is None:
                 return None
@@ -310,18 +314,25 @@ def _param_names(func: Callable[..., Any]) -> set[str]:
         return set()
 
 
-def _run_with_fire_times(job: Any, run_times: list[datetime], logger_name: str) -> list[Any]:
+def _run_with_fire_times(job: Any, run_times: list[datetime], logger_name: str, token: int | None = None) -> list[Any]:
     """APScheduler's ``run_job``, one run time at a time, with the scheduled slot visible to the job.
 
     The slot is the un-jittered fire time: the same on every node (see :mod:`mutexcron.firetimes`).
+    ``token``: the run was claimed by a batch already (one run time only).
     """
     events: list[JobExecutionEvent] = []
     for run_time in run_times:
+        preclaim = Preclaim(token) if token is not None else None
         ctx = _FIRE_TIME.set(slot_of(job.trigger, run_time))
+        claimed = PRECLAIMED.set(preclaim) if preclaim is not None else None
         try:
             events.extend(aps.run_job(job, run_time, logger_name))
         finally:
+            if claimed is not None:
+                PRECLAIMED.reset(claimed)
             _FIRE_TIME.reset(ctx)
+            if preclaim is not None and not preclaim.taken and job.func.context.leases is not None:
+                job.func.context.leases.end_run(job.func.lock)  # APScheduler skipped it (misfire)
     return events
 
 
@@ -332,8 +343,22 @@ class MutexThreadPoolExecutor(ThreadPoolExecutor):  # type: ignore[misc]
     this class automatically.
     """
 
+    batch: ClaimBatch | None = None  # the scheduler's: guarded jobs due together claim together
+
+    def start(self, scheduler: Any, alias: str) -> None:
+        super().start(scheduler, alias)
+        self.batch = getattr(scheduler, "_claim_batch", None)
+
     def _do_submit_job(self, job: Any, run_times: list[datetime]) -> None:
         if not isinstance(job.func, GuardedJob):
             super()._do_submit_job(job, run_times)
             return
-        aps.submit_to_pool(self, job, lambda: _run_with_fire_times(job, run_times, self._logger.name))
+        if self.batch is not None and self.batch.collecting() and not job.func.config.callable_lock:
+            self.batch.add(self, job, run_times)
+            return
+        self.start_run(job, run_times, None)
+
+    def start_run(self, job: Any, run_times: list[datetime], token: int | None) -> None:
+        """Submit a guarded run to the pool: with the token a batch won for it, or None for the
+        per-job path (the run makes its own claim)."""
+        aps.submit_to_pool(self, job, lambda: _run_with_fire_times(job, run_times, self._logger.name, token))

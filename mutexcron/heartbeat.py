@@ -19,14 +19,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import StoreError, StoreUnavailableError
 from .handoff import AttrsHandOff
 from .health import StoreHealth
-from .locks import AcquireResult, FireClaim, LockStore, Node, RunInfo
+from .locks import AcquireResult, FireClaim, HeldClaim, LockStore, Node, RunInfo
 from .record import LockRecord
 from .views import STANDBY_REFRESH, RecordViews
 
@@ -190,6 +190,29 @@ class LeaseManager:
         else:
             self._drop(name, f"held by {result.record.holder} (token {result.record.token})")
         return result
+
+    def claim_batch(self, claims: Sequence[HeldClaim]) -> set[str] | None:
+        """One ``claim_many`` round trip for fire claims on locks this node holds.
+
+        Renewed locks get a new deadline (send time + lease); locks no longer held with the token
+        are dropped. Returns the nonces of the claims won, or None if the store is unreachable.
+        """
+        sent_at = self.clock()
+        try:
+            result = self.store.claim_many(self.node, claims)
+        except (StoreUnavailableError, StoreError) as exc:
+            self.health.report(False, exc)
+            return None
+        self.health.report(True)
+        tokens = {c.lock: c.token for c in claims}
+        with self._mutex:
+            for lock in result.renewed:
+                held = self._held.get(lock)
+                if held is not None and held.token == tokens.get(lock):
+                    held.deadline = sent_at + self._locks[lock]
+        for lock in set(tokens) - set(result.renewed):
+            self._drop(lock, "another node holds it now", tokens[lock])
+        return set(result.won)
 
     def begin_run(self, name: str) -> bool:
         """Count a guarded run as started, from before its store call to its hand-off.

@@ -20,6 +20,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 from apscheduler.util import undefined
 
 from . import apscheduler_internals as aps
+from .batch import ClaimBatch, run_batch
 from .catchup import CatchUp
 from .errors import ConfigurationError
 from .firetimes import guard_trigger
@@ -98,6 +99,7 @@ class MutexSchedulerMixin:
         self.shutdown_timeout = shutdown_timeout
         self.max_attrs_bytes = max_attrs_bytes
         self._own_store = lock_store is None  # built from the URL here: closed by shutdown()
+        self._claim_batch = ClaimBatch()
         self._leases: LeaseManager | None = None
         self._catch_up: CatchUp | None = None
         self._guarded: dict[str, GuardedJob] = {}  # job id -> guard
@@ -400,6 +402,16 @@ class MutexSchedulerMixin:
     def _create_default_executor(self) -> Any:
         return MutexThreadPoolExecutor()
 
+    def _process_jobs(self) -> Any:
+        """One pass of APScheduler's loop; the guarded jobs it submits claim together after it."""
+        self._claim_batch.open()
+        try:
+            return aps.process_jobs(self, super()._process_jobs)  # type: ignore[misc]
+        finally:
+            entries = self._claim_batch.close()
+            if entries:
+                aps.submit_work(entries[0].executor, lambda: run_batch(entries, _start_one))
+
     def _mutex_executor(self, executor: Any) -> Any:
         """mutexcron's executor in place of a plain APScheduler one you configured, or None."""
         if type(executor) is ThreadPoolExecutor:
@@ -443,6 +455,10 @@ class MutexSchedulerMixin:
         if self.running and os.getpid() == self._started_pid:  # type: ignore[attr-defined]
             log.info("interpreter exiting: stopping the scheduler and releasing its leases")
             self.shutdown(wait=True)
+
+
+def _start_one(entry: Any, token: int | None) -> None:
+    entry.executor.start_run(entry.job, [entry.run_time], token)
 
 
 def _at_exit(hook: Callable[[], None]) -> None:

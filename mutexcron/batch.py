@@ -1,0 +1,119 @@
+"""Batched fire claims: the holder claims every guarded job due at one instant in one round trip.
+
+APScheduler's loop submits the jobs due at one instant one after another. While that loop runs,
+mutexcron's executor collects the guarded ones (:class:`ClaimBatch`) instead of starting them.
+When the loop is done, one task on the executor's pool makes **one** ``claim_many`` call for all
+the collected jobs whose lock this node holds: each claim is atomic with the holder-and-token
+check of its lock and renews that lease, as a single ``acquire_or_renew`` would. Then each won
+claim starts its run, which only checks the lease against the monotonic deadline before the job's
+first line (no second store call). Jobs whose lock this node does not hold take the ordinary
+per-job path (a standby with a fresh view of the holder makes no store call at all).
+
+The store call runs on the pool, never on APScheduler's loop thread, so a slow store cannot delay
+unguarded jobs.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from . import apscheduler_internals as aps
+from .firetimes import slot_of
+from .locks import FireClaim, HeldClaim
+from .record import us_from_datetime
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class Preclaim:
+    """A run a batch claimed: its token, and whether the guarded job took over its counted run."""
+
+    token: int
+    taken: bool = False
+
+
+#: Set only while a pre-claimed run starts.
+PRECLAIMED: contextvars.ContextVar[Preclaim] = contextvars.ContextVar("mutexcron_preclaimed")
+
+
+@dataclass
+class _Entry:
+    executor: Any
+    job: Any
+    run_time: datetime
+    slot: datetime
+
+
+class ClaimBatch:
+    """The guarded submissions of one pass of APScheduler's loop, on the loop's thread."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def open(self) -> None:
+        self._local.entries = []
+
+    def collecting(self) -> bool:
+        return getattr(self._local, "entries", None) is not None
+
+    def add(self, executor: Any, job: Any, run_times: list[datetime]) -> None:
+        for run_time in run_times:
+            self._local.entries.append(_Entry(executor, job, run_time, slot_of(job.trigger, run_time)))
+
+    def close(self) -> list[_Entry]:
+        entries: list[_Entry] = self._local.entries
+        self._local.entries = None
+        return entries
+
+
+def run_batch(entries: list[_Entry], start_one: Callable[[_Entry, int | None], None]) -> None:
+    """Claim the held locks' fire times in one round trip, then start every run.
+
+    ``start_one(entry, token)`` submits one run: with the token it won (a pre-claimed run), or with
+    None for the ordinary per-job path.
+    """
+    by_lock: dict[str, list[_Entry]] = {}
+    for entry in entries:
+        by_lock.setdefault(entry.job.func.lock, []).append(entry)
+    manager = entries[0].job.func.context.leases if entries else None
+    if manager is None:
+        return
+    held = manager.held()
+    claims: list[tuple[_Entry, HeldClaim]] = []
+    for lock, group in by_lock.items():
+        token = held.get(lock)
+        for entry in group:
+            if token is None or _misfired(entry) or not manager.begin_run(lock):
+                start_one(entry, None)  # not held here, or too late, or stopping: the ordinary path decides
+                continue
+            claim = FireClaim.new(entry.job.func.job_id, us_from_datetime(entry.slot))
+            claims.append((entry, HeldClaim(lock, token, claim)))
+    if claims:
+        _claim_and_start(manager, claims, start_one)
+
+
+def _claim_and_start(
+    manager: Any, claims: list[tuple[_Entry, HeldClaim]], start_one: Callable[[_Entry, int | None], None]
+) -> None:
+    won = manager.claim_batch([held for _entry, held in claims])
+    for entry, held in claims:
+        if won is not None and held.claim.nonce in won:
+            start_one(entry, held.token)  # the run ends its counted run itself
+            continue
+        manager.end_run(held.lock)
+        if won is not None and manager.holds(held.lock, held.token):
+            log.info("job %r: fire time %s already ran under lock %r; not running it again",
+                     entry.job.id, entry.slot, held.lock)
+        aps.release_instance(entry.executor, entry.job)  # free the instance APScheduler counted
+
+
+def _misfired(entry: _Entry) -> bool:
+    """Past the job's misfire grace time: APScheduler will not run it, so do not claim it."""
+    grace = entry.job.misfire_grace_time
+    return grace is not None and datetime.now(timezone.utc) - entry.run_time > timedelta(seconds=grace)
