@@ -364,6 +364,7 @@ class MutexSchedulerMixin:
             self._check_guarded_executors()
             locks = {g.lock: g.ttl for g in self._guarded.values() if not g.config.callable_lock}
             store = self.lock_store  # a bad URL fails here, before anything starts
+            self._size_store_pool(store)
             self._catch_up = CatchUp(self, lambda: self._guarded)
             self._leases = LeaseManager(
                 store, self.node, locks, on_acquired=self._catch_up.queue, max_attrs_bytes=self.max_attrs_bytes
@@ -386,6 +387,15 @@ class MutexSchedulerMixin:
         # The heartbeat thread starts first: BlockingScheduler.start() does not return.
         self._leases.start()
         super().start(paused)  # type: ignore[misc]
+
+    def _size_store_pool(self, store: LockStore) -> None:
+        """Tell a SQL store how many threads can call it at once (the executors' threads, the
+        heartbeat and the catch-up thread), so its pool keeps that many connections."""
+        size_pool = getattr(getattr(store, "backend", None), "size_pool", None)
+        if size_pool is None:
+            return  # not a SQL store
+        threads = sum(aps.pool_size(e) for e in aps.executors(self).values() if isinstance(e, ThreadPoolExecutor))
+        size_pool(max(threads, 10) + 2)  # 10: APScheduler's default executor, created later in start()
 
     def _check_guarded_executors(self) -> None:
         for job in aps.pending_jobs(self):
