@@ -9,7 +9,10 @@ For each reachable store it times, in one run and on one connection pool:
 * ``acquire_or_renew`` as the holder renewing with a fire claim (the per-tick hot path), and as
   a standby that is refused;
 * ``hand_off`` with attrs and run info (what a run does when it finishes);
-* ``renew_many`` with 1, 100 and 10,000 held locks,
+* ``renew_many`` with 1, 100 and 10,000 held locks;
+* ``claim_many`` with 1, 10 and 100 fire claims per call (one per held lock, each a newer fire
+  time: every claim is won), the batched form of the holder's ``acquire_or_renew`` with a claim
+  (on MariaDB also through MySQL 8's statements, which read the rows back in a transaction),
 
 and counts the round trips each operation makes: SQL statements (a ``before_cursor_execute``
 listener on ``store.engine``) plus the pool's pre-ping on checkout (``dialect.do_ping``), Redis
@@ -37,7 +40,7 @@ from typing import Any
 
 from mutexcron.drill import percentile
 from mutexcron.errors import MutexcronError
-from mutexcron.locks import FireClaim, LockStore, Node, RunInfo, lock_store_from_url
+from mutexcron.locks import FireClaim, HeldClaim, LockStore, Node, RunInfo, lock_store_from_url
 
 log = logging.getLogger("benchmarks.overhead")
 
@@ -294,6 +297,8 @@ def bench_store(kind: str, iterations: int, big: int) -> tuple[str, list[Row]]:
                 iterations, trips,
             ))
 
+            rows += bench_claim_many(store, holder, iterations, trips)
+
             held: dict[str, int] = {}
             for size in (1, 100, big):
                 while len(held) < size:
@@ -307,10 +312,51 @@ def bench_store(kind: str, iterations: int, big: int) -> tuple[str, list[Row]]:
                 ))
                 renewed = store.renew_many(holder, leases)
                 assert renewed == set(leases), f"renew_many renewed {len(renewed)} of {len(leases)}"
+        if kind == "mysql":  # MySQL 8 has no RETURNING: its statements, run on this server, for comparison
+            rows += bench_mysql8_claim_many(iso.url, holder, iterations)
     finally:
         store.close()
         iso.cleanup()
     return version, rows
+
+
+def bench_claim_many(
+    store: LockStore, holder: Node, iterations: int, trips: RoundTrips | None, label: str = "", run: int = 0
+) -> list[Row]:
+    """``claim_many`` of 1, 10 and 100 claims per call, one per held lock, each at a newer fire time.
+
+    ``run``: how many times this ran before on the same locks (its fire times come after theirs).
+    """
+    rows = []
+    tokens = {f"claim-{i:03d}": store.acquire_or_renew(f"claim-{i:03d}", holder, 600.0).token for i in range(100)}
+    for k, size in enumerate((1, 10, 100)):
+        locks = list(tokens.items())[:size]
+        base_us = time.time_ns() // 1000 + 1_000_000 * (iterations + 200) * (k + 3 * run)  # after every fire time before
+
+        def call(i: int, locks: list[tuple[str, int]] = locks, base_us: int = base_us) -> Any:
+            fire = base_us + 1_000_000 * (i + 100)
+            return store.claim_many(holder, [HeldClaim(name, token, FireClaim.new("job", fire)) for name, token in locks])
+
+        rows.append(timed(f"claim_many{label}: {size} claims ({size} locks)", call, iterations, trips))
+        last = call(iterations + 1)
+        assert len(last.won) == size and len(last.renewed) == size, f"claim_many won {len(last.won)} of {size}"
+    return rows
+
+
+def bench_mysql8_claim_many(url: str, holder: Node, iterations: int) -> list[Row]:
+    """``claim_many`` on MySQL 8's path (a joined UPDATE, read back in the same transaction) on a MariaDB server."""
+    from mutexcron.locks.sql import SQLLockStore
+
+    class MySQL8Path(SQLLockStore):
+        _use_mariadb_returning = False
+
+    store = MySQL8Path(url)
+    try:
+        store.ping()
+        with counting("mysql", store) as trips:
+            return bench_claim_many(store, holder, iterations, trips, " (MySQL 8 path)", run=1)
+    finally:
+        store.close()
 
 
 def render(kind: str, version: str, rows: list[Row]) -> str:

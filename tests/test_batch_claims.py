@@ -1,11 +1,16 @@
 """``LockStore.claim_many``: a holder claims many fire times in one round trip, on every backend.
 
-Run like the contract suite (``tests/test_contract.py``, whose ``ctx`` fixture this module uses):
-real servers, short leases waited out, an injected clock on the in-process stores. Round trips
-are counted where the store talks to a server: SQL statements (``before_cursor_execute`` on the
-store's engine, as ``benchmarks/overhead.py`` counts them), Redis packets sent
-(``send_packed_command``), MongoDB commands (command monitoring on a real server; calls on the
-collection on mongomock). The memory store has no server to count.
+Run like the contract suite (``tests/test_contract.py``, same backends and ``open_backend``): real
+servers, short leases waited out, an injected clock on the in-process stores; plus ``mysql8``,
+MySQL 8's statements (no RETURNING) run on the MariaDB server. Round trips are counted where the
+store talks to a server: SQL statements (``before_cursor_execute`` on the store's engine, as
+``benchmarks/overhead.py`` counts them), Redis packets sent (``send_packed_command``), MongoDB
+commands (command monitoring on a real server; calls on the collection on mongomock). The memory
+store has no server to count.
+
+mongomock 4.3 cannot run pymongo >= 4.11's ``UpdateOne`` in a ``bulk_write`` (it passes ``sort=``):
+an autouse fixture below lets it (``tests/mongomock_support.py`` is the place for it, once other
+suites call ``claim_many`` on mongomock).
 """
 
 from __future__ import annotations
