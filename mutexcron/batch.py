@@ -101,7 +101,11 @@ def run_batch(entries: list[_Entry], start_one: Callable[[_Entry, int | None], N
 def _claim_and_start(
     manager: Any, claims: list[tuple[_Entry, HeldClaim]], start_one: Callable[[_Entry, int | None], None]
 ) -> None:
-    won = manager.claim_batch([held for _entry, held in claims])
+    try:
+        won = manager.claim_batch([held for _entry, held in claims])
+    except Exception:  # never leave runs counted and instances taken: nothing runs, all is given back
+        log.exception("batched claim of %d fire time(s) failed; none of them runs", len(claims))
+        won = None
     for entry, held in claims:
         if won is not None and held.claim.nonce in won:
             start_one(entry, held.token)  # the run ends its counted run itself

@@ -139,3 +139,25 @@ def open_mongomock(tag: str) -> tuple[Callable[[], LockStore], FakeClock]:
         return MongoDBLockStore(url, client=client, now=now)
 
     return factory, clock
+
+
+def _bulk_update_takes_sort() -> None:
+    """mongomock 4.3's bulk builder predates pymongo 4.11, whose ``UpdateOne`` passes ``sort=``
+    (None here): the store's ``claim_many`` uses ``bulk_write``, so let mongomock accept it."""
+    import inspect
+
+    from mongomock.collection import BulkOperationBuilder
+
+    original = BulkOperationBuilder.add_update
+    if "sort" in inspect.signature(original).parameters:
+        return
+
+    def add_update(self: Any, *args: Any, sort: Any = None, **kwargs: Any) -> Any:
+        if sort is not None:
+            raise NotImplementedError("sort in a bulk update (mongomock)")
+        return original(self, *args, **kwargs)
+
+    BulkOperationBuilder.add_update = add_update
+
+
+_bulk_update_takes_sort()

@@ -9,14 +9,12 @@ commands (command monitoring on a real server; calls on the collection on mongom
 store has no server to count.
 
 mongomock 4.3 cannot run pymongo >= 4.11's ``UpdateOne`` in a ``bulk_write`` (it passes ``sort=``):
-an autouse fixture below lets it (``tests/mongomock_support.py`` is the place for it, once other
-suites call ``claim_many`` on mongomock).
+``tests/mongomock_support.py`` lets it, for every suite that runs ``claim_many`` on mongomock.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import multiprocessing
 import secrets
 import threading
@@ -68,25 +66,6 @@ def ctx(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[S
             url = opened.url or ""
             opened.kind, opened.factory = kind, lambda: workers.MySQL8LockStore(url)
         yield opened
-
-
-@pytest.fixture(autouse=True)
-def _mongomock_bulk_takes_sort(monkeypatch: pytest.MonkeyPatch) -> None:
-    """mongomock 4.3's bulk builder predates pymongo 4.11, whose UpdateOne passes ``sort=`` (None here)."""
-    try:
-        from mongomock.collection import BulkOperationBuilder
-    except ImportError:
-        return
-    original = BulkOperationBuilder.add_update
-    if "sort" in inspect.signature(original).parameters:
-        return
-
-    def add_update(self: Any, *args: Any, sort: Any = None, **kwargs: Any) -> Any:
-        if sort is not None:
-            raise NotImplementedError("sort in a bulk update (mongomock)")
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(BulkOperationBuilder, "add_update", add_update)
 
 
 def us(seconds: float) -> int:
