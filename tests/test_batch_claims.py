@@ -32,8 +32,7 @@ from mutexcron.errors import StoreUnavailableError
 from mutexcron.locks import BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, lock_store_from_url
 from mutexcron.locks.memory import MemoryLockStore
 from tests import workers
-from tests.backends import ALL_BACKENDS, StoreCtx, backend_params, open_backend
-from tests.test_redis_cluster import redis_cluster  # noqa: F401 - the fixture, requested by name below
+from tests.backends import ALL_BACKENDS, StoreCtx, backend_params
 
 A = Node("node-a:1:aaaa", "10.0.0.1")
 B = Node("node-b:2:bbbb", "10.0.0.2")
@@ -54,18 +53,6 @@ ROUND_TRIPS = {
     "mongomock": ["bulk_write", "find"],  # a bulk write says how many matched, not which: one read
     "mongodb": ["update", "find"],
 }
-
-
-@pytest.fixture
-def ctx(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[StoreCtx]:
-    """The contract suite's isolated store on ``kind`` (``tests/test_contract.py``); ``mysql8`` on the MySQL server."""
-    # Requested by name: the Redis Cluster starts (once per session) only if a redis-cluster test runs.
-    cluster_url = request.getfixturevalue("redis_cluster").namespaced_url if kind == "redis-cluster" else None
-    with open_backend("mysql" if kind == "mysql8" else kind, tmp_path, cluster_url) as opened:
-        if kind == "mysql8":
-            url = opened.url or ""
-            opened.kind, opened.factory = kind, lambda: workers.MySQL8LockStore(url)
-        yield opened
 
 
 def us(seconds: float) -> int:

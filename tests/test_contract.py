@@ -10,17 +10,14 @@ import multiprocessing
 import secrets
 import threading
 import time
-from collections.abc import Iterator
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
 
 from mutexcron.errors import AttrsError
 from mutexcron.locks import FireClaim, Node, RunInfo
 from tests import workers
-from tests.backends import ALL_BACKENDS, StoreCtx, backend_params, open_backend
-from tests.test_redis_cluster import redis_cluster  # noqa: F401 - the fixture, requested by name below
+from tests.backends import ALL_BACKENDS, StoreCtx, backend_params
 
 A = Node("node-a:1:aaaa", "10.0.0.1")
 B = Node("node-b:2:bbbb", "10.0.0.2")
@@ -28,14 +25,6 @@ C = Node("node-c:3:cccc", "10.0.0.3")
 TTL = 0.4
 
 pytestmark = pytest.mark.parametrize("kind", backend_params(*ALL_BACKENDS, "redis-cluster"))
-
-
-@pytest.fixture
-def ctx(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[StoreCtx]:
-    # Requested by name: the Redis Cluster starts (once per session) only if a redis-cluster test runs.
-    cluster_url = request.getfixturevalue("redis_cluster").namespaced_url if kind == "redis-cluster" else None
-    with open_backend(kind, tmp_path, cluster_url) as ctx:
-        yield ctx
 
 
 def test_first_acquire_creates_record_with_token_1(ctx: StoreCtx) -> None:

@@ -34,7 +34,7 @@ from mutexcron.cli import main as cli_main
 from mutexcron.locks import AcquireResult, BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, RunInfo
 from mutexcron.mutex_support import FIRST_BACKOFF, MAX_BACKOFF
 from tests.backends import ALL_BACKENDS, FakeClock, StoreCtx, backend_params, open_backend
-from tests.test_redis import PrivateRedis, private_redis  # noqa: F401 - the fixture, requested by name below
+from tests.redis_servers import PrivateRedis
 
 URL_BACKENDS = ("sqlite", "mysql", "postgresql", "redis")
 every_backend = pytest.mark.parametrize("kind", backend_params(*ALL_BACKENDS))

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +28,10 @@ from mutexcron.errors import ConfigurationError, StoreUnavailableError  # noqa: 
 from mutexcron.locks import FireClaim, Node, RunInfo, lock_store_from_url  # noqa: E402
 from mutexcron.locks.redis import RedisLockStore  # noqa: E402
 from tests.backends import require_server  # noqa: E402
+from tests.redis_servers import REDIS_SERVER, PrivateRedis, free_port, wait_for_port  # noqa: E402
 
 pytestmark = pytest.mark.redis
 
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 A = Node("node-a:1:aaaa", "10.0.0.1")
 B = Node("node-b:2:bbbb", "10.0.0.2")
 C = Node("node-c:3:cccc", "10.0.0.3")
@@ -42,72 +39,6 @@ PASSWORD = "s3cr3t-hunter2"
 
 
 # -- helpers and fixtures ------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_for_port(port: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.02)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
-
-
-@dataclass
-class PrivateRedis:
-    """A redis-server started by the test: no RDB, no AOF, so a restart loses every key."""
-
-    workdir: Path
-    port: int = field(default_factory=free_port)
-    password: str | None = None
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def socket_path(self) -> str:
-        return str(self.workdir / "redis.sock")
-
-    @property
-    def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        args += ["--dir", str(self.workdir), "--unixsocket", self.socket_path, "--unixsocketperm", "700"]
-        if self.password:
-            args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(self.port)
-
-    def kill(self) -> None:
-        """SIGKILL: the server dies at once and, being unpersisted, comes back empty."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-
-@pytest.fixture
-def private_redis() -> Iterator[PrivateRedis]:
-    if not os.path.exists(REDIS_SERVER):
-        pytest.skip("redis-server is not installed")
-    # A short directory: unix socket paths are limited to ~100 bytes.
-    workdir = Path(tempfile.mkdtemp(prefix="mc-redis-"))
-    server = PrivateRedis(workdir)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.kill()
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
 @pytest.fixture
 def shared_url() -> Iterator[str]:
     """A fresh namespace on the shared Redis (127.0.0.1:6379 or MUTEXCRON_TEST_REDIS_URL)."""

@@ -8,22 +8,13 @@ session. The store contract suite runs on it too (``tests/test_contract.py``, ba
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import os
-import random
 import secrets
-import shutil
 import signal
-import socket
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,6 +26,7 @@ from mutexcron.errors import ConfigurationError, StoreError, StoreUnavailableErr
 from mutexcron.locks import FireClaim, Node, lock_store_from_url
 from mutexcron.locks.redis import RedisLockStore
 from tests.backends import cleanup_redis
+from tests.redis_servers import RedisClusterServers, ask, free_cluster_port, raw_client
 
 A = Node("node-a:1:aaaa", "10.0.0.1")
 B = Node("node-b:2:bbbb", "10.0.0.2")
@@ -43,159 +35,6 @@ UNACTIVE_INTERVAL = 2.0
 
 # Every test on the real cluster is also marked ``cluster``: it runs three redis-server processes.
 pytestmark = pytest.mark.redis
-
-
-# -- the cluster -------------------------------------------------------------------------------------
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def free_cluster_port(taken: list[int]) -> int:
-    """A free port P whose cluster bus port P + 10000 is free too (so P <= 55535, as Redis demands)."""
-    rng = random.Random()
-    for _ in range(1000):
-        port = rng.randrange(20000, 45000)
-        if port not in taken and port + 10000 not in taken and _bindable(port) and _bindable(port + 10000):
-            return port
-    raise RuntimeError("no free port pair P, P+10000 for a Redis Cluster node")
-
-
-def _raw(port: int) -> redis.Redis:
-    """A plain client to one node: it sees MOVED instead of following it."""
-    return redis.Redis(host="127.0.0.1", port=port, decode_responses=True, socket_timeout=5)
-
-
-def _ask(port: int, *command: Any) -> Any:
-    """One command to one node, on a connection of its own."""
-    with _raw(port) as client:
-        return client.execute_command(*command)
-
-
-def _cluster_ok(port: int) -> bool:
-    return bool(_ask(port, "CLUSTER INFO")["cluster_state"] == "ok")
-
-
-@dataclass
-class RedisClusterServers:
-    """Three cluster-enabled ``redis-server`` primaries (slots split evenly, no replicas), unpersisted."""
-
-    workdir: Path
-    ports: list[int] = field(default_factory=list)
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    startup_seconds: float = 0.0
-
-    @property
-    def url(self) -> str:
-        """The cluster URL with every node, the first URL node being ``ports[0]``."""
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
-
-    def start(self) -> None:
-        started = time.monotonic()
-        for _ in range(3):
-            self.ports.append(free_cluster_port(self.ports))
-        for port in self.ports:
-            args = [
-                "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                "--cluster-config-file", str(self.workdir / f"nodes-{port}.conf"), "--save", "", "--appendonly", "no",
-                "--daemonize", "no", "--dir", str(self.workdir), "--logfile", str(self.workdir / f"{port}.log"),
-            ]  # fmt: skip
-            self.procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        for port in self.ports:
-            self._wait(functools.partial(_ask, port, "PING"), f"node {port} to answer PING")
-        create = ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports)]
-        create += ["--cluster-replicas", "0", "--cluster-yes"]
-        done = subprocess.run(create, capture_output=True, text=True, timeout=60, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"redis-cli --cluster create failed:\n{done.stdout}\n{done.stderr}")
-        for port in self.ports:
-            self._wait(functools.partial(_cluster_ok, port), f"cluster_state:ok on {port}")
-        self.startup_seconds = time.monotonic() - started
-
-    def _wait(self, check: Callable[[], Any], what: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and all(p.poll() is None for p in self.procs):
-            try:
-                if check():
-                    return
-            except redis.exceptions.RedisError:
-                pass  # not listening or not joined yet
-            time.sleep(0.05)
-        logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in self.workdir.glob("*.log"))
-        raise RuntimeError(f"the Redis Cluster did not come up: gave up waiting for {what}\n{logs}")
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
-        self.procs.clear()
-        shutil.rmtree(self.workdir, ignore_errors=True)
-
-    # -- slots ---------------------------------------------------------------------------------
-    def owner(self, namespace: str) -> int:
-        """The port of the primary that owns ``namespace``'s slot now (asked live: slots can move)."""
-        slot = key_slot(f"mutexcron:{{{namespace}}}:names".encode())
-        for first, last, primary, *_replicas in _ask(self.ports[0], "CLUSTER SLOTS"):
-            if int(first) <= slot <= int(last):
-                return int(primary[1])
-        raise LookupError(f"slot {slot} is not covered")
-
-    def namespace_off_first_node(self, prefix: str) -> str:
-        """A namespace ``prefix-N`` whose slot is NOT on the first URL node (which answers MOVED for it)."""
-        for n in range(1000):
-            namespace = f"{prefix}-{n}"
-            if self.owner(namespace) != self.ports[0]:
-                return namespace
-        raise LookupError("no namespace off the first node")  # pragma: no cover - 2/3 of slots qualify
-
-    def namespaced_url(self, prefix: str) -> str:
-        return f"{self.url}/?namespace={self.namespace_off_first_node(prefix)}"
-
-
-class _Shared:
-    """One cluster per session, though two modules import the fixture (two fixture definitions)."""
-
-    cluster: RedisClusterServers | None = None
-    users = 0
-
-
-@contextmanager
-def shared_cluster() -> Iterator[RedisClusterServers]:
-    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-        reason = "redis-server or redis-cli is not installed: the Redis Cluster tests need both"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"{reason} (CI=true: a missing server fails the run)")
-        pytest.skip(reason)
-    cluster = _Shared.cluster
-    if cluster is None:
-        cluster = RedisClusterServers(Path(tempfile.mkdtemp(prefix="mc-rcluster-")))
-        try:
-            cluster.start()
-        except BaseException:
-            cluster.stop()
-            raise
-        _Shared.cluster = cluster
-        print(f"\nRedis Cluster on ports {cluster.ports} up in {cluster.startup_seconds:.2f}s")  # visible with -s
-    _Shared.users += 1
-    try:
-        yield cluster
-    finally:
-        _Shared.users -= 1
-        if _Shared.users == 0:
-            cluster.stop()
-            _Shared.cluster = None
-
-
-@pytest.fixture(scope="session")
-def redis_cluster() -> Iterator[RedisClusterServers]:
-    """The session's 3-primary Redis Cluster (started on first use, killed at the end)."""
-    with shared_cluster() as cluster:
-        yield cluster
 
 
 @pytest.fixture
@@ -297,12 +136,12 @@ def test_keys_of_a_namespace_share_one_slot_and_live_on_its_owner(redis_cluster:
     store = RedisLockStore(f"{redis_cluster.url}?namespace={namespace}")
     try:
         keys = [store._names_key] + [k for n in ("a", "b/c", "d e") for k in (store._lock_key(n), store._token_key(n))]
-        slots = {_ask(redis_cluster.ports[0], "CLUSTER KEYSLOT", key) for key in keys}
+        slots = {ask(redis_cluster.ports[0], "CLUSTER KEYSLOT", key) for key in keys}
         assert len(slots) == 1, "the server hashes every key of a namespace to one slot: each script is single-slot"
         for name in ("a", "b/c", "d e"):  # acquire writes 3 keys, renew_many many: all in one script each
             assert store.acquire_or_renew(name, A, ttl=60, claim=FireClaim.new("job", 1_000_000)).claimed
         assert store.renew_many(A, {"a": 1, "b/c": 1, "d e": 1}) == {"a", "b/c", "d e"}
-        with _raw(redis_cluster.owner(namespace)) as owner:
+        with raw_client(redis_cluster.owner(namespace)) as owner:
             assert owner.exists(*keys) == len(keys)
     finally:
         store.destroy_namespace()
@@ -317,7 +156,7 @@ def test_plain_client_to_the_first_node_gets_moved_the_cluster_url_follows(redis
     cluster = RedisLockStore(f"{redis_cluster.url}?namespace={namespace}")
     plain = RedisLockStore(f"redis://127.0.0.1:{first}/0?namespace={namespace}")
     try:
-        with _raw(first) as raw, pytest.raises(redis.exceptions.MovedError) as moved:  # a ResponseError
+        with raw_client(first) as raw, pytest.raises(redis.exceptions.MovedError) as moved:  # a ResponseError
             raw.hgetall(cluster._lock_key("l"))
         assert moved.value.port == owner
         with pytest.raises(StoreError, match="MovedError") as info:
@@ -338,13 +177,13 @@ def _migrate_slot(cluster: RedisClusterServers, namespace: str, target: int) -> 
     """Move ``namespace``'s slot and its keys to the primary on ``target``, as a resharding does."""
     slot = key_slot(f"mutexcron:{{{namespace}}}:names".encode())
     source = cluster.owner(namespace)
-    source_id, target_id = _ask(source, "CLUSTER MYID"), _ask(target, "CLUSTER MYID")
-    _ask(target, "CLUSTER SETSLOT", slot, "IMPORTING", source_id)
-    _ask(source, "CLUSTER SETSLOT", slot, "MIGRATING", target_id)
-    keys = _ask(source, "CLUSTER GETKEYSINSLOT", slot, 1000)
-    _ask(source, "MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+    source_id, target_id = ask(source, "CLUSTER MYID"), ask(target, "CLUSTER MYID")
+    ask(target, "CLUSTER SETSLOT", slot, "IMPORTING", source_id)
+    ask(source, "CLUSTER SETSLOT", slot, "MIGRATING", target_id)
+    keys = ask(source, "CLUSTER GETKEYSINSLOT", slot, 1000)
+    ask(source, "MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
     for port in cluster.ports:
-        _ask(port, "CLUSTER SETSLOT", slot, "NODE", target_id)
+        ask(port, "CLUSTER SETSLOT", slot, "NODE", target_id)
 
 
 @pytest.mark.cluster
@@ -367,7 +206,7 @@ def test_a_resharded_namespace_is_followed_through_moved(redis_cluster: RedisClu
         took = b.acquire_or_renew("l", B, ttl=60)
         assert took.acquired and took.token == 3 and dict(took.record.attrs) == {"moved": True}
         assert b.read("l").holder == B.node_id and [r.name for r in a.list()] == ["l"]  # type: ignore[union-attr]
-        with _raw(target) as raw:
+        with raw_client(target) as raw:
             assert raw.hget(a._lock_key("l"), "token") == "3", "the data lives on the new owner"
     finally:
         a.destroy_namespace()
@@ -379,7 +218,7 @@ def test_a_resharded_namespace_is_followed_through_moved(redis_cluster: RedisClu
 def _password_on(cluster: RedisClusterServers, password: str) -> Iterator[None]:
     """``requirepass`` on every primary for the test (the cluster bus does not use it), then off again."""
     for port in cluster.ports:
-        _ask(port, "CONFIG", "SET", "requirepass", password)
+        ask(port, "CONFIG", "SET", "requirepass", password)
     try:
         yield
     finally:

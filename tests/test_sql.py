@@ -16,21 +16,15 @@ from typing import Any
 import pytest
 import sqlalchemy
 
-from mutexcron.backends.sql import POOL_IDLE_TIMEOUT, POOL_MIN_IDLE, IdleTrimmingPool
 from mutexcron.backends.sql_dialects import OPERATION_TIMEOUT
+from mutexcron.backends.sql_pool import POOL_IDLE_TIMEOUT, POOL_MIN_IDLE, IdleTrimmingPool
 from mutexcron.errors import ConfigurationError, StoreError, StoreUnavailableError
 from mutexcron.locks import FireClaim, Node, RunInfo
 from mutexcron.locks.sql import SQLLockStore
-from tests.backends import FakeClock, StoreCtx, backend_params, open_backend
+from tests.backends import FakeClock, StoreCtx, backend_params
 
 A = Node("a:1:aa", "10.0.0.1")
 B = Node("b:2:bb", "10.0.0.2")
-
-
-@pytest.fixture
-def ctx(kind: str, tmp_path: Path) -> Iterator[StoreCtx]:
-    with open_backend(kind, tmp_path) as ctx:
-        yield ctx
 
 
 def _own_connection_id(store: SQLLockStore) -> int:
