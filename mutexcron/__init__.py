@@ -18,6 +18,8 @@ from .locks import LockStore, lock_store_from_url
 from .mutex import HeldLease, Mutex
 from .record import LockRecord
 from .scheduler import BlockingMutexScheduler, MutexScheduler, MutexSchedulerMixin
+from .tasks.base import TaskRecord
+from .tasks.pool import TaskPool
 
 __version__ = "0.1.0"
 
@@ -40,6 +42,8 @@ __all__ = [
     "MutexcronError",
     "StoreError",
     "StoreUnavailableError",
+    "TaskPool",
+    "TaskRecord",
     "__version__",
     "current_lease",
     "lock_store_from_url",

@@ -38,12 +38,13 @@ class StoreFamily:
     backend: str
     #: ``"module:Class"`` of the lock store on that backend.
     lock_store: str
-    #: ``"module:Class"`` of the task store on that backend (the durable task pool; not yet).
+    #: ``"module:Class"`` of the task store on that backend (the durable task pool); None: none yet.
     task_store: str | None = None
 
 
 _SQL = "mutexcron.backends.sql:SQLBackend"
 _SQL_LOCKS = "mutexcron.locks.sql:SQLLockStore"
+_SQL_TASKS = "mutexcron.tasks.sql:SQLTaskStore"
 
 FAMILIES: tuple[StoreFamily, ...] = (
     StoreFamily(
@@ -53,8 +54,11 @@ FAMILIES: tuple[StoreFamily, ...] = (
         drivers=(),
         backend="mutexcron.backends.memory:MemoryBackend",
         lock_store="mutexcron.locks.memory:MemoryLockStore",
+        task_store="mutexcron.tasks.memory:MemoryTaskStore",
     ),
-    StoreFamily(name="sqlite", schemes=("sqlite",), extra=None, drivers=(), backend=_SQL, lock_store=_SQL_LOCKS),
+    StoreFamily(
+        name="sqlite", schemes=("sqlite",), extra=None, drivers=(), backend=_SQL, lock_store=_SQL_LOCKS, task_store=_SQL_TASKS
+    ),
     StoreFamily(
         name="mysql",
         schemes=("mysql", "mysql+pymysql", "mariadb", "mariadb+pymysql"),
@@ -62,6 +66,7 @@ FAMILIES: tuple[StoreFamily, ...] = (
         drivers=("pymysql",),
         backend=_SQL,
         lock_store=_SQL_LOCKS,
+        task_store=_SQL_TASKS,
     ),
     StoreFamily(
         name="postgresql",
@@ -70,6 +75,7 @@ FAMILIES: tuple[StoreFamily, ...] = (
         drivers=("psycopg",),
         backend=_SQL,
         lock_store=_SQL_LOCKS,
+        task_store=_SQL_TASKS,
     ),
     StoreFamily(
         name="redis",

@@ -1,0 +1,284 @@
+"""The task store interface every backend implements: durable one-off tasks the cluster shares.
+
+A task is ``(code, key)``, unique: ``code`` names what to do (a handler), ``key`` the business
+object ("end_promotion", "sku-123"). Rules every implementation follows (the contract suite in
+``tests/test_task_store.py`` checks them):
+
+* Each method is **one atomic operation** in the store: a conditional statement, or one short
+  transaction that locks the rows it decides on. No decision is taken on a row another writer can
+  change before the write lands. A read that only builds the returned records may follow a write.
+* Due times, claims and leases are judged by **the store's clock**, never the node's: a
+  ``timedelta`` due is added to the store's clock when the task is written; a task is due when
+  ``due <= store now``; a lease ends at ``store now + lease``.
+* States: ``queued`` (waiting for its due time), ``running`` (claimed by ``owner`` until
+  ``lease_until``), ``failed`` (out of attempts: kept with its last error until retried or
+  cancelled). A finished task is deleted; nothing else deletes a task but :meth:`TaskStore.cancel`.
+* Claims: a task is claimable when it is queued and due, or running with an expired lease (its
+  worker died: no separate rescuer, the same claim takes it). A claim sets ``running``, the owner,
+  ``token + 1``, ``attempt + 1`` (the count is kept across a rescue, so a task that kills its
+  worker still reaches its handler's ``max_attempts``) and ``lease_until``.
+* Fencing: :meth:`TaskStore.renew`, :meth:`TaskStore.complete` and :meth:`TaskStore.release`
+  change a task only while it is running, owned by the caller, with the caller's token. A worker
+  whose lease expired and whose task another worker claimed (token + 1) gets False: its write never
+  overwrites the new attempt.
+* Re-adding a running task never starts a second run: the new due and payload are kept as
+  *pending* and applied when the running attempt ends, whatever its outcome (the task is queued
+  with them, attempts reset). Cancelling a running task lets the run finish, then drops it. The
+  later word wins: an add after a cancel clears the cancel, a cancel after an add drops the
+  pending values.
+* A rescued task that was cancelled while its worker died is dropped by the claim, never run.
+* Bad input (a naive datetime, an unknown ``on_conflict``, a payload that is not plain JSON, an
+  empty or too long code or key) raises before anything reaches the store.
+* Contention that outlasts the store's lock wait, or a write whose outcome is unknown, raises
+  :class:`~mutexcron.errors.StoreUnavailableError`, as does a store that cannot be reached.
+"""
+
+from __future__ import annotations
+
+import builtins
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Union
+
+from ..urls import mask_url
+
+__all__ = [
+    "ON_CONFLICT",
+    "STATES",
+    "AddResult",
+    "Done",
+    "Due",
+    "Fail",
+    "Outcome",
+    "Reschedule",
+    "Retry",
+    "TaskRecord",
+    "TaskStore",
+]
+
+#: Task states.
+STATES = ("queued", "running", "failed")
+#: What :meth:`TaskStore.add` does when the task exists (see :meth:`TaskStore.add`).
+ON_CONFLICT = ("replace", "keep", "earliest", "latest")
+#: An absolute due time (aware datetime) or one relative to the store's clock.
+Due = Union[datetime, timedelta]
+
+
+class AddResult(str, enum.Enum):
+    """What :meth:`TaskStore.add` did. A ``str``: ``result == "inserted"`` works."""
+
+    #: The task did not exist: it is queued.
+    INSERTED = "inserted"
+    #: The task existed (queued or failed): it is queued with the new due and payload, attempts reset.
+    REPLACED = "replaced"
+    #: The task existed and ``on_conflict`` kept it as it was.
+    KEPT = "kept"
+    #: The task is running: the new due and payload apply when the running attempt ends.
+    PENDING = "pending"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    """One task, as the store saw it. Times are aware UTC datetimes, by the store's clock.
+
+    Attributes:
+        code: what to do (the handler's code).
+        key: the business object (unique per code).
+        due: when the task is to run (for a running task: the due time of the running attempt).
+        payload: the task's JSON data.
+        state: ``queued``, ``running`` or ``failed``.
+        attempt: how many times it was claimed since it was last added, rescheduled or retried by hand.
+        token: fencing token; goes up by one on every claim and every hand-back, never down.
+        owner: the node running it, or the last node that did.
+        lease_until: when a running task's lease ends (None unless running).
+        last_error: the last failed attempt's error.
+        pending_due / pending_payload: a re-add while running, applied when the attempt ends.
+        cancel_requested: cancelled while running: dropped when the attempt ends.
+        created / updated: when the task was first added and last changed.
+    """
+
+    code: str
+    key: str
+    due: datetime
+    payload: Any = None
+    state: str = "queued"
+    attempt: int = 0
+    token: int = 0
+    owner: str | None = None
+    lease_until: datetime | None = None
+    last_error: str | None = None
+    pending_due: datetime | None = None
+    pending_payload: Any = None
+    cancel_requested: bool = False
+    created: datetime | None = None
+    updated: datetime | None = None
+
+    @property
+    def idempotency_key(self) -> str:
+        """``code:key:due``: the same for every attempt of one occurrence, new for a rescheduled one.
+
+        A handler's own writes keyed on it (a unique constraint, an upsert) happen once even if the
+        task runs twice (at-least-once delivery: a worker stalled past its lease).
+        """
+        return f"{self.code}:{self.key}:{self.due.isoformat()}"
+
+    @property
+    def pending(self) -> bool:
+        """True if a re-add while running waits for the running attempt to end."""
+        return self.pending_due is not None
+
+
+# -- outcomes of a run: what complete() records -------------------------------------------------
+@dataclass(frozen=True)
+class Done:
+    """The task ran: drop it (or queue its pending re-add)."""
+
+
+@dataclass(frozen=True)
+class Reschedule:
+    """Run the task again at ``due`` (seed 000's "next time"): a new occurrence, attempts reset."""
+
+    due: Due
+
+
+@dataclass(frozen=True)
+class Retry:
+    """The attempt failed with ``error``: run it again at ``due``, attempts counted on."""
+
+    due: Due
+    error: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The attempt failed with ``error`` and no attempt is left: keep the task as ``failed``."""
+
+    error: str
+
+
+Outcome = Union[Done, Reschedule, Retry, Fail]
+
+
+class TaskStore(ABC):
+    """A store of durable one-off tasks, claimed with leases and fenced by tokens.
+
+    The stores of :mod:`mutexcron.tasks` stand on a backend (:mod:`mutexcron.backends`: the
+    connection, the clock, the error translation) and are built from a URL by
+    :func:`mutexcron.tasks.task_store_from_url`.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    @property
+    def masked_url(self) -> str:
+        """The URL with any password replaced by ``***``: safe for logs and ``status``."""
+        return mask_url(self.url)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.masked_url!r})"
+
+    # -- producers ---------------------------------------------------------------------------
+    @abstractmethod
+    def add(self, code: str, key: str, due: Due, payload: Any = None, *, on_conflict: str = "replace") -> AddResult:
+        """Add or update the task ``(code, key)``: one atomic upsert.
+
+        Args:
+            code: the handler's code.
+            key: the business object.
+            due: an aware datetime, or a timedelta from the store's clock.
+            payload: plain JSON (dicts with string keys, lists, strings, finite numbers, booleans, None).
+            on_conflict: if the task exists: ``"replace"`` its due and payload; ``"keep"`` it as
+                it is; keep the ``"earliest"`` or the ``"latest"`` due (with its payload). A failed
+                task is revived by every mode but ``keep``. A running task gets the new values as
+                pending (``keep``: it is kept as it is; ``earliest``/``latest``: compared with the
+                pending due, if there is one).
+
+        Raises:
+            ConfigurationError: a bad code, key, due or ``on_conflict``.
+            AttrsError: a payload that is not plain JSON.
+        """
+
+    @abstractmethod
+    def cancel(self, code: str, key: str) -> bool:
+        """Drop the task; a running one is dropped when its attempt ends. False if there is no such task."""
+
+    @abstractmethod
+    def get(self, code: str, key: str) -> TaskRecord | None:
+        """The task, or None."""
+
+    @abstractmethod
+    def list(
+        self,
+        *,
+        code: str | None = None,
+        key_contains: str | None = None,
+        due_before: datetime | None = None,
+        state: str | None = None,
+        limit: int = 1000,
+    ) -> list[TaskRecord]:
+        """Tasks by due time (then code and key), filtered by code, a substring of the key (case
+        sensitive), due strictly before an aware datetime, and state; at most ``limit``."""
+
+    @abstractmethod
+    def retry(self, code: str, key: str) -> bool:
+        """Queue a failed task again, due now by the store's clock, attempts reset. False if it is not failed."""
+
+    # -- workers -----------------------------------------------------------------------------
+    @abstractmethod
+    def claim(self, node: str, codes: Iterable[str], limit: int, lease: float) -> builtins.list[TaskRecord]:
+        """Claim up to ``limit`` claimable tasks of ``codes``, earliest first, for ``node``.
+
+        Claimable: queued with ``due <= store now``, or running with ``lease_until < store now``.
+        Each claimed task is returned as left: running, owned by ``node``, token and attempt + 1,
+        ``lease_until = store now + lease``. Concurrent claims never return one task twice while
+        its lease runs. A rescued task that was cancelled is dropped, not returned.
+        """
+
+    @abstractmethod
+    def renew(self, node: str, tokens: Mapping[tuple[str, str], int], lease: float) -> set[tuple[str, str]]:
+        """Extend to ``store now + lease`` the leases ``node`` holds on ``{(code, key): token}``, in one round trip.
+
+        Returns the tasks renewed; the others are lost (taken over, or gone).
+        """
+
+    @abstractmethod
+    def complete(self, node: str, code: str, key: str, token: int, outcome: Outcome) -> bool:
+        """Record how the attempt ended, if ``node`` still runs the task with ``token``.
+
+        :class:`Done` deletes the task, :class:`Reschedule` and :class:`Retry` queue it at their
+        due, :class:`Fail` keeps it as failed. A pending re-add wins over any outcome (the task is
+        queued with the pending due and payload, attempts reset); a cancel drops the task.
+
+        Returns:
+            False, and nothing is changed, if the task was taken over (its lease expired and
+            another claim raised the token), cancelled after a hand-back, or is gone.
+        """
+
+    @abstractmethod
+    def release(self, node: str, tasks: Iterable[tuple[str, str, int]]) -> int:
+        """Hand back tasks ``node`` claimed but did not start: queued again at once, token + 1, the
+        claim's attempt not counted. Fenced like :meth:`complete`. Returns how many were handed back
+        (or dropped, if cancelled meanwhile)."""
+
+    @abstractmethod
+    def next_due(self, codes: Iterable[str]) -> float | None:
+        """Seconds until the earliest task of ``codes`` is claimable (0 if one is now), by the
+        store's clock; None if none will be (no task, or only failed ones)."""
+
+    @abstractmethod
+    def now(self) -> datetime:
+        """The store's clock, as an aware UTC datetime."""
+
+    @abstractmethod
+    def ping(self) -> None:
+        """One raw round trip to the server."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections. The store must not be used afterwards."""

@@ -1,0 +1,180 @@
+"""Checks on what callers give the task stores, and the one rule of ``add`` every store applies.
+
+Everything here runs before a store is contacted, so bad input stores nothing, and every store
+(memory and SQL alike) takes the same decision for the same row (:func:`decide_add`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from ..errors import AttrsError, ConfigurationError
+from ..names import check_name
+from .base import ON_CONFLICT, STATES, AddResult, Done, Fail, Outcome, Reschedule, Retry
+
+#: ``last_error`` keeps at most this many characters (a traceback's head is what a reader needs).
+MAX_ERROR_LENGTH = 4000
+
+_JSON_RULE = "dicts with string keys, lists, strings, finite numbers, booleans and None"
+
+
+def check_task(code: object, key: object) -> tuple[str, str]:
+    """``(code, key)`` if both are valid names (:func:`mutexcron.names.check_name`), else ConfigurationError."""
+    return check_name(code, "task code"), check_name(key, "task key")
+
+
+def check_codes(codes: Iterable[str]) -> list[str]:
+    """The distinct codes of ``codes``, sorted, each checked as a task code."""
+    if isinstance(codes, str):  # a lone code would be read as its characters
+        codes = [codes]
+    return sorted({check_name(code, "task code") for code in codes})
+
+
+def check_due(due: object, what: str = "due") -> tuple[datetime | None, float | None]:
+    """``(absolute UTC due, None)`` for an aware datetime, ``(None, seconds)`` for a timedelta.
+
+    Raises:
+        ConfigurationError: a naive datetime or another type; the message says what to pass.
+    """
+    if isinstance(due, datetime):
+        if due.tzinfo is None or due.utcoffset() is None:
+            raise ConfigurationError(
+                f"{what}={due!r} is a naive datetime: the store cannot tell which time zone it is in. Pass an aware "
+                "datetime (datetime(..., tzinfo=timezone.utc), or .astimezone() for local time) or a timedelta from now"
+            )
+        return due.astimezone(timezone.utc), None
+    if isinstance(due, timedelta):
+        return None, due.total_seconds()
+    raise ConfigurationError(
+        f"{what}={due!r} is a {type(due).__name__}: pass an aware datetime (absolute) or a timedelta (from the store's clock)"
+    )
+
+
+def resolve_due(due: datetime | None, delay: float | None, now: datetime) -> datetime:
+    """The absolute due: ``due``, or ``now`` (the store's clock) plus ``delay`` seconds."""
+    if due is not None:
+        return due
+    return now + timedelta(seconds=delay or 0.0)
+
+
+def check_on_conflict(mode: object) -> str:
+    if mode not in ON_CONFLICT:
+        raise ConfigurationError(f"on_conflict={mode!r} is not one of {', '.join(map(repr, ON_CONFLICT))}")
+    return str(mode)
+
+
+def check_state(state: object) -> str:
+    if state not in STATES:
+        raise ConfigurationError(f"state={state!r} is not one of {', '.join(map(repr, STATES))}")
+    return str(state)
+
+
+def check_claim(limit: object, lease: object) -> tuple[int, float]:
+    """``(limit, lease)`` if ``limit`` is a whole number >= 1 and ``lease`` a positive number of seconds."""
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise ConfigurationError(f"limit={limit!r}: claim at least 1 task (a whole number)")
+    return limit, check_lease(lease)
+
+
+def check_lease(lease: object) -> float:
+    if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not math.isfinite(lease) or lease <= 0:
+        raise ConfigurationError(f"lease={lease!r}: give the lease in seconds, a positive number")
+    return float(lease)
+
+
+def check_outcome(outcome: object) -> Outcome:
+    """``outcome`` if it is one of Done, Reschedule, Retry, Fail with a valid due; else ConfigurationError."""
+    if isinstance(outcome, (Reschedule, Retry)):
+        check_due(outcome.due, f"{type(outcome).__name__}.due")
+    elif not isinstance(outcome, (Done, Fail)):
+        raise ConfigurationError(f"outcome {outcome!r} is not Done(), Reschedule(due), Retry(due, error) or Fail(error)")
+    return outcome
+
+
+def error_text(error: object) -> str:
+    """An error as stored: text, at most :data:`MAX_ERROR_LENGTH` characters."""
+    text = str(error)
+    return text if len(text) <= MAX_ERROR_LENGTH else text[: MAX_ERROR_LENGTH - 3] + "..."
+
+
+def dump_payload(payload: Any, code: str, key: str) -> str:
+    """A payload as stored: JSON text. Only plain JSON is accepted (never pickle, never a silent conversion).
+
+    Raises:
+        AttrsError: a value that is not plain JSON, naming where it is and what to pass instead.
+    """
+    where = f"payload of task {code!r}/{key!r}"
+    try:
+        _check_json(payload, where, "")
+    except RecursionError:
+        raise AttrsError(f"{where} is nested too deeply to store as JSON") from None
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate, e.g. from a surrogate-escaped file name
+        raise AttrsError(f"{where} holds text that is not valid Unicode ({exc.reason}): decode bytes properly first") from None
+    return text
+
+
+def _check_json(value: Any, where: str, path: str) -> None:
+    if value is None or isinstance(value, (str, bool, int)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise AttrsError(f"{where}: {value!r} at {path or 'the top'} is not a JSON number; store a finite number or None")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise AttrsError(f"{where}: key {k!r} at {path or 'the top'} is a {type(k).__name__}; JSON keys are strings")
+            _check_json(v, where, f"{path}[{k!r}]")
+        return
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_json(v, where, f"{path}[{i}]")
+        return
+    raise AttrsError(
+        f"{where}: {type(value).__name__} at {path or 'the top'} is not JSON; use {_JSON_RULE} "
+        "(e.g. an ISO string for a datetime, a list for a tuple)"
+    )
+
+
+def load_payload(text: Any) -> Any:
+    """A stored payload (JSON text) back as Python values."""
+    if text is None:
+        return None
+    return json.loads(text)
+
+
+def decide_add(state: str, due: datetime, pending_due: datetime | None, new_due: datetime, mode: str) -> AddResult:
+    """What :meth:`~mutexcron.tasks.base.TaskStore.add` does to an existing task: the one rule every store applies.
+
+    Args:
+        state: the task's state.
+        due: its due time (a running task's: the running attempt's).
+        pending_due: the due of a re-add waiting for the running attempt, or None.
+        new_due: the due being added (absolute, by the store's clock).
+        mode: ``on_conflict``.
+
+    Returns:
+        KEPT (change nothing), REPLACED (queue with the new due and payload) or PENDING (record them
+        as pending: the task is running).
+    """
+    if mode == "keep":
+        return AddResult.KEPT
+    if state == "running":
+        # The running attempt's own due is in the past: compare with what would run next, if anything.
+        if pending_due is None or mode == "replace" or _wins(mode, new_due, pending_due):
+            return AddResult.PENDING
+        return AddResult.KEPT
+    if state == "failed" or mode == "replace" or _wins(mode, new_due, due):
+        return AddResult.REPLACED  # a failed task has no due to compare with: the add revives it
+    return AddResult.KEPT
+
+
+def _wins(mode: str, new_due: datetime, old_due: datetime) -> bool:
+    return new_due < old_due if mode == "earliest" else new_due > old_due

@@ -1,0 +1,286 @@
+"""``memory://``: an in-process task store for tests and single-process use.
+
+The rows live in the ``tasks`` table of a :class:`~mutexcron.backends.memory.MemoryBackend`, under
+its mutex, so every method is trivially atomic. The store's clock is the backend's ``clock``
+(monotonic seconds, injectable for tests) anchored once per ``memory://NAME`` space to the wall
+time of its first use: every store on the space reads the same clock, and a test that moves the
+fake clock moves the store's time and nothing else (the node's clock stays where it is).
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any, cast
+
+from ..backends.memory import MemoryBackend
+from .base import AddResult, Done, Due, Fail, Outcome, Reschedule, Retry, TaskRecord, TaskStore
+from .checks import (
+    check_claim,
+    check_codes,
+    check_due,
+    check_lease,
+    check_on_conflict,
+    check_outcome,
+    check_state,
+    check_task,
+    decide_add,
+    dump_payload,
+    error_text,
+    load_payload,
+    resolve_due,
+)
+
+__all__ = ["MemoryTaskStore"]
+
+
+@dataclass
+class _Row:
+    due: datetime
+    payload: str  # JSON text: records never share mutable state with the store
+    created: datetime
+    updated: datetime
+    state: str = "queued"
+    attempt: int = 0
+    token: int = 0
+    owner: str | None = None
+    lease_until: datetime | None = None
+    last_error: str | None = None
+    pending_due: datetime | None = None
+    pending_payload: str | None = None
+    cancel_requested: bool = False
+
+    @property
+    def run_at(self) -> datetime | None:
+        """When a claim may take the task: its due (queued), its lease's end (running), never (failed)."""
+        return {"queued": self.due, "running": self.lease_until}.get(self.state)
+
+    def fenced(self, node: str, token: int) -> bool:
+        return self.state == "running" and self.owner == node and self.token == token
+
+    def queue(self, due: datetime, now: datetime) -> None:
+        self.state, self.due, self.lease_until, self.updated = "queued", due, None, now
+
+    def apply_pending(self, now: datetime) -> None:
+        """The re-add made while the attempt ran becomes the task: a new definition, attempts reset."""
+        assert self.pending_due is not None and self.pending_payload is not None
+        self.queue(self.pending_due, now)
+        self.payload, self.attempt, self.last_error = self.pending_payload, 0, None
+        self.pending_due = self.pending_payload = None
+
+
+class MemoryTaskStore(TaskStore):
+    """Dicts behind the backend's mutex.
+
+    Args:
+        url: ``memory://`` or ``memory://NAME``, or a ready :class:`MemoryBackend`.
+        clock: the store's clock in seconds (with a URL only); only its differences count.
+    """
+
+    def __init__(self, url: str | MemoryBackend = "memory://", *, clock: Callable[[], float] | None = None) -> None:
+        if isinstance(url, MemoryBackend):
+            if clock is not None:
+                raise TypeError("clock= belongs to the backend: MemoryBackend(url, clock=...)")
+            backend = url
+        else:
+            backend = MemoryBackend(url, clock=clock)
+        super().__init__(backend.url)
+        self.backend = backend
+        # The space's tables are untyped dicts: this one is keyed by (code, key).
+        self._rows = cast("dict[tuple[str, str], _Row]", backend.table("tasks"))
+        origin = backend.table("tasks_clock")
+        with backend.mutex:
+            origin.setdefault("origin", (datetime.now(timezone.utc), backend.clock()))
+            self._origin: tuple[datetime, float] = origin["origin"]
+
+    def _now(self) -> datetime:
+        wall, reading = self._origin
+        return wall + timedelta(seconds=self.backend.clock() - reading)
+
+    def _record(self, key: tuple[str, str], row: _Row) -> TaskRecord:
+        return TaskRecord(
+            code=key[0],
+            key=key[1],
+            due=row.due,
+            payload=load_payload(row.payload),
+            state=row.state,
+            attempt=row.attempt,
+            token=row.token,
+            owner=row.owner,
+            lease_until=row.lease_until,
+            last_error=row.last_error,
+            pending_due=row.pending_due,
+            pending_payload=load_payload(row.pending_payload),
+            cancel_requested=row.cancel_requested,
+            created=row.created,
+            updated=row.updated,
+        )
+
+    # -- producers ---------------------------------------------------------------------------
+    def add(self, code: str, key: str, due: Due, payload: Any = None, *, on_conflict: str = "replace") -> AddResult:
+        code, key = check_task(code, key)
+        at, delay = check_due(due)
+        mode = check_on_conflict(on_conflict)
+        text = dump_payload(payload, code, key)
+        with self.backend.mutex:
+            now = self._now()
+            new_due = resolve_due(at, delay, now)
+            row = self._rows.get((code, key))
+            if row is None:
+                self._rows[code, key] = _Row(due=new_due, payload=text, created=now, updated=now)
+                return AddResult.INSERTED
+            result = decide_add(row.state, row.due, row.pending_due, new_due, mode)
+            if result is AddResult.REPLACED:
+                row.queue(new_due, now)
+                row.payload, row.attempt, row.last_error = text, 0, None
+            elif result is AddResult.PENDING:
+                row.pending_due, row.pending_payload, row.cancel_requested, row.updated = new_due, text, False, now
+            return result
+
+    def cancel(self, code: str, key: str) -> bool:
+        code, key = check_task(code, key)
+        with self.backend.mutex:
+            row = self._rows.get((code, key))
+            if row is None:
+                return False
+            if row.state != "running":
+                del self._rows[code, key]
+            else:
+                row.cancel_requested, row.pending_due, row.pending_payload, row.updated = True, None, None, self._now()
+            return True
+
+    def get(self, code: str, key: str) -> TaskRecord | None:
+        code, key = check_task(code, key)
+        with self.backend.mutex:
+            row = self._rows.get((code, key))
+            return None if row is None else self._record((code, key), row)
+
+    def list(
+        self,
+        *,
+        code: str | None = None,
+        key_contains: str | None = None,
+        due_before: datetime | None = None,
+        state: str | None = None,
+        limit: int = 1000,
+    ) -> list[TaskRecord]:
+        before = check_due(due_before, "due_before")[0] if due_before is not None else None
+        if state is not None:
+            check_state(state)
+        with self.backend.mutex:
+            found = [
+                (row.due, key, row)
+                for key, row in self._rows.items()
+                if (code is None or key[0] == code)
+                and (key_contains is None or key_contains in key[1])
+                and (before is None or row.due < before)
+                and (state is None or row.state == state)
+            ]
+            found.sort(key=lambda item: (item[0], item[1]))
+            return [self._record(key, row) for _, key, row in found[: max(0, limit)]]
+
+    def retry(self, code: str, key: str) -> bool:
+        code, key = check_task(code, key)
+        with self.backend.mutex:
+            row = self._rows.get((code, key))
+            if row is None or row.state != "failed":
+                return False
+            now = self._now()
+            row.queue(now, now)
+            row.attempt = 0
+            return True
+
+    # -- workers -----------------------------------------------------------------------------
+    def claim(self, node: str, codes: Iterable[str], limit: int, lease: float) -> builtins.list[TaskRecord]:
+        wanted = set(check_codes(codes))
+        limit, lease = check_claim(limit, lease)
+        claimed: builtins.list[TaskRecord] = []
+        with self.backend.mutex:
+            now = self._now()
+            due = sorted(
+                (run_at, key)
+                for key, row in self._rows.items()
+                if key[0] in wanted and (run_at := row.run_at) is not None and run_at <= now
+            )
+            for _, key in due[:limit]:
+                row = self._rows[key]
+                if row.state == "running" and row.cancel_requested:
+                    del self._rows[key]  # its worker died after a cancel: nothing is left to finish
+                    continue
+                row.state, row.owner, row.token, row.attempt = "running", node, row.token + 1, row.attempt + 1
+                row.lease_until, row.updated = now + timedelta(seconds=lease), now
+                claimed.append(self._record(key, row))
+        return claimed
+
+    def renew(self, node: str, tokens: Mapping[tuple[str, str], int], lease: float) -> set[tuple[str, str]]:
+        lease = check_lease(lease)
+        renewed: set[tuple[str, str]] = set()
+        with self.backend.mutex:
+            until = self._now() + timedelta(seconds=lease)
+            for key, token in tokens.items():
+                row = self._rows.get(key)
+                if row is not None and row.fenced(node, token):
+                    row.lease_until = until
+                    renewed.add(key)
+        return renewed
+
+    def complete(self, node: str, code: str, key: str, token: int, outcome: Outcome) -> bool:
+        check_outcome(outcome)
+        with self.backend.mutex:
+            row = self._rows.get((code, key))
+            if row is None or not row.fenced(node, token):
+                return False
+            now = self._now()
+            if row.cancel_requested or (isinstance(outcome, Done) and row.pending_due is None):
+                del self._rows[code, key]
+            elif row.pending_due is not None:
+                row.apply_pending(now)
+            elif isinstance(outcome, Fail):
+                row.state, row.lease_until, row.last_error, row.updated = "failed", None, error_text(outcome.error), now
+            elif isinstance(outcome, (Reschedule, Retry)):
+                row.queue(resolve_due(*check_due(outcome.due), now), now)
+                if isinstance(outcome, Reschedule):
+                    row.attempt, row.last_error = 0, None
+                else:
+                    row.last_error = error_text(outcome.error)
+            return True
+
+    def release(self, node: str, tasks: Iterable[tuple[str, str, int]]) -> int:
+        count = 0
+        with self.backend.mutex:
+            now = self._now()
+            for code, key, token in tasks:
+                row = self._rows.get((code, key))
+                if row is None or not row.fenced(node, token):
+                    continue
+                count += 1
+                if row.cancel_requested:
+                    del self._rows[code, key]
+                    continue
+                row.token += 1  # a claim made with the old token can no longer write
+                if row.pending_due is not None:
+                    row.apply_pending(now)
+                else:
+                    row.attempt -= 1  # never started: the claim does not count as an attempt
+                    row.queue(row.due, now)
+        return count
+
+    def next_due(self, codes: Iterable[str]) -> float | None:
+        wanted = set(check_codes(codes))
+        with self.backend.mutex:
+            times = [t for key, row in self._rows.items() if key[0] in wanted and (t := row.run_at) is not None]
+            if not times:
+                return None
+            return max(0.0, (min(times) - self._now()).total_seconds())
+
+    def now(self) -> datetime:
+        with self.backend.mutex:
+            return self._now()
+
+    def ping(self) -> None:
+        self.backend.ping()
+
+    def close(self) -> None:
+        self.backend.close()

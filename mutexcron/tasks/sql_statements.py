@@ -1,0 +1,402 @@
+"""Every statement the SQL task store runs, one table per dialect, side by side.
+
+A new dialect is one more :class:`TaskStatements` row; the store has no per-dialect branches.
+Templates are filled once per store by :meth:`TaskStatements.bind`:
+
+* ``{t}`` the table, ``{cols}`` the record columns, ``{fence}`` the condition every worker write
+  carries (the task is running, owned by ``:me``, with ``:token``);
+* the database's clock: ``{now}``, ``{lease_end}`` (now + ``:lease`` seconds), ``{due}`` (the
+  absolute ``:due``, or now + ``:delay`` seconds), ``{until}`` (seconds from now to ``run_at``).
+
+``{codes}``, ``{pairs}`` and ``{triples}`` stay in the bound text where a dialect spells a list
+as parameters (MySQL); each call fills them with its own. Every value is a bound parameter; the
+table name is checked against :data:`mutexcron.backends.sql.TABLE_RE`.
+
+``run_at`` is the one column claims look at: the due time of a queued task, the lease's end of a
+running one, NULL for a failed one. Every write keeps it so, and the ``(run_at, code)`` index
+makes the claim an ordered range scan of the claimable tasks only: never a scan of the table.
+
+Each dialect's clock is *statement-stable* (PostgreSQL ``statement_timestamp()``, MySQL
+``UTC_TIMESTAMP(6)``, SQLite ``'now'``), so one statement compares and writes one instant, and the
+planner can use ``run_at <= {now}`` as an index bound (``clock_timestamp()`` is volatile: it
+cannot). MySQL evaluates SET assignments left to right, each seeing the ones before; every
+statement here either reads no column it assigns, or assigns it after all its readers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+__all__ = ["STATEMENTS", "TaskStatements"]
+
+COLUMNS = (
+    "code, task_key, due, payload, state, attempt, token, owner, lease_until, last_error, "
+    "pending_due, pending_payload, cancel_requested, created, updated"
+)
+FENCE = "code = :code AND task_key = :key AND owner = :me AND token = :token AND state = 'running'"
+
+#: (statement, parameters) for a list of codes, task keys ``(code, key)`` or leases ``(code, key, token)``.
+ListShape = Callable[[str, Sequence[Any]], tuple[str, dict[str, Any]]]
+
+
+def _one_json(name: str, record: Callable[[Any], Any]) -> ListShape:
+    """PostgreSQL, SQLite: the whole list as one JSON parameter ``name``."""
+
+    def shape(sql: str, items: Sequence[Any]) -> tuple[str, dict[str, Any]]:
+        return sql, {name: json.dumps([record(item) for item in items])}
+
+    return shape
+
+
+def _pg_codes(sql: str, codes: Sequence[Any]) -> tuple[str, dict[str, Any]]:
+    """PostgreSQL: the codes as one ``text[]`` (``= ANY``: an index condition, unlike a subquery)."""
+    return sql, {"codes": list(codes)}
+
+
+def _my_list(slot: str, columns: tuple[tuple[str, str], ...]) -> ListShape:
+    """MySQL: ``slot`` spelled out as parameters: ``:c0, :c1`` for codes, an OR of equalities for keys.
+
+    ``columns`` are ``(column, parameter prefix)``. An OR of ``(code = :c0 AND task_key = :k0)`` is
+    a range on the primary key for every MySQL and MariaDB version; row-constructor ``IN`` lists
+    are not, on older ones.
+    """
+
+    def shape(sql: str, items: Sequence[Any]) -> tuple[str, dict[str, Any]]:
+        params: dict[str, Any] = {}
+        parts = []
+        for i, item in enumerate(items):
+            values = item if isinstance(item, tuple) else (item,)
+            names = [f"{prefix}{i}" for _, prefix in columns]
+            params.update(zip(names, values, strict=True))
+            if len(columns) == 1:
+                parts.append(f":{names[0]}")
+            else:
+                parts.append("(" + " AND ".join(f"{c} = :{n}" for (c, _), n in zip(columns, names, strict=True)) + ")")
+        return sql.replace(slot, (", " if len(columns) == 1 else " OR ").join(parts)), params
+
+    return shape
+
+
+def _pg_time(value: datetime) -> Any:
+    return value  # timestamptz takes an aware datetime
+
+
+def _mysql_time(value: datetime) -> Any:
+    return value.astimezone(timezone.utc).replace(tzinfo=None)  # DATETIME(6) holds UTC, naive
+
+
+def _sqlite_time(value: datetime) -> Any:
+    # The stored form of every time: 'YYYY-MM-DD HH:MM:SS.ffffff' (26 characters, UTC), so text
+    # order is time order. isoformat keeps four-digit years, which strftime does not promise.
+    return value.astimezone(timezone.utc).replace(tzinfo=None).isoformat(sep=" ", timespec="microseconds")
+
+
+@dataclass(frozen=True)
+class TaskStatements:
+    """The task store's statements on one dialect. Defaults are the statements every dialect shares."""
+
+    dialect: str
+    ddl: tuple[str, ...]
+    #: Opens the short transactions of ``add`` (and MySQL's claim): SQLite takes its write lock at once.
+    begin: str
+    #: Clock fragments: the current time; now + ``:{p}`` seconds ({p} is a parameter name).
+    now: str
+    plus: str
+    #: Seconds from now to ``run_at``.
+    until: str
+    #: A datetime as this dialect's driver binds it into a time column.
+    time_param: Callable[[datetime], Any]
+    #: ``:due`` where the database must know its type without a column to infer it from.
+    due_param: str
+    #: ``code`` is one of the call's codes (filled by ``codes_shape``).
+    codes_in: str
+    codes_shape: ListShape
+    #: ``task_key`` contains ``:contains`` (case-sensitive on every dialect; LIKE is not on SQLite).
+    contains: str
+    #: Inserts the task unless it exists: 1 row, or 0 rows (or a duplicate-key error) if it exists.
+    insert: str
+    #: Reads ``state, due, pending_due, now`` of one task, locking it until the transaction ends.
+    lock_row: str
+    #: One statement that claims and returns the claimed rows; "" (MySQL): the three below, in one transaction.
+    claim: str
+    claim_pick: str = ""
+    claim_take: str = ""
+    claim_read: str = ""
+    pairs_shape: ListShape | None = None
+    #: Renews the leases of ``leases_shape``'s list; returns the renewed keys unless ``renew_read`` is set.
+    renew: str = ""
+    renew_read: str = ""
+    leases_shape: ListShape | None = None
+    read_one: str = "SELECT {cols} FROM {t} WHERE code = :code AND task_key = :key"
+    list_tasks: str = "SELECT {cols} FROM {t} WHERE {where} ORDER BY due, code, task_key LIMIT :limit"
+    select_now: str = "SELECT {now}"
+    next_due: str = "SELECT {until} FROM {t} WHERE run_at IS NOT NULL AND {codes_in} ORDER BY run_at LIMIT 1"
+    replace: str = (
+        "UPDATE {t} SET due = :due, run_at = :due, payload = :payload, state = 'queued', attempt = 0, lease_until = NULL, "
+        "last_error = NULL, pending_due = NULL, pending_payload = NULL, cancel_requested = 0, updated = {now} "
+        "WHERE code = :code AND task_key = :key"
+    )
+    set_pending: str = (
+        "UPDATE {t} SET pending_due = :due, pending_payload = :payload, cancel_requested = 0, updated = {now} "
+        "WHERE code = :code AND task_key = :key"
+    )
+    cancel_drop: str = "DELETE FROM {t} WHERE code = :code AND task_key = :key AND state <> 'running'"
+    cancel_mark: str = (
+        "UPDATE {t} SET cancel_requested = 1, pending_due = NULL, pending_payload = NULL, updated = {now} "
+        "WHERE code = :code AND task_key = :key AND state = 'running'"
+    )
+    retry: str = (
+        "UPDATE {t} SET state = 'queued', due = {now}, run_at = {now}, attempt = 0, updated = {now} "
+        "WHERE code = :code AND task_key = :key AND state = 'failed'"
+    )
+    # The ends of an attempt. The three cases of a fenced row exclude each other (cancelled; a
+    # pending re-add; neither), so each outcome is a short list of conditional writes of which
+    # exactly one matches a row still fenced (see SQLTaskStore._finish).
+    done: str = "DELETE FROM {t} WHERE {fence} AND (cancel_requested = 1 OR pending_due IS NULL)"
+    drop_cancelled: str = "DELETE FROM {t} WHERE {fence} AND cancel_requested = 1"
+    apply_pending: str = (
+        "UPDATE {t} SET state = 'queued', due = pending_due, run_at = pending_due, payload = pending_payload, "
+        "attempt = 0, last_error = NULL, lease_until = NULL, pending_due = NULL, pending_payload = NULL, "
+        "updated = {now} WHERE {fence} AND cancel_requested = 0 AND pending_due IS NOT NULL"
+    )
+    reschedule: str = (
+        "UPDATE {t} SET state = 'queued', due = {due}, run_at = {due}, attempt = 0, last_error = NULL, "
+        "lease_until = NULL, updated = {now} WHERE {fence} AND cancel_requested = 0 AND pending_due IS NULL"
+    )
+    retry_later: str = (
+        "UPDATE {t} SET state = 'queued', due = {due}, run_at = {due}, last_error = :err, "
+        "lease_until = NULL, updated = {now} WHERE {fence} AND cancel_requested = 0 AND pending_due IS NULL"
+    )
+    fail: str = (
+        "UPDATE {t} SET state = 'failed', run_at = NULL, lease_until = NULL, last_error = :err, updated = {now} "
+        "WHERE {fence} AND cancel_requested = 0 AND pending_due IS NULL"
+    )
+    # A hand-back raises the token (the claim that handed it back can no longer write) and does not
+    # count the attempt that never started; a pending re-add is applied as at the end of a run.
+    release: str = (
+        "UPDATE {t} SET state = 'queued', token = token + 1, attempt = attempt - 1, run_at = due, lease_until = NULL, "
+        "updated = {now} WHERE {fence} AND cancel_requested = 0 AND pending_due IS NULL"
+    )
+    release_pending: str = (
+        "UPDATE {t} SET state = 'queued', token = token + 1, due = pending_due, run_at = pending_due, "
+        "payload = pending_payload, attempt = 0, last_error = NULL, lease_until = NULL, pending_due = NULL, "
+        "pending_payload = NULL, updated = {now} WHERE {fence} AND cancel_requested = 0 AND pending_due IS NOT NULL"
+    )
+
+    def bind(self, table: str) -> TaskStatements:
+        """This row with every template filled for ``table`` (``{codes}``, ``{pairs}``, ``{triples}``, ``{where}`` kept)."""
+        due = f"COALESCE({self.due_param}, {self.plus.replace('{p}', 'delay')})"
+        fill = {
+            "{fence}": FENCE,
+            "{cols}": COLUMNS,
+            "{x_cols}": ", ".join(f"x.{c}" for c in COLUMNS.split(", ")),
+            "{codes_in}": self.codes_in,
+            "{due}": due,
+            "{lease_end}": self.plus.replace("{p}", "lease"),
+            "{until}": self.until,
+            "{now}": self.now,
+            "{t}": table,
+        }
+
+        def bound(template: str) -> str:
+            for slot, value in fill.items():  # in this order: fragments first, then what they contain
+                template = template.replace(slot, value)
+            return template
+
+        skip = {"dialect", "begin", "now", "plus", "until", "due_param"}
+        changes: dict[str, Any] = {"ddl": tuple(bound(s) for s in self.ddl)}
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            if item.name not in skip and item.name != "ddl" and isinstance(value, str):
+                changes[item.name] = bound(value)
+        return dataclasses.replace(self, **changes)
+
+
+_PG_PLUS = "statement_timestamp() + CAST(:{p} AS double precision) * interval '1 second'"
+
+POSTGRESQL = TaskStatements(
+    dialect="postgresql",
+    ddl=(
+        """CREATE TABLE IF NOT EXISTS {t} (
+    code             varchar(191) NOT NULL,
+    task_key         varchar(191) NOT NULL,
+    due              timestamptz  NOT NULL,
+    run_at           timestamptz,
+    payload          text         NOT NULL,
+    state            varchar(16)  NOT NULL DEFAULT 'queued',
+    attempt          integer      NOT NULL DEFAULT 0,
+    token            bigint       NOT NULL DEFAULT 0,
+    owner            varchar(255),
+    lease_until      timestamptz,
+    last_error       text,
+    pending_due      timestamptz,
+    pending_payload  text,
+    cancel_requested smallint     NOT NULL DEFAULT 0,
+    created          timestamptz  NOT NULL,
+    updated          timestamptz  NOT NULL,
+    PRIMARY KEY (code, task_key)
+)""",
+        "CREATE INDEX IF NOT EXISTS {t}_run_at ON {t} (run_at, code)",
+    ),
+    begin="START TRANSACTION",
+    now="statement_timestamp()",
+    plus=_PG_PLUS,
+    until="EXTRACT(EPOCH FROM (run_at - statement_timestamp()))",
+    time_param=_pg_time,
+    due_param="CAST(:due AS timestamptz)",  # psycopg sends None untyped: COALESCE needs the type
+    codes_in="code = ANY(CAST(:codes AS text[]))",
+    codes_shape=_pg_codes,
+    contains="strpos(task_key, :contains) > 0",
+    insert="""
+INSERT INTO {t} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated)
+VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, 0, 0, {now}, {now})
+ON CONFLICT (code, task_key) DO NOTHING""",
+    lock_row="SELECT state, due, pending_due, {now} FROM {t} WHERE code = :code AND task_key = :key FOR UPDATE",
+    # SKIP LOCKED: concurrent claimers walk past each other's rows instead of queueing on them, so
+    # each takes a different batch in one statement. A row changed and committed meanwhile is
+    # re-checked against the WHERE before it is locked.
+    claim="""
+WITH c AS (
+    SELECT code, task_key FROM {t}
+    WHERE run_at <= {now} AND {codes_in}
+    ORDER BY run_at LIMIT :n
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {t} AS x SET state = 'running', owner = :me, token = x.token + 1, attempt = x.attempt + 1,
+    lease_until = {lease_end}, run_at = {lease_end}, updated = {now}
+FROM c WHERE x.code = c.code AND x.task_key = c.task_key
+RETURNING {x_cols}""",
+    renew="""
+UPDATE {t} AS x SET lease_until = {lease_end}, run_at = {lease_end}
+FROM jsonb_to_recordset(CAST(:leases AS jsonb)) AS v(vc text, vk text, vt bigint)
+WHERE x.code = v.vc AND x.task_key = v.vk AND x.token = v.vt AND x.owner = :me AND x.state = 'running'
+RETURNING x.code, x.task_key""",
+    leases_shape=_one_json("leases", lambda item: {"vc": item[0], "vk": item[1], "vt": item[2]}),
+)
+
+MYSQL = TaskStatements(
+    dialect="mysql",
+    ddl=(
+        """CREATE TABLE IF NOT EXISTS {t} (
+    code             VARCHAR(191) NOT NULL,
+    task_key         VARCHAR(191) NOT NULL,
+    due              DATETIME(6)  NOT NULL,
+    run_at           DATETIME(6)  NULL,
+    payload          LONGTEXT     NOT NULL,
+    state            VARCHAR(16)  NOT NULL DEFAULT 'queued',
+    attempt          INT          NOT NULL DEFAULT 0,
+    token            BIGINT       NOT NULL DEFAULT 0,
+    owner            VARCHAR(255) NULL,
+    lease_until      DATETIME(6)  NULL,
+    last_error       TEXT         NULL,
+    pending_due      DATETIME(6)  NULL,
+    pending_payload  LONGTEXT     NULL,
+    cancel_requested TINYINT      NOT NULL DEFAULT 0,
+    created          DATETIME(6)  NOT NULL,
+    updated          DATETIME(6)  NOT NULL,
+    PRIMARY KEY (code, task_key),
+    INDEX {t}_run_at (run_at, code)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
+    ),
+    begin="START TRANSACTION",
+    now="UTC_TIMESTAMP(6)",
+    plus="UTC_TIMESTAMP(6) + INTERVAL ROUND(:{p} * 1000000) MICROSECOND",
+    until="TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), run_at) / 1000000.0",
+    time_param=_mysql_time,
+    due_param=":due",
+    codes_in="code IN ({codes})",
+    codes_shape=_my_list("{codes}", (("code", "c"),)),
+    contains="LOCATE(:contains, task_key) > 0",  # the table's binary collation: case-sensitive
+    # No ON DUPLICATE KEY: with the found-rows flag SQLAlchemy sets, its row count cannot tell an
+    # insert from an unchanged row. A duplicate key raises, and the store takes the update path.
+    insert="""
+INSERT INTO {t} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated)
+VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, 0, 0, {now}, {now})""",
+    lock_row="SELECT state, due, pending_due, {now} FROM {t} WHERE code = :code AND task_key = :key FOR UPDATE",
+    # MySQL 8 and MariaDB >= 10.6 lock with SKIP LOCKED in a SELECT only (MariaDB's UPDATE has no
+    # RETURNING either): pick, take and read back in one short READ COMMITTED transaction. The
+    # picked rows stay locked until COMMIT, so the UPDATE and the read see exactly them.
+    claim="",
+    claim_pick="""
+SELECT code, task_key FROM {t}
+WHERE run_at <= {now} AND {codes_in}
+ORDER BY run_at LIMIT :n
+FOR UPDATE SKIP LOCKED""",
+    claim_take="""
+UPDATE {t} SET state = 'running', owner = :me, token = token + 1, attempt = attempt + 1,
+    lease_until = {lease_end}, run_at = {lease_end}, updated = {now}
+WHERE {pairs}""",
+    claim_read="SELECT {cols} FROM {t} WHERE {pairs}",
+    pairs_shape=_my_list("{pairs}", (("code", "c"), ("task_key", "k"))),
+    renew="UPDATE {t} SET lease_until = {lease_end}, run_at = {lease_end} "
+    "WHERE owner = :me AND state = 'running' AND ({triples})",
+    # No RETURNING on UPDATE: when fewer rows matched than were asked, one read says which. A row
+    # not renewed cannot come to match afterwards: a token is never given out twice.
+    renew_read="SELECT code, task_key FROM {t} WHERE owner = :me AND state = 'running' AND ({triples})",
+    leases_shape=_my_list("{triples}", (("code", "c"), ("task_key", "k"), ("token", "n"))),
+)
+
+SQLITE = TaskStatements(
+    dialect="sqlite",
+    ddl=(
+        """CREATE TABLE IF NOT EXISTS {t} (
+    code             TEXT    NOT NULL,
+    task_key         TEXT    NOT NULL,
+    due              TEXT    NOT NULL,
+    run_at           TEXT,
+    payload          TEXT    NOT NULL,
+    state            TEXT    NOT NULL DEFAULT 'queued',
+    attempt          INTEGER NOT NULL DEFAULT 0,
+    token            INTEGER NOT NULL DEFAULT 0,
+    owner            TEXT,
+    lease_until      TEXT,
+    last_error       TEXT,
+    pending_due      TEXT,
+    pending_payload  TEXT,
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    created          TEXT    NOT NULL,
+    updated          TEXT    NOT NULL,
+    PRIMARY KEY (code, task_key)
+)""",
+        "CREATE INDEX IF NOT EXISTS {t}_run_at ON {t} (run_at, code)",
+    ),
+    # BEGIN IMMEDIATE takes the database's write lock at once: the read and the write of add are
+    # one step for every other writer (SQLite has no row locks to take instead).
+    begin="BEGIN IMMEDIATE",
+    # Times are text in one 26-character form (see _sqlite_time); SQLite's clock gives milliseconds.
+    now="(strftime('%Y-%m-%d %H:%M:%f', 'now') || '000')",
+    plus="(CASE WHEN :{p} IS NULL THEN NULL "
+    "ELSE strftime('%Y-%m-%d %H:%M:%f', 'now', printf('%+.3f seconds', :{p})) || '000' END)",
+    until="(julianday(run_at) - julianday('now')) * 86400.0",
+    time_param=_sqlite_time,
+    due_param=":due",
+    codes_in="code IN (SELECT value FROM json_each(:codes))",
+    codes_shape=_one_json("codes", lambda code: code),
+    contains="instr(task_key, :contains) > 0",
+    insert="""
+INSERT INTO {t} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated)
+VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, 0, 0, {now}, {now})
+ON CONFLICT (code, task_key) DO NOTHING""",
+    lock_row="SELECT state, due, pending_due, {now} FROM {t} WHERE code = :code AND task_key = :key",
+    # One writer at a time: the subquery picks and the UPDATE takes under the database's write lock.
+    claim="""
+UPDATE {t} SET state = 'running', owner = :me, token = token + 1, attempt = attempt + 1,
+    lease_until = {lease_end}, run_at = {lease_end}, updated = {now}
+WHERE rowid IN (SELECT rowid FROM {t} WHERE run_at <= {now} AND {codes_in} ORDER BY run_at LIMIT :n)
+RETURNING {cols}""",
+    renew="""
+UPDATE {t} SET lease_until = {lease_end}, run_at = {lease_end}
+FROM (SELECT json_extract(value, '$[0]') AS vc, json_extract(value, '$[1]') AS vk, json_extract(value, '$[2]') AS vt
+      FROM json_each(:leases)) AS v
+WHERE {t}.code = v.vc AND {t}.task_key = v.vk AND {t}.token = v.vt AND {t}.owner = :me AND {t}.state = 'running'
+RETURNING code, task_key""",
+    leases_shape=_one_json("leases", list),
+)
+
+#: The statements for each backend dialect (the registry family of the URL).
+STATEMENTS: dict[str, TaskStatements] = {"postgresql": POSTGRESQL, "mysql": MYSQL, "sqlite": SQLITE}
