@@ -54,6 +54,15 @@ def check_due(due: object, what: str = "due") -> tuple[datetime | None, float | 
     )
 
 
+def check_time(value: object, what: str) -> datetime:
+    """An aware datetime as UTC (a filter such as ``due_before``), else ConfigurationError."""
+    if not isinstance(value, datetime):
+        raise ConfigurationError(f"{what}={value!r} is a {type(value).__name__}: pass an aware datetime")
+    at, _ = check_due(value, what)
+    assert at is not None
+    return at
+
+
 def resolve_due(due: datetime | None, delay: float | None, now: datetime) -> datetime:
     """The absolute due: ``due``, or ``now`` (the store's clock) plus ``delay`` seconds."""
     if due is not None:

@@ -10,6 +10,7 @@ fake clock moves the store's time and nothing else (the node's clock stays where
 from __future__ import annotations
 
 import builtins
+import heapq
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -26,6 +27,7 @@ from .checks import (
     check_outcome,
     check_state,
     check_task,
+    check_time,
     decide_add,
     dump_payload,
     error_text,
@@ -166,7 +168,7 @@ class MemoryTaskStore(TaskStore):
         state: str | None = None,
         limit: int = 1000,
     ) -> list[TaskRecord]:
-        before = check_due(due_before, "due_before")[0] if due_before is not None else None
+        before = check_time(due_before, "due_before") if due_before is not None else None
         if state is not None:
             check_state(state)
         with self.backend.mutex:
@@ -199,12 +201,15 @@ class MemoryTaskStore(TaskStore):
         claimed: builtins.list[TaskRecord] = []
         with self.backend.mutex:
             now = self._now()
-            due = sorted(
-                (run_at, key)
-                for key, row in self._rows.items()
-                if key[0] in wanted and (run_at := row.run_at) is not None and run_at <= now
+            due = heapq.nsmallest(
+                limit,
+                (
+                    (run_at, key)
+                    for key, row in self._rows.items()
+                    if key[0] in wanted and (run_at := row.run_at) is not None and run_at <= now
+                ),
             )
-            for _, key in due[:limit]:
+            for _, key in due:
                 row = self._rows[key]
                 if row.state == "running" and row.cancel_requested:
                     del self._rows[key]  # its worker died after a cancel: nothing is left to finish

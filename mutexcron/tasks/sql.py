@@ -53,6 +53,7 @@ from .checks import (
     check_outcome,
     check_state,
     check_task,
+    check_time,
     decide_add,
     dump_payload,
     error_text,
@@ -274,7 +275,7 @@ class SQLTaskStore(TaskStore):
             params["contains"] = key_contains
         if due_before is not None:
             where.append("due < :before")
-            params["before"] = self._time(check_due(due_before, "due_before")[0])
+            params["before"] = self._time(check_time(due_before, "due_before"))
         if state is not None:
             where.append("state = :state")
             params["state"] = check_state(state)

@@ -1,0 +1,560 @@
+"""The task store contract (mutexcron/tasks/base.py), run over every backend that has a task store.
+
+Due times, claims and leases come from the store's clock: on the memory store a fake clock is
+moved (and a test moves it away from this process's clock to show the node's clock plays no
+part); on real servers due times are set from the store's own clock and short leases are waited
+out. A missing server skips its tests, and fails the run under ``CI=true`` (tests/backends.py).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mutexcron import TaskPool, TaskRecord
+from mutexcron.errors import AttrsError, ConfigurationError
+from mutexcron.tasks import AddResult, Done, Fail, Outcome, Reschedule, Retry, TaskStore, task_store_from_url
+from mutexcron.tasks.memory import MemoryTaskStore
+from tests import task_workers
+from tests.backends import FakeClock, backend_params, require_server
+
+TASK_BACKENDS = ("memory", "sqlite", "mysql", "postgresql")
+every_backend = pytest.mark.parametrize("kind", backend_params(*TASK_BACKENDS))
+
+A, B = "node-a:1:aaaa", "node-b:2:bbbb"
+LEASE = 1.0
+SOON = timedelta(seconds=-1)  # already due by the store's clock
+
+
+@dataclass
+class TaskCtx:
+    """An isolated task store on one backend; ``make()`` opens another client on the same tasks."""
+
+    kind: str
+    url: str | None
+    factory: Callable[[], TaskStore]
+    clock: FakeClock | None = None
+    opened: list[TaskStore] = field(default_factory=list)
+
+    def make(self) -> TaskStore:
+        store = self.factory()
+        self.opened.append(store)
+        return store
+
+    def wait(self, seconds: float) -> None:
+        """Let ``seconds`` pass on the store's clock: move the fake clock, or sleep on a real server."""
+        if self.clock is not None:
+            self.clock.advance(seconds)
+        else:
+            time.sleep(seconds)
+
+
+def _drop_table(url: str) -> None:
+    import sqlalchemy
+
+    from mutexcron.tasks.sql import SQLTaskStore
+
+    store = SQLTaskStore(url)
+    try:
+        with store.backend.engine.connect() as conn:
+            conn.execute(sqlalchemy.text(f"DROP TABLE IF EXISTS {store.table}"))
+            conn.commit()
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def tasks_ctx(kind: str, tmp_path: Path) -> Iterator[TaskCtx]:
+    """A task store on backend ``kind`` with a table (or memory space) of its own, dropped afterwards."""
+    tag = secrets.token_hex(4)
+    cleanup: Callable[[], None] | None = None
+    if kind == "memory":
+        clock = FakeClock()
+        ctx = TaskCtx(kind, None, lambda: MemoryTaskStore(f"memory://tasks-{tag}", clock=clock), clock)
+    elif kind == "sqlite":
+        url = f"sqlite:///{tmp_path}/tasks-{tag}.db"
+        ctx = TaskCtx(kind, url, lambda: task_store_from_url(url))
+    else:
+        base = require_server(kind)
+        url = f"{base}{'&' if '?' in base else '?'}tasks_table=mc_tasks_{tag}"
+        ctx = TaskCtx(kind, url, lambda: task_store_from_url(url))
+        cleanup = lambda: _drop_table(url)  # noqa: E731
+    try:
+        yield ctx
+    finally:
+        for store in ctx.opened:
+            store.close()
+        if cleanup is not None:
+            cleanup()
+
+
+def _claim_keys(store: TaskStore, node: str = A, codes: tuple[str, ...] = ("c",), lease: float = 30) -> list[str]:
+    return [t.key for t in store.claim(node, codes, 100, lease)]
+
+
+def _close(a: datetime | None, b: datetime, within: float = 2.0) -> bool:
+    return a is not None and abs((a - b).total_seconds()) <= within
+
+
+# -- add -----------------------------------------------------------------------------------------
+@every_backend
+def test_add_inserts_a_queued_task_and_get_returns_it(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    due = store.now() + timedelta(hours=1)
+    assert store.add("end_promotion", "sku-123", due, {"pct": 20, "tags": ["a", "é"]}) is AddResult.INSERTED
+    task = store.get("end_promotion", "sku-123")
+    assert isinstance(task, TaskRecord)
+    assert (task.code, task.key, task.state) == ("end_promotion", "sku-123", "queued")
+    assert (task.attempt, task.token, task.owner) == (0, 0, None)
+    assert task.due == due and task.due.tzinfo is not None
+    assert task.payload == {"pct": 20, "tags": ["a", "é"]}
+    assert task.idempotency_key == f"end_promotion:sku-123:{due.isoformat()}"
+    assert task.created is not None and task.updated is not None and task.lease_until is None
+    assert not task.pending and not task.cancel_requested
+    assert store.get("end_promotion", "missing") is None
+    assert store.add("x", "y", timedelta(minutes=5)) == "inserted"  # a str, too
+
+
+@every_backend
+@pytest.mark.parametrize(
+    ("mode", "offset", "result", "kept_first"),
+    [
+        ("replace", +60, AddResult.REPLACED, False),
+        ("keep", -60, AddResult.KEPT, True),
+        ("earliest", -60, AddResult.REPLACED, False),
+        ("earliest", +60, AddResult.KEPT, True),
+        ("latest", +60, AddResult.REPLACED, False),
+        ("latest", -60, AddResult.KEPT, True),
+    ],
+)
+def test_add_on_a_queued_task_follows_on_conflict(
+    tasks_ctx: TaskCtx, mode: str, offset: int, result: AddResult, kept_first: bool
+) -> None:
+    store = tasks_ctx.make()
+    first = store.now() + timedelta(hours=1)
+    second = first + timedelta(seconds=offset)
+    store.add("c", "k", first, {"v": 1})
+    assert store.add("c", "k", second, {"v": 2}, on_conflict=mode) is result
+    task = store.get("c", "k")
+    assert task is not None and task.state == "queued"
+    assert (task.due, task.payload) == ((first, {"v": 1}) if kept_first else (second, {"v": 2}))
+
+
+@every_backend
+def test_a_timedelta_due_is_measured_from_the_store_clock(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    store.add("c", "k", timedelta(days=3))
+    task = store.get("c", "k")
+    assert task is not None and _close(task.due, store.now() + timedelta(days=3))
+
+
+@every_backend
+def test_add_revives_a_failed_task_unless_keep(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    store.add("c", "k", SOON, {"v": 1})
+    [task] = store.claim(A, ["c"], 10, 30)
+    assert store.complete(A, "c", "k", task.token, Fail("boom"))
+    assert store.add("c", "k", SOON, {"v": 2}, on_conflict="keep") is AddResult.KEPT
+    assert store.get("c", "k").state == "failed"  # type: ignore[union-attr]
+    assert store.add("c", "k", SOON, {"v": 3}, on_conflict="latest") is AddResult.REPLACED
+    revived = store.get("c", "k")
+    assert revived is not None and (revived.state, revived.attempt, revived.last_error) == ("queued", 0, None)
+    assert revived.payload == {"v": 3}
+    assert _claim_keys(store) == ["k"]
+
+
+@every_backend
+def test_a_readd_while_running_is_pending_never_a_second_run(tasks_ctx: TaskCtx) -> None:
+    a, b = tasks_ctx.make(), tasks_ctx.make()
+    a.add("c", "k", SOON, {"v": 1})
+    [task] = a.claim(A, ["c"], 10, 30)
+    assert b.add("c", "k", SOON, {"v": 2}) is AddResult.PENDING
+    assert b.add("c", "k", timedelta(hours=1), {"v": 3}, on_conflict="earliest") is AddResult.KEPT  # the pending one is earlier
+    assert b.add("c", "k", timedelta(hours=1), {"v": 3}, on_conflict="keep") is AddResult.KEPT
+    current = b.get("c", "k")
+    assert current is not None and current.state == "running" and current.payload == {"v": 1}
+    assert current.pending and current.pending_payload == {"v": 2}
+    assert b.claim(B, ["c"], 10, 30) == []  # due, but running: no second concurrent run
+    assert a.complete(A, "c", "k", task.token, Done())
+    queued = b.get("c", "k")
+    assert queued is not None and (queued.state, queued.payload, queued.attempt, queued.pending) == ("queued", {"v": 2}, 0, False)
+    [again] = b.claim(B, ["c"], 10, 30)
+    assert again.payload == {"v": 2} and again.token == task.token + 1
+
+
+@every_backend
+def test_a_pending_readd_wins_over_any_outcome(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    outcomes: dict[str, Outcome] = {"k0": Reschedule(timedelta(hours=5)), "k1": Retry(timedelta(hours=5), "e"), "k2": Fail("e")}
+    for key in outcomes:
+        store.add("c", key, SOON, {"v": 1})
+    for task in store.claim(A, ["c"], 10, 30):
+        assert store.add("c", task.key, timedelta(seconds=-2), {"v": 2}) is AddResult.PENDING
+        assert store.complete(A, "c", task.key, task.token, outcomes[task.key])
+    assert {t.key: (t.state, t.payload, t.last_error) for t in store.list(code="c")} == {
+        key: ("queued", {"v": 2}, None) for key in outcomes
+    }
+    assert sorted(_claim_keys(store)) == ["k0", "k1", "k2"]
+
+
+# -- cancel ---------------------------------------------------------------------------------------
+@every_backend
+def test_cancel_drops_a_queued_task_and_a_running_one_when_its_attempt_ends(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    store.add("c", "queued", timedelta(hours=1))
+    store.add("c", "running", SOON)
+    assert store.cancel("c", "queued") and store.get("c", "queued") is None
+    assert not store.cancel("c", "queued") and not store.cancel("c", "never")
+    [task] = store.claim(A, ["c"], 10, 30)
+    store.add("c", "running", SOON, {"v": 2})  # a pending re-add: the cancel drops it too
+    assert store.cancel("c", "running")
+    marked = store.get("c", "running")
+    assert marked is not None and marked.state == "running" and marked.cancel_requested and not marked.pending
+    assert store.complete(A, "c", "running", task.token, Retry(SOON, "would retry"))
+    assert store.get("c", "running") is None
+
+
+@every_backend
+def test_an_add_after_a_cancel_wins(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    store.add("c", "k", SOON)
+    [task] = store.claim(A, ["c"], 10, 30)
+    assert store.cancel("c", "k")
+    assert store.add("c", "k", SOON, {"v": 2}) is AddResult.PENDING
+    assert store.complete(A, "c", "k", task.token, Done())
+    assert store.get("c", "k").payload == {"v": 2}  # type: ignore[union-attr]
+
+
+@every_backend
+def test_a_cancelled_task_whose_worker_died_is_dropped_never_run(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    store.add("c", "k", SOON)
+    store.claim(A, ["c"], 10, LEASE)
+    assert store.cancel("c", "k")
+    tasks_ctx.wait(LEASE * 1.5)
+    assert store.claim(B, ["c"], 10, 30) == []
+    assert store.get("c", "k") is None
+
+
+# -- claim -----------------------------------------------------------------------------------------
+@every_backend
+def test_claim_takes_only_due_tasks_of_the_given_codes_earliest_first(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    now = store.now()
+    store.add("c", "second", now - timedelta(seconds=5))
+    store.add("c", "first", now - timedelta(seconds=50))
+    store.add("c", "later", now + timedelta(hours=1))
+    store.add("other", "o", now - timedelta(seconds=60))
+    assert [t.key for t in store.claim(A, ["c", "unknown"], 1, 30)] == ["first"]
+    [task] = store.claim(A, ["c"], 10, 30)
+    after = store.now()
+    assert (task.key, task.state, task.owner, task.token, task.attempt) == ("second", "running", A, 1, 1)
+    assert task.lease_until is not None and _close(task.lease_until, after + timedelta(seconds=30))
+    assert store.claim(A, ["c"], 10, 30) == []
+    assert store.get("other", "o").state == "queued"  # type: ignore[union-attr]
+    assert store.claim(A, [], 10, 30) == []
+
+
+@every_backend
+def test_claim_waits_for_the_due_time_by_the_store_clock(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    store.add("c", "absolute", store.now() + timedelta(seconds=1.5))
+    store.add("c", "relative", timedelta(seconds=1.5))
+    assert store.claim(A, ["c"], 10, 30) == []
+    wait = store.next_due(["c"])
+    assert wait is not None and 0 < wait <= 1.5
+    tasks_ctx.wait(1.7)
+    assert store.next_due(["c"]) == 0.0
+    assert sorted(_claim_keys(store)) == ["absolute", "relative"]
+
+
+@pytest.mark.memory
+def test_the_client_clock_plays_no_part() -> None:
+    """The store's clock runs an hour ahead of this process's: due times follow the store's."""
+    clock = FakeClock()
+    store = MemoryTaskStore(f"memory://skew-{secrets.token_hex(4)}", clock=clock)
+    client_now = datetime.now(timezone.utc)
+    store.add("c", "in-30-min-by-the-client", client_now + timedelta(minutes=30))
+    assert store.claim(A, ["c"], 10, 30) == []
+    clock.advance(3600)
+    assert _claim_keys(store) == ["in-30-min-by-the-client"]
+    store.add("c", "relative", timedelta(seconds=10))
+    task = store.get("c", "relative")
+    assert task is not None and _close(task.due, client_now + timedelta(seconds=3610))
+
+
+@every_backend
+def test_an_expired_lease_makes_the_task_claimable_again_and_fences_the_old_worker(tasks_ctx: TaskCtx) -> None:
+    a, b = tasks_ctx.make(), tasks_ctx.make()
+    a.add("c", "k", SOON, {"v": 1})
+    [first] = a.claim(A, ["c"], 10, LEASE)
+    assert b.claim(B, ["c"], 10, LEASE) == []  # the lease runs
+    tasks_ctx.wait(LEASE * 1.5)
+    [second] = b.claim(B, ["c"], 10, 30)
+    assert (second.owner, second.token, second.attempt) == (B, first.token + 1, 2)  # the attempt count is kept
+    # The stale worker wakes up: every write it makes is refused and changes nothing.
+    assert a.renew(A, {("c", "k"): first.token}, 30) == set()
+    for outcome in (Done(), Reschedule(SOON), Retry(SOON, "late"), Fail("late")):
+        assert not a.complete(A, "c", "k", first.token, outcome)
+    assert a.release(A, [("c", "k", first.token)]) == 0
+    current = a.get("c", "k")
+    assert current is not None and (current.state, current.owner, current.token) == ("running", B, second.token)
+    assert b.complete(B, "c", "k", second.token, Done())
+    assert b.get("c", "k") is None
+    assert not b.complete(B, "c", "k", second.token, Done())  # gone: nothing to record
+
+
+@every_backend
+def test_renew_extends_only_the_callers_current_leases(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    for key in ("k1", "k2", "k3"):
+        store.add("c", key, SOON)
+    tasks = {t.key: t for t in store.claim(A, ["c"], 10, LEASE)}
+    tokens = {("c", key): t.token for key, t in tasks.items()}
+    tokens["c", "k3"] += 1  # not the token it holds
+    tokens["c", "missing"] = 1
+    assert store.renew(A, tokens, 30) == {("c", "k1"), ("c", "k2")}
+    assert store.renew(B, {("c", "k1"): tasks["k1"].token}, 30) == set()
+    assert store.renew(A, {}, 30) == set()
+    tasks_ctx.wait(LEASE * 1.5)
+    assert _claim_keys(store, B) == ["k3"]  # k1 and k2 were renewed for 30 s
+    renewed = store.get("c", "k1")
+    assert renewed is not None and renewed.lease_until is not None and renewed.lease_until > store.now() + timedelta(seconds=20)
+
+
+# -- outcomes ------------------------------------------------------------------------------------------
+@every_backend
+def test_retry_then_fail_then_retry_by_hand(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    pool = TaskPool(store)
+    pool.add("c", "k", SOON, {"v": 1})
+    [task] = store.claim(A, ["c"], 10, 30)
+    assert store.complete(A, "c", "k", task.token, Retry(timedelta(seconds=-1), "ValueError: boom"))
+    queued = pool.get("c", "k")
+    assert queued is not None and (queued.state, queued.attempt, queued.last_error) == ("queued", 1, "ValueError: boom")
+    [task] = store.claim(A, ["c"], 10, 30)
+    assert task.attempt == 2
+    assert store.complete(A, "c", "k", task.token, Fail("x" * 10_000))
+    failed = pool.get("c", "k")
+    assert failed is not None and failed.state == "failed" and failed.attempt == 2 and failed.lease_until is None
+    assert failed.last_error is not None and len(failed.last_error) == 4000  # kept, bounded
+    assert store.claim(A, ["c"], 10, 30) == [] and store.next_due(["c"]) is None
+    assert [t.key for t in pool.list(state="failed")] == ["k"]
+    assert pool.retry("c", "k") and not pool.retry("c", "k") and not pool.retry("c", "missing")
+    retried = pool.get("c", "k")
+    assert retried is not None and (retried.state, retried.attempt) == ("queued", 0) and _close(retried.due, store.now())
+    assert _claim_keys(store) == ["k"]
+
+
+@every_backend
+def test_reschedule_queues_a_new_occurrence(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    store.add("c", "k", SOON, {"v": 1})
+    [task] = store.claim(A, ["c"], 10, 30)
+    at = store.now() + timedelta(hours=2)
+    assert store.complete(A, "c", "k", task.token, Reschedule(at))
+    again = store.get("c", "k")
+    assert again is not None and (again.state, again.due, again.attempt, again.payload) == ("queued", at, 0, {"v": 1})
+    assert again.idempotency_key != task.idempotency_key
+    assert store.claim(A, ["c"], 10, 30) == []  # not due for two hours
+    assert not store.complete(A, "c", "k", task.token, Done())  # the attempt is over: nothing left to record
+
+
+@every_backend
+def test_release_hands_unstarted_tasks_back_at_once(tasks_ctx: TaskCtx) -> None:
+    a, b = tasks_ctx.make(), tasks_ctx.make()
+    for key in ("plain", "pending", "cancelled"):
+        a.add("c", key, SOON, {"v": 1})
+    claimed = {t.key: t for t in a.claim(A, ["c"], 10, 300)}
+    a.add("c", "pending", SOON, {"v": 2})
+    a.cancel("c", "cancelled")
+    assert a.release(A, [("c", k, t.token) for k, t in claimed.items()]) == 3
+    assert a.get("c", "cancelled") is None
+    plain, pending = a.get("c", "plain"), a.get("c", "pending")
+    assert plain is not None and (plain.state, plain.attempt, plain.token) == ("queued", 0, claimed["plain"].token + 1)
+    assert pending is not None and (pending.state, pending.payload) == ("queued", {"v": 2})
+    retaken = {t.key: t for t in b.claim(B, ["c"], 10, 30)}  # no lease to wait out
+    assert sorted(retaken) == ["pending", "plain"] and retaken["plain"].attempt == 1
+    assert not a.complete(A, "c", "plain", claimed["plain"].token, Done())
+
+
+# -- reads ------------------------------------------------------------------------------------------------
+@every_backend
+def test_list_filters_and_orders_by_due(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    now = store.now()
+    store.add("remind", "user-1:Morning", now + timedelta(hours=3))
+    store.add("remind", "user-2:evening", now + timedelta(hours=1))
+    store.add("close_order", "order-9", now - timedelta(seconds=1))
+    store.claim(A, ["close_order"], 10, 30)
+    assert [t.key for t in store.list()] == ["order-9", "user-2:evening", "user-1:Morning"]
+    assert [t.key for t in store.list(code="remind")] == ["user-2:evening", "user-1:Morning"]
+    assert [t.key for t in store.list(key_contains="user-")] == ["user-2:evening", "user-1:Morning"]
+    assert [t.key for t in store.list(key_contains="morning")] == []  # case-sensitive on every store
+    assert [t.key for t in store.list(key_contains="%")] == []  # no wildcards
+    assert [t.key for t in store.list(due_before=now + timedelta(hours=2))] == ["order-9", "user-2:evening"]
+    assert [t.key for t in store.list(state="running")] == ["order-9"]
+    assert [t.key for t in store.list(limit=1)] == ["order-9"]
+    assert store.next_due(["remind"]) == pytest.approx(3600, abs=5)
+    assert store.next_due(["nothing"]) is None
+
+
+@every_backend
+def test_bad_input_is_refused_and_stores_nothing(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    naive = datetime.now() + timedelta(hours=1)  # the mistake under test
+    with pytest.raises(ConfigurationError, match=r"naive datetime.*aware"):
+        store.add("c", "k", naive)
+    for due in (30, "2030-01-01T00:00:00Z", None):
+        with pytest.raises(ConfigurationError, match="aware datetime"):
+            store.add("c", "k", due)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="on_conflict='upsert' is not one of"):
+        store.add("c", "k", SOON, on_conflict="upsert")
+    bad_payloads = (
+        ({"at": datetime.now(timezone.utc)}, "datetime"),
+        ({1: "x"}, "key 1"),
+        ([float("nan")], "nan"),
+        ({"s": {1}}, "set"),
+    )
+    for payload, where in bad_payloads:
+        with pytest.raises(AttrsError, match=where):
+            store.add("c", "k", SOON, payload)
+    for code, key in (("", "k"), ("c", ""), ("c" * 192, "k"), ("c", "k" * 192), ("c", "a\nb"), (None, "k")):
+        with pytest.raises(ConfigurationError, match=r"task (code|key)"):
+            store.add(code, key, SOON)  # type: ignore[arg-type]
+    for bad in (Reschedule(naive), "done"):
+        with pytest.raises(ConfigurationError):
+            store.complete(A, "c", "k", 1, bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="limit"):
+        store.claim(A, ["c"], 0, 30)
+    with pytest.raises(ConfigurationError, match="lease"):
+        store.claim(A, ["c"], 1, 0)
+    with pytest.raises(ConfigurationError, match="due_before"):
+        store.list(due_before=timedelta(hours=1))  # type: ignore[arg-type]
+    assert store.list() == []
+    assert store.add("c", "k" * 191, SOON) is AddResult.INSERTED  # the longest key fits
+
+
+@pytest.mark.parametrize("kind", backend_params("sqlite", "mysql", "postgresql"))
+def test_the_claim_is_an_index_range_scan(tasks_ctx: TaskCtx) -> None:
+    """With 3,000 tasks, 20 of them due and 1,000 of another code, the claim reads the run_at index."""
+    from mutexcron.tasks.sql_statements import STATEMENTS
+
+    store = tasks_ctx.make()
+    _seed(tasks_ctx, store, "due", 20)
+    _seed(tasks_ctx, store, "other", 1000, prefix="o")
+    _seed(tasks_ctx, store, "later", 2000, minutes=60)
+    table = store.table  # type: ignore[attr-defined]
+    sql = STATEMENTS[store.backend.dialect.name].bind(table)  # type: ignore[attr-defined]
+    pick = sql.claim or sql.claim_pick
+    pick, params = sql.codes_shape(pick, ["due"])
+    explain = {"sqlite": "EXPLAIN QUERY PLAN ", "postgresql": "EXPLAIN ", "mysql": "EXPLAIN "}[tasks_ctx.kind]
+    import sqlalchemy
+
+    with store.backend.engine.connect() as conn:  # type: ignore[attr-defined]
+        conn.exec_driver_sql(f"ANALYZE {'TABLE ' if tasks_ctx.kind == 'mysql' else ''}{table}")
+        rows = conn.execute(sqlalchemy.text(explain + pick), {**params, "me": A, "n": 10, "lease": 30}).fetchall()
+    plan = " ".join(str(value) for row in rows for value in row)
+    assert f"{table}_run_at" in plan, plan
+    assert len(store.claim(A, ["due"], 100, 30)) == 20
+
+
+def test_task_store_urls() -> None:
+    with pytest.raises(ConfigurationError, match="no task pool yet"):
+        task_store_from_url("redis://127.0.0.1:1/0")
+    with pytest.raises(ConfigurationError, match="scheme"):
+        task_store_from_url("ftp://x")
+    with pytest.raises(ConfigurationError, match="bad tasks table"):
+        task_store_from_url("sqlite:///x.db?tasks_table=1bad")
+
+
+# -- concurrency ----------------------------------------------------------------------------------------
+RACE_TASKS = {"memory": 10_000, "sqlite": 10_000, "mysql": 10_000, "postgresql": 10_000}
+
+
+@every_backend
+def test_four_racers_claim_every_task_exactly_once(tasks_ctx: TaskCtx) -> None:
+    """4 racers (processes; threads on the in-process store) claim 10,000 due tasks, 20 per claim,
+    with a lease that outlasts the test: every task is claimed once, by one racer, at attempt 1."""
+    store = tasks_ctx.make()
+    total = RACE_TASKS[tasks_ctx.kind]
+    _seed(tasks_ctx, store, "race", total)
+    nodes = [f"racer-{i}:{secrets.token_hex(3)}" for i in range(4)]
+    if tasks_ctx.url is None:
+        claimed = _race_threads(tasks_ctx, nodes)
+    else:
+        claimed = _race_processes(tasks_ctx.url, nodes)
+    keys = [key for got in claimed for key, _, _ in got]
+    assert len(keys) == total and len(set(keys)) == total, f"{len(keys) - len(set(keys))} claimed twice"
+    assert all(token == 1 and attempt == 1 for got in claimed for _, token, attempt in got)
+    assert all(got for got in claimed), "a racer claimed nothing: not a race"
+    assert store.list(state="queued", limit=10) == [] and len(store.list(state="running", limit=total + 1)) == total
+
+
+def _seed(ctx: TaskCtx, store: TaskStore, code: str, total: int, prefix: str = "k", minutes: float = -1) -> None:
+    """``total`` tasks due ``minutes`` from the store's now, written in one transaction (one add per
+    task would time the adds, not the race)."""
+    if ctx.url is None:
+        for i in range(total):
+            store.add(code, f"{prefix}{i:05d}", timedelta(minutes=minutes))
+        return
+    import sqlalchemy
+
+    due = store.now() + timedelta(minutes=minutes)
+    value: Any = {"sqlite": due.replace(tzinfo=None).isoformat(sep=" "), "mysql": due.replace(tzinfo=None)}.get(ctx.kind, due)
+    rows = [{"code": code, "key": f"{prefix}{i:05d}", "due": value} for i in range(total)]
+    table = store.table  # type: ignore[attr-defined]
+    sql = sqlalchemy.text(
+        f"INSERT INTO {table} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated) "
+        "VALUES (:code, :key, :due, :due, 'null', 'queued', 0, 0, 0, :due, :due)"
+    )
+    with store.backend.engine.connect() as conn:  # type: ignore[attr-defined]
+        conn.exec_driver_sql("BEGIN")
+        conn.execute(sql, rows)
+        conn.exec_driver_sql("COMMIT")
+
+
+def _race_threads(ctx: TaskCtx, nodes: list[str]) -> list[list[Any]]:
+    barrier = threading.Barrier(len(nodes))
+    stores = [ctx.make() for _ in nodes]
+    got: dict[int, list[Any]] = {}
+
+    def run(i: int) -> None:
+        got[i] = task_workers.claim_until_empty(stores[i], nodes[i], "race", 20, 3600, barrier)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(nodes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return [got[i] for i in range(len(nodes))]
+
+
+def _race_processes(url: str, nodes: list[str]) -> list[list[Any]]:
+    mp = multiprocessing.get_context("spawn")
+    barrier, results = mp.Barrier(len(nodes)), mp.Queue()
+    procs = [
+        mp.Process(target=task_workers.claim_race_process, args=(url, node, "race", 20, 3600, barrier, results, i))
+        for i, node in enumerate(nodes)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=240) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    failed = [o["error"] for o in got.values() if "error" in o]
+    assert not failed, failed
+    return [got[i]["claimed"] for i in range(len(nodes))]
