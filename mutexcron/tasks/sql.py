@@ -294,7 +294,7 @@ class SQLTaskStore(TaskStore):
             return []
         params = {"me": node, "n": limit, "lease": lease}
         if self._sql.claim:
-            sql, listed = self._sql.codes_shape(self._sql.claim, wanted)
+            sql, listed = self._sql.codes_shape(self._sql.claim, self._sql.claim_part, wanted)
             rows = self._write(sql, {**params, **listed}, "claim")[0]
         else:
             rows = self._transaction(lambda conn: self._pick_and_take(conn, wanted, params), "claim")
@@ -308,7 +308,7 @@ class SQLTaskStore(TaskStore):
         """MySQL/MariaDB, within the transaction: lock the claimable rows (skipping locked ones), take them, read them."""
         text, sql = self.backend.text, self._sql
         assert sql.pairs_shape is not None
-        pick, listed = sql.codes_shape(sql.claim_pick, codes)
+        pick, listed = sql.codes_shape(sql.claim_pick, sql.claim_part, codes)
         picked = [(r[0], r[1]) for r in conn.execute(text(pick), {"n": params["n"], **listed})]
         if not picked:
             return []
@@ -376,7 +376,7 @@ class SQLTaskStore(TaskStore):
         wanted = check_codes(codes)
         if not wanted:
             return None
-        sql, listed = self._sql.codes_shape(self._sql.next_due, wanted)
+        sql, listed = self._sql.codes_shape(self._sql.next_due, self._sql.next_due_part, wanted)
         rows = self._read(sql, listed, "next_due")
         return max(0.0, float(rows[0][0])) if rows and rows[0][0] is not None else None
 

@@ -6,15 +6,21 @@ Templates are filled once per store by :meth:`TaskStatements.bind`:
 * ``{t}`` the table, ``{cols}`` the record columns, ``{fence}`` the condition every worker write
   carries (the task is running, owned by ``:me``, with ``:token``);
 * the database's clock: ``{now}``, ``{lease_end}`` (now + ``:lease`` seconds), ``{due}`` (the
-  absolute ``:due``, or now + ``:delay`` seconds), ``{until}`` (seconds from now to ``run_at``).
+  absolute ``:due``, or now + ``:delay`` seconds), ``{until_min}`` (seconds from now to the
+  earliest ``m.run_at``).
 
-``{codes}``, ``{pairs}`` and ``{triples}`` stay in the bound text where a dialect spells a list
-as parameters (MySQL); each call fills them with its own. Every value is a bound parameter; the
+``{each_code}``, ``{pairs}`` and ``{triples}`` stay in the bound text where a dialect spells a
+list as parameters; each call fills them with its own. Every value is a bound parameter; the
 table name is checked against :data:`mutexcron.backends.sql.TABLE_RE`.
 
 ``run_at`` is the one column claims look at: the due time of a queued task, the lease's end of a
-running one, NULL for a failed one. Every write keeps it so, and the ``(run_at, code)`` index
-makes the claim an ordered range scan of the claimable tasks only: never a scan of the table.
+running one, NULL for a failed one. Every write keeps it so. The ``(code, run_at)`` index makes
+the claim, per code it handles, an ordered range scan of that code's claimable tasks that stops
+after ``:n`` rows: never a scan of the table, and never a walk past the due tasks of codes the
+caller does not handle (a task whose code no node handles waits at no cost to the others). With
+several codes, each code's pick is its own ordered scan (``{each_code}``: a LATERAL join over
+the codes on PostgreSQL, a UNION ALL of one part per code elsewhere), and the earliest ``:n`` of
+them are taken: a claim locks at most ``:n`` rows per code, for the one statement or transaction.
 
 Each dialect's clock is *statement-stable* (PostgreSQL ``statement_timestamp()``, MySQL
 ``UTC_TIMESTAMP(6)``, SQLite ``'now'``), so one statement compares and writes one instant, and the
@@ -40,8 +46,10 @@ COLUMNS = (
 )
 FENCE = "code = :code AND task_key = :key AND owner = :me AND token = :token AND state = 'running'"
 
-#: (statement, parameters) for a list of codes, task keys ``(code, key)`` or leases ``(code, key, token)``.
+#: (statement, parameters) for a list of task keys ``(code, key)`` or leases ``(code, key, token)``.
 ListShape = Callable[[str, Sequence[Any]], tuple[str, dict[str, Any]]]
+#: (statement, parameters) for a statement, its per-code part (``:pcode`` in it) and the codes.
+CodesShape = Callable[[str, str, Sequence[str]], tuple[str, dict[str, Any]]]
 
 
 def _one_json(name: str, record: Callable[[Any], Any]) -> ListShape:
@@ -53,9 +61,15 @@ def _one_json(name: str, record: Callable[[Any], Any]) -> ListShape:
     return shape
 
 
-def _pg_codes(sql: str, codes: Sequence[Any]) -> tuple[str, dict[str, Any]]:
-    """PostgreSQL: the codes as one ``text[]`` (``= ANY``: an index condition, unlike a subquery)."""
+def _pg_codes(sql: str, _part: str, codes: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    """PostgreSQL: the codes as one ``text[]``, unnested and joined LATERAL to each code's pick."""
     return sql, {"codes": list(codes)}
+
+
+def _union_per_code(sql: str, part: str, codes: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    """MySQL, SQLite: ``{each_code}`` as a UNION ALL of ``part`` once per code (``:pcode`` -> ``:c0``, ``:c1``...)."""
+    union = " UNION ALL ".join(part.replace(":pcode", f":c{i}") for i in range(len(codes)))
+    return sql.replace("{each_code}", union), {f"c{i}": code for i, code in enumerate(codes)}
 
 
 def _my_list(slot: str, columns: tuple[tuple[str, str], ...]) -> ListShape:
@@ -107,15 +121,14 @@ class TaskStatements:
     #: Clock fragments: the current time; now + ``:{p}`` seconds ({p} is a parameter name).
     now: str
     plus: str
-    #: Seconds from now to ``run_at``.
+    #: Seconds from now to ``{m}``.
     until: str
     #: A datetime as this dialect's driver binds it into a time column.
     time_param: Callable[[datetime], Any]
     #: ``:due`` where the database must know its type without a column to infer it from.
     due_param: str
-    #: ``code`` is one of the call's codes (filled by ``codes_shape``).
-    codes_in: str
-    codes_shape: ListShape
+    #: Fills ``{each_code}`` (or binds the codes) for ``claim``, ``claim_pick`` and ``next_due``.
+    codes_shape: CodesShape
     #: ``task_key`` contains ``:contains`` (case-sensitive on every dialect; LIKE is not on SQLite).
     contains: str
     #: Inserts the task unless it exists: 1 row, or 0 rows (or a duplicate-key error) if it exists.
@@ -124,6 +137,8 @@ class TaskStatements:
     lock_row: str
     #: One statement that claims and returns the claimed rows; "" (MySQL): the three below, in one transaction.
     claim: str
+    #: One code's pick (``:pcode``), for the UNION ALL dialects.
+    claim_part: str = ""
     claim_pick: str = ""
     claim_take: str = ""
     claim_read: str = ""
@@ -135,7 +150,9 @@ class TaskStatements:
     read_one: str = "SELECT {cols} FROM {t} WHERE code = :code AND task_key = :key"
     list_tasks: str = "SELECT {cols} FROM {t} WHERE {where} ORDER BY due, code, task_key LIMIT :limit"
     select_now: str = "SELECT {now}"
-    next_due: str = "SELECT {until} FROM {t} WHERE run_at IS NOT NULL AND {codes_in} ORDER BY run_at LIMIT 1"
+    #: Seconds until the earliest ``run_at`` of the codes: one index seek per code (``next_due_part``).
+    next_due: str = "SELECT {until_min} FROM ({each_code}) AS m"
+    next_due_part: str = ""
     replace: str = (
         "UPDATE {t} SET due = :due, run_at = :due, payload = :payload, state = 'queued', attempt = 0, lease_until = NULL, "
         "last_error = NULL, pending_due = NULL, pending_payload = NULL, cancel_requested = 0, updated = {now} "
@@ -195,10 +212,9 @@ class TaskStatements:
             "{fence}": FENCE,
             "{cols}": COLUMNS,
             "{x_cols}": ", ".join(f"x.{c}" for c in COLUMNS.split(", ")),
-            "{codes_in}": self.codes_in,
             "{due}": due,
             "{lease_end}": self.plus.replace("{p}", "lease"),
-            "{until}": self.until,
+            "{until_min}": self.until.replace("{m}", "MIN(m.run_at)"),
             "{now}": self.now,
             "{t}": table,
         }
@@ -241,15 +257,14 @@ POSTGRESQL = TaskStatements(
     updated          timestamptz  NOT NULL,
     PRIMARY KEY (code, task_key)
 )""",
-        "CREATE INDEX IF NOT EXISTS {t}_run_at ON {t} (run_at, code)",
+        "CREATE INDEX IF NOT EXISTS {t}_run_at ON {t} (code, run_at)",
     ),
     begin="START TRANSACTION",
     now="statement_timestamp()",
     plus=_PG_PLUS,
-    until="EXTRACT(EPOCH FROM (run_at - statement_timestamp()))",
+    until="EXTRACT(EPOCH FROM ({m} - statement_timestamp()))",
     time_param=_pg_time,
     due_param="CAST(:due AS timestamptz)",  # psycopg sends None untyped: COALESCE needs the type
-    codes_in="code = ANY(CAST(:codes AS text[]))",
     codes_shape=_pg_codes,
     contains="strpos(task_key, :contains) > 0",
     insert="""
@@ -259,13 +274,18 @@ ON CONFLICT (code, task_key) DO NOTHING""",
     lock_row="SELECT state, due, pending_due, {now} FROM {t} WHERE code = :code AND task_key = :key FOR UPDATE",
     # SKIP LOCKED: concurrent claimers walk past each other's rows instead of queueing on them, so
     # each takes a different batch in one statement. A row changed and committed meanwhile is
-    # re-checked against the WHERE before it is locked.
+    # re-checked against the WHERE before it is locked. Rows a code's pick locked but the outer
+    # LIMIT left out are unlocked when the statement ends.
     claim="""
 WITH c AS (
-    SELECT code, task_key FROM {t}
-    WHERE run_at <= {now} AND {codes_in}
-    ORDER BY run_at LIMIT :n
-    FOR UPDATE SKIP LOCKED
+    SELECT p.code, p.task_key FROM unnest(CAST(:codes AS text[])) AS k(code)
+    CROSS JOIN LATERAL (
+        SELECT s.code, s.task_key, s.run_at FROM {t} AS s
+        WHERE s.code = k.code AND s.run_at <= {now}
+        ORDER BY s.run_at LIMIT :n
+        FOR UPDATE SKIP LOCKED
+    ) AS p
+    ORDER BY p.run_at LIMIT :n
 )
 UPDATE {t} AS x SET state = 'running', owner = :me, token = x.token + 1, attempt = x.attempt + 1,
     lease_until = {lease_end}, run_at = {lease_end}, updated = {now}
@@ -277,6 +297,11 @@ FROM jsonb_to_recordset(CAST(:leases AS jsonb)) AS v(vc text, vk text, vt bigint
 WHERE x.code = v.vc AND x.task_key = v.vk AND x.token = v.vt AND x.owner = :me AND x.state = 'running'
 RETURNING x.code, x.task_key""",
     leases_shape=_one_json("leases", lambda item: {"vc": item[0], "vk": item[1], "vt": item[2]}),
+    next_due="""
+SELECT {until_min} FROM unnest(CAST(:codes AS text[])) AS k(code)
+CROSS JOIN LATERAL (
+    SELECT s.run_at FROM {t} AS s WHERE s.code = k.code AND s.run_at IS NOT NULL ORDER BY s.run_at LIMIT 1
+) AS m""",
 )
 
 MYSQL = TaskStatements(
@@ -300,17 +325,16 @@ MYSQL = TaskStatements(
     created          DATETIME(6)  NOT NULL,
     updated          DATETIME(6)  NOT NULL,
     PRIMARY KEY (code, task_key),
-    INDEX {t}_run_at (run_at, code)
+    INDEX {t}_run_at (code, run_at)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
     ),
     begin="START TRANSACTION",
     now="UTC_TIMESTAMP(6)",
     plus="UTC_TIMESTAMP(6) + INTERVAL ROUND(:{p} * 1000000) MICROSECOND",
-    until="TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), run_at) / 1000000.0",
+    until="TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), {m}) / 1000000.0",
     time_param=_mysql_time,
     due_param=":due",
-    codes_in="code IN ({codes})",
-    codes_shape=_my_list("{codes}", (("code", "c"),)),
+    codes_shape=_union_per_code,
     contains="LOCATE(:contains, task_key) > 0",  # the table's binary collation: case-sensitive
     # No ON DUPLICATE KEY: with the found-rows flag SQLAlchemy sets, its row count cannot tell an
     # insert from an unchanged row. A duplicate key raises, and the store takes the update path.
@@ -320,13 +344,14 @@ VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, 0, 0, {now}, {now})"""
     lock_row="SELECT state, due, pending_due, {now} FROM {t} WHERE code = :code AND task_key = :key FOR UPDATE",
     # MySQL 8 and MariaDB >= 10.6 lock with SKIP LOCKED in a SELECT only (MariaDB's UPDATE has no
     # RETURNING either): pick, take and read back in one short READ COMMITTED transaction. The
-    # picked rows stay locked until COMMIT, so the UPDATE and the read see exactly them.
+    # picked rows stay locked until COMMIT, so the UPDATE and the read see exactly them. Each code
+    # is picked by its own ordered range: one `code IN (...)` range would be sorted after a
+    # locking read of *every* due row of those codes, all of them locked until COMMIT.
     claim="",
-    claim_pick="""
-SELECT code, task_key FROM {t}
-WHERE run_at <= {now} AND {codes_in}
-ORDER BY run_at LIMIT :n
-FOR UPDATE SKIP LOCKED""",
+    claim_part="""(SELECT code, task_key, run_at FROM {t}
+WHERE code = :pcode AND run_at <= {now}
+ORDER BY run_at LIMIT :n FOR UPDATE SKIP LOCKED)""",
+    claim_pick="{each_code} ORDER BY run_at LIMIT :n",
     claim_take="""
 UPDATE {t} SET state = 'running', owner = :me, token = token + 1, attempt = attempt + 1,
     lease_until = {lease_end}, run_at = {lease_end}, updated = {now}
@@ -339,6 +364,7 @@ WHERE {pairs}""",
     # not renewed cannot come to match afterwards: a token is never given out twice.
     renew_read="SELECT code, task_key FROM {t} WHERE owner = :me AND state = 'running' AND ({triples})",
     leases_shape=_my_list("{triples}", (("code", "c"), ("task_key", "k"), ("token", "n"))),
+    next_due_part="(SELECT run_at FROM {t} WHERE code = :pcode AND run_at IS NOT NULL ORDER BY run_at LIMIT 1)",
 )
 
 SQLITE = TaskStatements(
@@ -363,7 +389,7 @@ SQLITE = TaskStatements(
     updated          TEXT    NOT NULL,
     PRIMARY KEY (code, task_key)
 )""",
-        "CREATE INDEX IF NOT EXISTS {t}_run_at ON {t} (run_at, code)",
+        "CREATE INDEX IF NOT EXISTS {t}_run_at ON {t} (code, run_at)",
     ),
     # BEGIN IMMEDIATE takes the database's write lock at once: the read and the write of add are
     # one step for every other writer (SQLite has no row locks to take instead).
@@ -372,11 +398,10 @@ SQLITE = TaskStatements(
     now="(strftime('%Y-%m-%d %H:%M:%f', 'now') || '000')",
     plus="(CASE WHEN :{p} IS NULL THEN NULL "
     "ELSE strftime('%Y-%m-%d %H:%M:%f', 'now', printf('%+.3f seconds', :{p})) || '000' END)",
-    until="(julianday(run_at) - julianday('now')) * 86400.0",
+    until="(julianday({m}) - julianday('now')) * 86400.0",
     time_param=_sqlite_time,
     due_param=":due",
-    codes_in="code IN (SELECT value FROM json_each(:codes))",
-    codes_shape=_one_json("codes", lambda code: code),
+    codes_shape=_union_per_code,
     contains="instr(task_key, :contains) > 0",
     insert="""
 INSERT INTO {t} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated)
@@ -387,8 +412,10 @@ ON CONFLICT (code, task_key) DO NOTHING""",
     claim="""
 UPDATE {t} SET state = 'running', owner = :me, token = token + 1, attempt = attempt + 1,
     lease_until = {lease_end}, run_at = {lease_end}, updated = {now}
-WHERE rowid IN (SELECT rowid FROM {t} WHERE run_at <= {now} AND {codes_in} ORDER BY run_at LIMIT :n)
+WHERE rowid IN (SELECT id FROM ({each_code}) ORDER BY run_at LIMIT :n)
 RETURNING {cols}""",
+    claim_part="SELECT * FROM (SELECT rowid AS id, run_at FROM {t} WHERE code = :pcode AND run_at <= {now} "
+    "ORDER BY run_at LIMIT :n)",
     renew="""
 UPDATE {t} SET lease_until = {lease_end}, run_at = {lease_end}
 FROM (SELECT json_extract(value, '$[0]') AS vc, json_extract(value, '$[1]') AS vk, json_extract(value, '$[2]') AS vt
@@ -396,6 +423,7 @@ FROM (SELECT json_extract(value, '$[0]') AS vc, json_extract(value, '$[1]') AS v
 WHERE {t}.code = v.vc AND {t}.task_key = v.vk AND {t}.token = v.vt AND {t}.owner = :me AND {t}.state = 'running'
 RETURNING code, task_key""",
     leases_shape=_one_json("leases", list),
+    next_due_part="SELECT * FROM (SELECT run_at FROM {t} WHERE code = :pcode AND run_at IS NOT NULL ORDER BY run_at LIMIT 1)",
 )
 
 #: The statements for each backend dialect (the registry family of the URL).
