@@ -8,7 +8,6 @@ out. A missing server skips its tests, and fails the run under ``CI=true`` (test
 
 from __future__ import annotations
 
-import multiprocessing
 import secrets
 import threading
 import time
@@ -450,9 +449,9 @@ def test_the_claim_is_an_index_range_scan(tasks_ctx: TaskCtx) -> None:
     from mutexcron.tasks.sql_statements import STATEMENTS
 
     store = tasks_ctx.make()
-    _seed(tasks_ctx, store, "due", 20)
-    _seed(tasks_ctx, store, "other", 1000, prefix="o")
-    _seed(tasks_ctx, store, "later", 2000, minutes=60)
+    task_workers.seed_due(tasks_ctx.kind, store, "due", 20)
+    task_workers.seed_due(tasks_ctx.kind, store, "other", 1000, prefix="o")
+    task_workers.seed_due(tasks_ctx.kind, store, "later", 2000, minutes=60)
     table = store.table  # type: ignore[attr-defined]
     sql = STATEMENTS[store.backend.dialect.name].bind(table)  # type: ignore[attr-defined]
     pick = sql.claim or sql.claim_pick
@@ -478,6 +477,31 @@ def test_task_store_urls() -> None:
 
 
 # -- concurrency ----------------------------------------------------------------------------------------
+@every_backend
+def test_concurrent_adds_of_one_task_insert_it_once(tasks_ctx: TaskCtx) -> None:
+    """8 clients add the same new task 10 times each at once: one insert, every other add a replace, no error."""
+    stores = [tasks_ctx.make() for _ in range(8)]
+    barrier = threading.Barrier(len(stores))
+    results: list[Any] = []
+
+    def run(i: int) -> None:
+        barrier.wait(timeout=30)
+        for n in range(10):
+            try:
+                results.append(stores[i].add("c", "same", timedelta(minutes=5), {"client": i, "n": n}))
+            except Exception as exc:
+                results.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(stores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert [r for r in results if not isinstance(r, AddResult)] == []
+    assert results.count(AddResult.INSERTED) == 1 and results.count(AddResult.REPLACED) == 79
+    assert [t.key for t in stores[0].list()] == ["same"]
+
+
 RACE_TASKS = {"memory": 10_000, "sqlite": 10_000, "mysql": 10_000, "postgresql": 10_000}
 
 
@@ -487,74 +511,14 @@ def test_four_racers_claim_every_task_exactly_once(tasks_ctx: TaskCtx) -> None:
     with a lease that outlasts the test: every task is claimed once, by one racer, at attempt 1."""
     store = tasks_ctx.make()
     total = RACE_TASKS[tasks_ctx.kind]
-    _seed(tasks_ctx, store, "race", total)
+    task_workers.seed_due(tasks_ctx.kind, store, "race", total)
     nodes = [f"racer-{i}:{secrets.token_hex(3)}" for i in range(4)]
     if tasks_ctx.url is None:
-        claimed = _race_threads(tasks_ctx, nodes)
+        claimed = task_workers.race_threads([tasks_ctx.make() for _ in nodes], nodes)
     else:
-        claimed = _race_processes(tasks_ctx.url, nodes)
+        claimed = task_workers.race_processes(tasks_ctx.url, nodes)
     keys = [key for got in claimed for key, _, _ in got]
     assert len(keys) == total and len(set(keys)) == total, f"{len(keys) - len(set(keys))} claimed twice"
     assert all(token == 1 and attempt == 1 for got in claimed for _, token, attempt in got)
     assert all(got for got in claimed), "a racer claimed nothing: not a race"
     assert store.list(state="queued", limit=10) == [] and len(store.list(state="running", limit=total + 1)) == total
-
-
-def _seed(ctx: TaskCtx, store: TaskStore, code: str, total: int, prefix: str = "k", minutes: float = -1) -> None:
-    """``total`` tasks due ``minutes`` from the store's now, written in one transaction (one add per
-    task would time the adds, not the race)."""
-    if ctx.url is None:
-        for i in range(total):
-            store.add(code, f"{prefix}{i:05d}", timedelta(minutes=minutes))
-        return
-    import sqlalchemy
-
-    due = store.now() + timedelta(minutes=minutes)
-    value: Any = {"sqlite": due.replace(tzinfo=None).isoformat(sep=" "), "mysql": due.replace(tzinfo=None)}.get(ctx.kind, due)
-    rows = [{"code": code, "key": f"{prefix}{i:05d}", "due": value} for i in range(total)]
-    table = store.table  # type: ignore[attr-defined]
-    sql = sqlalchemy.text(
-        f"INSERT INTO {table} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated) "
-        "VALUES (:code, :key, :due, :due, 'null', 'queued', 0, 0, 0, :due, :due)"
-    )
-    with store.backend.engine.connect() as conn:  # type: ignore[attr-defined]
-        conn.exec_driver_sql("BEGIN")
-        conn.execute(sql, rows)
-        conn.exec_driver_sql("COMMIT")
-
-
-def _race_threads(ctx: TaskCtx, nodes: list[str]) -> list[list[Any]]:
-    barrier = threading.Barrier(len(nodes))
-    stores = [ctx.make() for _ in nodes]
-    got: dict[int, list[Any]] = {}
-
-    def run(i: int) -> None:
-        got[i] = task_workers.claim_until_empty(stores[i], nodes[i], "race", 20, 3600, barrier)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(nodes))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    return [got[i] for i in range(len(nodes))]
-
-
-def _race_processes(url: str, nodes: list[str]) -> list[list[Any]]:
-    mp = multiprocessing.get_context("spawn")
-    barrier, results = mp.Barrier(len(nodes)), mp.Queue()
-    procs = [
-        mp.Process(target=task_workers.claim_race_process, args=(url, node, "race", 20, 3600, barrier, results, i))
-        for i, node in enumerate(nodes)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(results.get(timeout=240) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    failed = [o["error"] for o in got.values() if "error" in o]
-    assert not failed, failed
-    return [got[i]["claimed"] for i in range(len(nodes))]
