@@ -38,7 +38,7 @@ from .sql_pool import DEFAULT_POOL_SIZE, POOL_IDLE_TIMEOUT, POOL_MIN_IDLE, POOL_
 log = logging.getLogger(__name__)
 
 #: mutexcron's own URL options, removed before SQLAlchemy sees the URL.
-OWN_OPTIONS = ("table", "pool_size")
+OWN_OPTIONS = ("table", "tasks_table", "pool_size")  # tasks_table: the task store's, on the same URL
 DEFAULT_TABLE = "mutexcron_locks"
 TABLE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")  # used with fullmatch: "$" alone accepts a trailing newline
 
