@@ -24,9 +24,9 @@ from mutexcron.errors import AttrsError, ConfigurationError
 from mutexcron.tasks import AddResult, Done, Fail, Outcome, Reschedule, Retry, TaskStore, task_store_from_url
 from mutexcron.tasks.memory import MemoryTaskStore
 from tests import task_workers
-from tests.backends import FakeClock, backend_params, require_server
+from tests.backends import FakeClock, backend_params, cleanup_redis, require_server
 
-TASK_BACKENDS = ("memory", "sqlite", "mysql", "postgresql")
+TASK_BACKENDS = ("memory", "sqlite", "mysql", "postgresql", "redis")
 every_backend = pytest.mark.parametrize("kind", backend_params(*TASK_BACKENDS))
 
 A, B = "node-a:1:aaaa", "node-b:2:bbbb"
@@ -82,6 +82,11 @@ def tasks_ctx(kind: str, tmp_path: Path) -> Iterator[TaskCtx]:
     elif kind == "sqlite":
         url = f"sqlite:///{tmp_path}/tasks-{tag}.db"
         ctx = TaskCtx(kind, url, lambda: task_store_from_url(url))
+    elif kind == "redis":
+        base = require_server(kind)
+        url = f"{base}{'&' if '?' in base else '?'}namespace=tasks-{tag}"
+        ctx = TaskCtx(kind, url, lambda: task_store_from_url(url))
+        cleanup = lambda: cleanup_redis(url)  # noqa: E731
     else:
         base = require_server(kind)
         url = f"{base}{'&' if '?' in base else '?'}tasks_table=mc_tasks_{tag}"
@@ -469,7 +474,7 @@ def test_the_claim_is_an_index_range_scan(tasks_ctx: TaskCtx) -> None:
 
 def test_task_store_urls() -> None:
     with pytest.raises(ConfigurationError, match="no task pool yet"):
-        task_store_from_url("redis://127.0.0.1:1/0")
+        task_store_from_url("mongodb://127.0.0.1:1/db")
     with pytest.raises(ConfigurationError, match="scheme"):
         task_store_from_url("ftp://x")
     with pytest.raises(ConfigurationError, match="bad tasks table"):
@@ -502,7 +507,7 @@ def test_concurrent_adds_of_one_task_insert_it_once(tasks_ctx: TaskCtx) -> None:
     assert [t.key for t in stores[0].list()] == ["same"]
 
 
-RACE_TASKS = {"memory": 10_000, "sqlite": 10_000, "mysql": 10_000, "postgresql": 10_000}
+RACE_TASKS = {"memory": 10_000, "sqlite": 10_000, "mysql": 10_000, "postgresql": 10_000, "redis": 10_000}
 
 
 @every_backend

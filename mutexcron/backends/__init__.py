@@ -84,6 +84,7 @@ FAMILIES: tuple[StoreFamily, ...] = (
         drivers=("redis",),
         backend="mutexcron.backends.redis:RedisBackend",
         lock_store="mutexcron.locks.redis:RedisLockStore",
+        task_store="mutexcron.tasks.redis:RedisTaskStore",
     ),
     StoreFamily(
         name="mongodb",

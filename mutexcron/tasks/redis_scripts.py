@@ -1,0 +1,286 @@
+"""The Redis task store's Lua scripts: each one is one atomic operation, judged by the server's clock.
+
+Times are epoch microseconds (exact in a Lua double), read from the server's ``TIME`` by
+:data:`LUA_NOW_US` at the top of each script. Every key is in the store's namespace, so it shares
+the ``{<namespace>}`` hash tag (one slot: Redis Cluster safe). ``KEYS[1]`` is the namespace's codes
+set (it routes the call to the slot's primary); the task hashes and due ZSETs are named from
+``ARGV[1]``, the namespace's key prefix: ``<prefix>task:<code>:<key>`` and ``<prefix>due:<code>``.
+
+A due ZSET per code holds every task of the code, scored by when a claim may take it: its due
+(queued), its lease's end (running: a dead worker's task is claimable again from the same ZSET),
+``+inf`` (failed: never claimed). The comment above each script gives its KEYS and ARGV.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ADD_LUA",
+    "CANCEL_LUA",
+    "CLAIM_LUA",
+    "COMPLETE_LUA",
+    "LIST_LUA",
+    "NEXT_DUE_LUA",
+    "RELEASE_LUA",
+    "RENEW_LUA",
+    "RETRY_LUA",
+]
+
+#: The server's ``TIME`` in microseconds as ``now``, and helpers every script shares.
+LUA_NOW_US = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local P = ARGV[1]
+local function us(x) return string.format('%d', x) end
+local function hkey(code, key) return P .. 'task:' .. code .. ':' .. key end
+local function zkey(code) return P .. 'due:' .. code end
+-- Fenced: running, owned by node, with token.
+local function fenced(h, node, token)
+  local f = redis.call('HMGET', h, 'state', 'owner', 'token')
+  return f[1] == 'running' and f[2] == node and tonumber(f[3]) == tonumber(token)
+end
+local function queue(h, code, key, due)
+  redis.call('HSET', h, 'state', 'queued', 'due', us(due), 'lease_until', '', 'updated', us(now))
+  redis.call('ZADD', zkey(code), due, key)
+end
+local function drop(h, code, key)
+  redis.call('DEL', h)
+  redis.call('ZREM', zkey(code), key)
+end
+-- The re-add made while the attempt ran becomes the task: a new definition, attempts reset.
+local function apply_pending(h, code, key)
+  local p = redis.call('HMGET', h, 'pending_due', 'pending_payload')
+  queue(h, code, key, tonumber(p[1]))
+  redis.call('HSET', h, 'payload', p[2], 'attempt', '0', 'last_error', '', 'pending_due', '', 'pending_payload', '')
+end
+"""
+
+# add: upsert (code, key) by on_conflict (tasks.checks.decide_add, the same rule).
+# KEYS: codes set. ARGV: prefix, code, key, due_us or '', delay_us or '', payload, mode.
+# Returns 'inserted', 'replaced', 'kept' or 'pending'.
+ADD_LUA = (
+    LUA_NOW_US
+    + """
+local code, key, mode = ARGV[2], ARGV[3], ARGV[7]
+local due
+if ARGV[4] ~= '' then due = tonumber(ARGV[4]) else due = now + tonumber(ARGV[5]) end
+local h = hkey(code, key)
+local f = redis.call('HMGET', h, 'state', 'due', 'pending_due')
+local state, old, pending = f[1], tonumber(f[2]), tonumber(f[3])
+local function wins(old_due)
+  if mode == 'earliest' then return due < old_due end
+  return mode == 'latest' and due > old_due
+end
+if not state then
+  redis.call('HSET', h, 'code', code, 'key', key, 'state', 'queued', 'due', us(due), 'payload', ARGV[6],
+             'attempt', '0', 'token', '0', 'owner', '', 'lease_until', '', 'last_error', '', 'pending_due', '',
+             'pending_payload', '', 'cancel_requested', '0', 'created', us(now), 'updated', us(now))
+  redis.call('ZADD', zkey(code), due, key)
+  redis.call('SADD', KEYS[1], code)
+  return 'inserted'
+end
+if mode == 'keep' then return 'kept' end
+if state == 'running' then
+  if (not pending) or mode == 'replace' or wins(pending) then
+    redis.call('HSET', h, 'pending_due', us(due), 'pending_payload', ARGV[6], 'cancel_requested', '0',
+               'updated', us(now))
+    return 'pending'
+  end
+  return 'kept'
+end
+if state == 'failed' or mode == 'replace' or wins(old) then
+  queue(h, code, key, due)
+  redis.call('HSET', h, 'payload', ARGV[6], 'attempt', '0', 'last_error', '')
+  return 'replaced'
+end
+return 'kept'
+"""
+)
+
+# cancel: drop the task; a running one is marked and dropped when its attempt ends.
+# KEYS: codes set. ARGV: prefix, code, key. Returns 1, or 0 if there is no such task.
+CANCEL_LUA = (
+    LUA_NOW_US
+    + """
+local h = hkey(ARGV[2], ARGV[3])
+local state = redis.call('HGET', h, 'state')
+if not state then return 0 end
+if state ~= 'running' then
+  drop(h, ARGV[2], ARGV[3])
+else
+  redis.call('HSET', h, 'cancel_requested', '1', 'pending_due', '', 'pending_payload', '', 'updated', us(now))
+end
+return 1
+"""
+)
+
+# retry: queue a failed task again, due now, attempts reset.
+# KEYS: codes set. ARGV: prefix, code, key. Returns 1, or 0 if it is not failed.
+RETRY_LUA = (
+    LUA_NOW_US
+    + """
+local h = hkey(ARGV[2], ARGV[3])
+if redis.call('HGET', h, 'state') ~= 'failed' then return 0 end
+queue(h, ARGV[2], ARGV[3], now)
+redis.call('HSET', h, 'attempt', '0')
+return 1
+"""
+)
+
+# list: every task of the codes (all codes if none given) that passes the filters; the client sorts.
+# KEYS: codes set. ARGV: prefix, code or '', key_contains or '', due_before_us or '', state or ''.
+# Returns JSON: [now, [hgetall, ...]].
+LIST_LUA = (
+    LUA_NOW_US
+    + """
+local codes
+if ARGV[2] ~= '' then codes = {ARGV[2]} else codes = redis.call('SMEMBERS', KEYS[1]) end
+local before = tonumber(ARGV[4])
+local out = {}
+for _, code in ipairs(codes) do
+  for _, key in ipairs(redis.call('ZRANGE', zkey(code), 0, -1)) do
+    if ARGV[3] == '' or string.find(key, ARGV[3], 1, true) then
+      local h = hkey(code, key)
+      local f = redis.call('HMGET', h, 'due', 'state')
+      if f[1] and ((not before) or tonumber(f[1]) < before) and (ARGV[5] == '' or f[2] == ARGV[5]) then
+        out[#out + 1] = redis.call('HGETALL', h)
+      end
+    end
+  end
+end
+return cjson.encode({us(now), out})
+"""
+)
+
+# claim: up to limit claimable tasks of the codes, earliest first (queued and due, or running with
+# an expired lease); a rescued task cancelled meanwhile is dropped, not returned.
+# KEYS: codes set. ARGV: prefix, node, limit, lease_us, code...  Returns JSON: [now, [hgetall, ...]].
+CLAIM_LUA = (
+    LUA_NOW_US
+    + """
+local node, limit, lease = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local found = {}
+for i = 5, #ARGV do
+  local code = ARGV[i]
+  local got = redis.call('ZRANGEBYSCORE', zkey(code), '-inf', now, 'WITHSCORES', 'LIMIT', 0, limit)
+  for j = 1, #got, 2 do found[#found + 1] = {tonumber(got[j + 1]), code, got[j]} end
+end
+table.sort(found, function(a, b)
+  if a[1] ~= b[1] then return a[1] < b[1] end
+  if a[2] ~= b[2] then return a[2] < b[2] end
+  return a[3] < b[3]
+end)
+local out = {}
+for i = 1, math.min(limit, #found) do
+  local code, key = found[i][2], found[i][3]
+  local h = hkey(code, key)
+  local f = redis.call('HMGET', h, 'state', 'cancel_requested')
+  if f[1] == 'running' and f[2] == '1' then
+    drop(h, code, key)  -- its worker died after a cancel: nothing is left to finish
+  elseif f[1] then
+    redis.call('HINCRBY', h, 'token', 1)
+    redis.call('HINCRBY', h, 'attempt', 1)
+    redis.call('HSET', h, 'state', 'running', 'owner', node, 'lease_until', us(now + lease), 'updated', us(now))
+    redis.call('ZADD', zkey(code), now + lease, key)
+    out[#out + 1] = redis.call('HGETALL', h)
+  end
+end
+return cjson.encode({us(now), out})
+"""
+)
+
+# renew: extend the leases node holds. KEYS: codes set. ARGV: prefix, node, lease_us, then
+# code, key, token per task. Returns the 1-based indexes (of the triples) renewed.
+RENEW_LUA = (
+    LUA_NOW_US
+    + """
+local node, lease = ARGV[2], tonumber(ARGV[3])
+local out = {}
+for i = 4, #ARGV, 3 do
+  local code, key = ARGV[i], ARGV[i + 1]
+  local h = hkey(code, key)
+  if fenced(h, node, ARGV[i + 2]) then
+    redis.call('HSET', h, 'lease_until', us(now + lease))
+    redis.call('ZADD', zkey(code), now + lease, key)
+    out[#out + 1] = (i - 1) / 3
+  end
+end
+return out
+"""
+)
+
+# complete: record the attempt's outcome if node still runs the task with token.
+# KEYS: codes set. ARGV: prefix, node, code, key, token, kind (done|reschedule|retry|fail),
+# due_us or '', delay_us or '', error. Returns 1, or 0 (fenced out: nothing changed).
+COMPLETE_LUA = (
+    LUA_NOW_US
+    + """
+local node, code, key, kind = ARGV[2], ARGV[3], ARGV[4], ARGV[6]
+local h = hkey(code, key)
+if not fenced(h, node, ARGV[5]) then return 0 end
+local f = redis.call('HMGET', h, 'cancel_requested', 'pending_due')
+local pending = f[2] and f[2] ~= ''
+if f[1] == '1' or (kind == 'done' and not pending) then
+  drop(h, code, key)
+elseif pending then
+  apply_pending(h, code, key)
+elseif kind == 'fail' then
+  redis.call('HSET', h, 'state', 'failed', 'lease_until', '', 'last_error', ARGV[9], 'updated', us(now))
+  redis.call('ZADD', zkey(code), 'inf', key)
+else
+  local due
+  if ARGV[7] ~= '' then due = tonumber(ARGV[7]) else due = now + tonumber(ARGV[8]) end
+  queue(h, code, key, due)
+  if kind == 'reschedule' then
+    redis.call('HSET', h, 'attempt', '0', 'last_error', '')
+  else
+    redis.call('HSET', h, 'last_error', ARGV[9])
+  end
+end
+return 1
+"""
+)
+
+# release: hand back claimed, unstarted tasks: queued at once, token + 1, the claim not counted.
+# KEYS: codes set. ARGV: prefix, node, then code, key, token per task. Returns how many.
+RELEASE_LUA = (
+    LUA_NOW_US
+    + """
+local node = ARGV[2]
+local count = 0
+for i = 3, #ARGV, 3 do
+  local code, key = ARGV[i], ARGV[i + 1]
+  local h = hkey(code, key)
+  if fenced(h, node, ARGV[i + 2]) then
+    count = count + 1
+    local f = redis.call('HMGET', h, 'cancel_requested', 'pending_due', 'due')
+    if f[1] == '1' then
+      drop(h, code, key)
+    else
+      redis.call('HINCRBY', h, 'token', 1)  -- a claim made with the old token can no longer write
+      if f[2] and f[2] ~= '' then
+        apply_pending(h, code, key)
+      else
+        redis.call('HINCRBY', h, 'attempt', -1)  -- never started: the claim does not count
+        queue(h, code, key, tonumber(f[3]))
+      end
+    end
+  end
+end
+return count
+"""
+)
+
+# next_due: the earliest claimable time of the codes. KEYS: codes set. ARGV: prefix, code...
+# Returns JSON: [now, earliest or -1 (none)].
+NEXT_DUE_LUA = (
+    LUA_NOW_US
+    + """
+local best = -1
+for i = 2, #ARGV do
+  local head = redis.call('ZRANGE', zkey(ARGV[i]), 0, 0, 'WITHSCORES')
+  local score = tonumber(head[2])
+  if score and head[2] ~= 'inf' and score ~= math.huge and (best < 0 or score < best) then best = score end
+end
+return cjson.encode({us(now), us(best)})
+"""
+)
