@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -80,6 +81,8 @@ class SQLBackend(Backend):
 
     def __init__(self, url: str, *, connect_timeout: float = CONNECT_TIMEOUT, **engine_options: Any) -> None:
         super().__init__(url)
+        self._set_up: set[str] = set()  # tables the stores on this backend have created
+        self._setup_lock = threading.Lock()
         rest, options = pop_query(url, *OWN_OPTIONS)
         if "pool_size" in options:
             size = options["pool_size"]
@@ -231,6 +234,15 @@ class SQLBackend(Backend):
         return result
 
     # -- schema ------------------------------------------------------------------------------
+    def setup_once(self, key: str, work: Callable[[Connection], None], operation: str, hint: str) -> None:
+        """:meth:`setup` the first time a store needs ``key`` (its table) on this backend; then nothing."""
+        if key in self._set_up:
+            return
+        with self._setup_lock:
+            if key not in self._set_up:
+                self.setup(work, operation, hint)
+                self._set_up.add(key)
+
     def setup(self, work: Callable[[Connection], None], operation: str, hint: str) -> None:
         """Run a store's one-time set-up (its CREATE statements) on a fresh connection.
 

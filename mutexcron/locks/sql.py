@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -98,8 +97,6 @@ class SQLLockStore(LockStore):
         #: The lock table.
         self.table = backend.table
         self._sql = STATEMENTS[backend.dialect.name].bind(self.table, backend.clock)
-        self._ready = False
-        self._ready_lock = threading.Lock()
 
     @property
     def engine(self) -> Engine:
@@ -107,21 +104,17 @@ class SQLLockStore(LockStore):
         return self.backend.engine
 
     def ddl(self) -> list[str]:
-        """The CREATE statements for this table and database (also printed in the README)."""
+        """The CREATE statements for this table and database (``mutexcron ddl`` prints them)."""
         return list(self._sql.ddl)
 
     # -- plumbing ----------------------------------------------------------------------------
     def _ensure_table(self) -> None:
-        if self._ready:
-            return
-        with self._ready_lock:
-            if not self._ready:
-                self.backend.setup(
-                    self._create_table,
-                    f"creating table {self.table!r}",
-                    "create it yourself with the DDL in the README (or `mutexcron ddl`)",
-                )
-                self._ready = True
+        self.backend.setup_once(
+            self.table,
+            self._create_table,
+            f"creating table {self.table!r}",
+            "create it yourself with the DDL that `mutexcron ddl` prints",
+        )
 
     def _create_table(self, conn: Connection) -> None:
         # The mysql dialect serves MySQL 8 and MariaDB; only the server can say which one it is.

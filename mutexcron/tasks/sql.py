@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import builtins
 import logging
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
@@ -112,8 +111,6 @@ class SQLTaskStore(TaskStore):
                 "(at most 63, not starting with a digit)"
             )
         self._sql = STATEMENTS[backend.dialect.name].bind(self.table)
-        self._ready = False
-        self._ready_lock = threading.Lock()
 
     def ddl(self) -> list[str]:
         """The CREATE statements for this table and database."""
@@ -121,16 +118,12 @@ class SQLTaskStore(TaskStore):
 
     # -- plumbing ----------------------------------------------------------------------------
     def _ensure_table(self) -> None:
-        if self._ready:
-            return
-        with self._ready_lock:
-            if not self._ready:
-                self.backend.setup(
-                    self._create_table,
-                    f"creating table {self.table!r}",
-                    "create it yourself with the DDL of `mutexcron ddl` (SQLTaskStore.ddl())",
-                )
-                self._ready = True
+        self.backend.setup_once(
+            self.table,
+            self._create_table,
+            f"creating table {self.table!r}",
+            "create it yourself with the DDL that `mutexcron ddl` prints (SQLTaskStore.ddl())",
+        )
 
     def _create_table(self, conn: Connection) -> None:
         for statement in self._sql.ddl:
