@@ -54,7 +54,7 @@ def require_server(kind: str) -> str:
     """The server URL for ``kind``, or skip (fail under CI=true) with a visible reason."""
     url = server_url(kind)
     if kind == "mongodb" and not url:
-        pytest.skip("no MongoDB server here: set MUTEXCRON_TEST_MONGODB_URL to run against one (README, Testing)")
+        pytest.skip("no MongoDB server here: set MUTEXCRON_TEST_MONGODB_URL to run against one (docs/testing.md)")
     assert url is not None
     if not _reachable(url):
         reason = f"{kind} server not reachable at {urlsplit(url).netloc.rpartition('@')[2]}"
