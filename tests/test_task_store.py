@@ -527,3 +527,29 @@ def test_four_racers_claim_every_task_exactly_once(tasks_ctx: TaskCtx) -> None:
     assert all(token == 1 and attempt == 1 for got in claimed for _, token, attempt in got)
     assert all(got for got in claimed), "a racer claimed nothing: not a race"
     assert store.list(state="queued", limit=10) == [] and len(store.list(state="running", limit=total + 1)) == total
+
+
+# -- Redis-specific ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", backend_params("redis"))
+def test_redis_task_keys_share_the_namespace_slot_and_colons_never_collide(tasks_ctx: TaskCtx) -> None:
+    """The documented layout (a hash per task, a due ZSET per code, scored by when a claim may take
+    the task); a code with ':' never meets another task's hash."""
+    from mutexcron.tasks.redis import RedisTaskStore
+
+    store = tasks_ctx.make()
+    assert isinstance(store, RedisTaskStore)
+    assert store.add("a:b", "c", SOON, 1) is AddResult.INSERTED
+    assert store.add("a", "b:c", SOON, 2) is AddResult.INSERTED
+    got_1, got_2 = store.get("a:b", "c"), store.get("a", "b:c")
+    assert got_1 is not None and got_1.payload == 1 and got_2 is not None and got_2.payload == 2
+    client, key = store.backend.client, store.backend.key
+    assert client.exists(key("task:a%3Ab:c"), key("task:a:b:c")) == 2
+    claimed = store.claim(A, ["a"], 10, 30)
+    assert [t.key for t in claimed] == ["b:c"] and claimed[0].lease_until is not None
+    assert client.zscore(key("due:a"), "b:c") == store_us(claimed[0].lease_until)
+    assert store.complete(A, "a", "b:c", 1, Fail("boom")) and client.zscore(key("due:a"), "b:c") == float("inf")
+    assert store.next_due(["a"]) is None and store.next_due(["a:b"]) == 0
+
+
+def store_us(at: datetime) -> float:
+    return float(round(at.timestamp() * 1_000_000))

@@ -44,6 +44,7 @@ from .redis_scripts import (
     COMPLETE_LUA,
     LIST_LUA,
     NEXT_DUE_LUA,
+    NOW_LUA,
     RELEASE_LUA,
     RENEW_LUA,
     RETRY_LUA,
@@ -63,6 +64,11 @@ def _from_us(value: Any) -> datetime | None:
     if value is None or value == "":
         return None
     return _EPOCH + timedelta(microseconds=int(value))
+
+
+def _escape(code: str) -> str:
+    """The code as it is in a task's hash key (see :mod:`mutexcron.tasks.redis_scripts`)."""
+    return code.replace("%", "%25").replace(":", "%3A")
 
 
 def _due_args(due: Due) -> tuple[str, str]:
@@ -133,6 +139,7 @@ class RedisTaskStore(TaskStore):
                 ("complete", COMPLETE_LUA),
                 ("release", RELEASE_LUA),
                 ("next_due", NEXT_DUE_LUA),
+                ("now", NOW_LUA),
             )
         }
 
@@ -160,7 +167,7 @@ class RedisTaskStore(TaskStore):
     def get(self, code: str, key: str) -> TaskRecord | None:
         code, key = check_task(code, key)
         with self.backend.errors("get"):
-            flat = self.backend.client.hgetall(self.backend.key(f"task:{code}:{key}"))
+            flat = self.backend.client.hgetall(self.backend.key(f"task:{_escape(code)}:{key}"))
         return _record({str(k): str(v) for k, v in flat.items()}) if flat else None
 
     def list(
@@ -234,9 +241,9 @@ class RedisTaskStore(TaskStore):
         return max(0.0, (best - now) / 1_000_000)
 
     def now(self) -> datetime:
-        with self.backend.errors("now"):
-            seconds, micros = self.backend.client.time()
-        return _EPOCH + timedelta(seconds=int(seconds), microseconds=int(micros))
+        at = _from_us(self._run("now"))
+        assert at is not None
+        return at
 
     def ping(self) -> None:
         self.backend.ping()

@@ -4,7 +4,9 @@ Times are epoch microseconds (exact in a Lua double), read from the server's ``T
 :data:`LUA_NOW_US` at the top of each script. Every key is in the store's namespace, so it shares
 the ``{<namespace>}`` hash tag (one slot: Redis Cluster safe). ``KEYS[1]`` is the namespace's codes
 set (it routes the call to the slot's primary); the task hashes and due ZSETs are named from
-``ARGV[1]``, the namespace's key prefix: ``<prefix>task:<code>:<key>`` and ``<prefix>due:<code>``.
+``ARGV[1]``, the namespace's key prefix: ``<prefix>task:<code>:<key>`` (in the code, ``%`` and ``:``
+are escaped as ``%25`` and ``%3A``: ``("a:b", "c")`` and ``("a", "b:c")`` stay two tasks) and
+``<prefix>due:<code>``.
 
 A due ZSET per code holds every task of the code, scored by when a claim may take it: its due
 (queued), its lease's end (running: a dead worker's task is claimable again from the same ZSET),
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 __all__ = [
     "ADD_LUA",
+    "NOW_LUA",
     "CANCEL_LUA",
     "CLAIM_LUA",
     "COMPLETE_LUA",
@@ -31,7 +34,8 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local P = ARGV[1]
 local function us(x) return string.format('%d', x) end
-local function hkey(code, key) return P .. 'task:' .. code .. ':' .. key end
+-- The code is escaped (% and : as %25 and %3A) so that the first ':' after it ends it.
+local function hkey(code, key) return P .. 'task:' .. code:gsub('%%', '%%25'):gsub(':', '%%3A') .. ':' .. key end
 local function zkey(code) return P .. 'due:' .. code end
 -- Fenced: running, owned by node, with token.
 local function fenced(h, node, token)
@@ -284,3 +288,7 @@ end
 return cjson.encode({us(now), us(best)})
 """
 )
+
+# now: the server's clock (on a cluster: the clock of the primary that owns the namespace).
+# KEYS: codes set. ARGV: prefix. Returns the time in epoch microseconds, as a string.
+NOW_LUA = LUA_NOW_US + "return us(now)\n"
