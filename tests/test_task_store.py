@@ -26,7 +26,7 @@ from mutexcron.tasks.memory import MemoryTaskStore
 from tests import task_workers
 from tests.backends import FakeClock, backend_params, cleanup_redis, require_server
 
-TASK_BACKENDS = ("memory", "sqlite", "mysql", "postgresql", "redis")
+TASK_BACKENDS = ("memory", "sqlite", "mysql", "postgresql", "redis", "redis-cluster")
 every_backend = pytest.mark.parametrize("kind", backend_params(*TASK_BACKENDS))
 
 A, B = "node-a:1:aaaa", "node-b:2:bbbb"
@@ -72,7 +72,7 @@ def _drop_table(url: str) -> None:
 
 
 @pytest.fixture
-def tasks_ctx(kind: str, tmp_path: Path) -> Iterator[TaskCtx]:
+def tasks_ctx(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[TaskCtx]:
     """A task store on backend ``kind`` with a table (or memory space) of its own, dropped afterwards."""
     tag = secrets.token_hex(4)
     cleanup: Callable[[], None] | None = None
@@ -82,9 +82,12 @@ def tasks_ctx(kind: str, tmp_path: Path) -> Iterator[TaskCtx]:
     elif kind == "sqlite":
         url = f"sqlite:///{tmp_path}/tasks-{tag}.db"
         ctx = TaskCtx(kind, url, lambda: task_store_from_url(url))
-    elif kind == "redis":
-        base = require_server(kind)
-        url = f"{base}{'&' if '?' in base else '?'}namespace=tasks-{tag}"
+    elif kind in ("redis", "redis-cluster"):
+        if kind == "redis":
+            base = require_server(kind)
+            url = f"{base}{'&' if '?' in base else '?'}namespace=tasks-{tag}"
+        else:  # the session's cluster, started on first use
+            url = request.getfixturevalue("redis_cluster").namespaced_url(f"tasks-{tag}")
         ctx = TaskCtx(kind, url, lambda: task_store_from_url(url))
         cleanup = lambda: cleanup_redis(url)  # noqa: E731
     else:
@@ -507,7 +510,7 @@ def test_concurrent_adds_of_one_task_insert_it_once(tasks_ctx: TaskCtx) -> None:
     assert [t.key for t in stores[0].list()] == ["same"]
 
 
-RACE_TASKS = {"memory": 10_000, "sqlite": 10_000, "mysql": 10_000, "postgresql": 10_000, "redis": 10_000}
+RACE_TASKS = {"memory": 10_000, "sqlite": 10_000, "mysql": 10_000, "postgresql": 10_000, "redis": 10_000, "redis-cluster": 10_000}
 
 
 @every_backend

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 __all__ = [
     "ADD_LUA",
-    "NOW_LUA",
     "CANCEL_LUA",
     "CLAIM_LUA",
     "COMPLETE_LUA",
     "LIST_LUA",
     "NEXT_DUE_LUA",
+    "NOW_LUA",
     "RELEASE_LUA",
     "RENEW_LUA",
     "RETRY_LUA",
