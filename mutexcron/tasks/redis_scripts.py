@@ -186,6 +186,8 @@ for i = 1, math.min(limit, #found) do
     redis.call('HSET', h, 'state', 'running', 'owner', node, 'lease_until', us(now + lease), 'updated', us(now))
     redis.call('ZADD', zkey(code), now + lease, key)
     out[#out + 1] = redis.call('HGETALL', h)
+  else
+    redis.call('ZREM', zkey(code), key)  -- a member without its hash (never written so): drop it
   end
 end
 return cjson.encode({us(now), out})
