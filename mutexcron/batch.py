@@ -108,8 +108,11 @@ def _claim_and_start(
         won = None
     for entry, held in claims:
         if won is not None and held.claim.nonce in won:
-            start_one(entry, held.token)  # the run ends its counted run itself
-            continue
+            try:
+                start_one(entry, held.token)  # the run ends its counted run itself
+                continue
+            except RuntimeError:  # the pool was shut down meanwhile (a stop): give the run back
+                log.info("job %r: not started, the scheduler is stopping", entry.job.id)
         manager.end_run(held.lock)
         if won is not None and manager.holds(held.lock, held.token):
             log.info("job %r: fire time %s already ran under lock %r; not running it again",
