@@ -21,6 +21,7 @@ import functools
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -148,7 +149,7 @@ class SQLBackend(Backend):
             def _session(dbapi_conn: Any, _record: Any) -> None:
                 cur = dbapi_conn.cursor()
                 for statement in session:
-                    cur.execute(statement)
+                    _execute_patiently(cur, statement, connect_timeout)
                 cur.close()
 
         return engine
@@ -388,3 +389,20 @@ def _roll_back(conn: Connection) -> None:
         conn.exec_driver_sql("ROLLBACK")
     except sa_exc.SQLAlchemyError:
         conn.invalidate()
+
+
+def _execute_patiently(cur: Any, statement: str, timeout: float) -> None:
+    """Run a session statement, retrying while SQLite says "database is locked".
+
+    Switching a new SQLite file to WAL needs an exclusive lock that SQLite's busy handler does not
+    wait for: nodes starting at the same moment on a fresh file would fail at once otherwise.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            cur.execute(statement)
+            return
+        except Exception as exc:  # the driver's own error type; re-raised unless "locked"
+            if "database is locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
