@@ -18,6 +18,10 @@ and counts the round trips each operation makes: SQL statements (a ``before_curs
 listener on ``store.engine``) plus the pool's pre-ping on checkout (``dialect.do_ping``), Redis
 packets written (``Connection.send_packed_command``; a pipeline or a script is one).
 
+With ``--ticks`` it also times whole guarded runs on started schedulers, without and with metrics
+(``metrics_port``), interleaved in one run: the holder's run (claim, events, hand-off) and a
+standby's tick (skipped: not the holder), wall time and this process's CPU per run.
+
 Every store gets its own table / namespace (SQLite: a file in a temp dir), dropped at the end.
 Server URLs: ``MUTEXCRON_TEST_<KIND>_URL`` or the local defaults below; MongoDB only when
 ``MUTEXCRON_TEST_MONGODB_URL`` is set. Prints markdown tables.
@@ -359,6 +363,77 @@ def bench_mysql8_claim_many(url: str, holder: Node, iterations: int) -> list[Row
         store.close()
 
 
+def bench_ticks(kind: str, iterations: int) -> list[Row]:
+    """Guarded runs end to end on started (paused) schedulers, without and with metrics, interleaved.
+
+    Per variant: a holder and a standby on an isolated store of their own. Each call runs the job's
+    next fire time by hand, as mutexcron's executor would: on the holder, the claim, the run's
+    events and its hand-off; on the standby, a tick skipped as not the holder.
+    """
+    from contextvars import copy_context
+    from datetime import datetime, timedelta, timezone
+
+    from mutexcron import MutexScheduler
+    from mutexcron.guard import _FIRE_TIME
+
+    def call(job: Any, fire: datetime) -> None:
+        _FIRE_TIME.set(fire)
+        job.func()
+
+    variants: dict[str, list[MutexScheduler]] = {}
+    isos: list[Isolated] = []
+    try:
+        for label, port in (("without metrics", None), ("with metrics", 0)):
+            iso = isolated(kind)
+            isos.append(iso)
+            pair = []
+            for role in ("holder", "standby"):
+                sched = MutexScheduler(lock_url=iso.url, node_id=f"bench-{role}", unactive_interval=60,
+                                       metrics_port=port, metrics_host="127.0.0.1")  # fmt: skip
+                sched.add_job(lambda: None, "interval", hours=24, id="bench", mutex="bench")
+                sched.start(paused=True)
+                deadline = time.monotonic() + 10
+                while role == "holder" and "bench" not in sched._leases.held():  # type: ignore[union-attr]
+                    if time.monotonic() > deadline:
+                        raise MutexcronError(f"{kind}: the bench holder never got its lease")
+                    time.sleep(0.01)
+                pair.append(sched)
+            variants[label] = pair
+        base = datetime.now(timezone.utc)
+        samples: dict[str, list[float]] = {f"{r}, {label}": [] for label in variants for r in ("holder run", "standby tick")}
+        cpu: dict[str, float] = dict.fromkeys(samples, 0.0)
+        clock = time.perf_counter
+        for i in range(-20, iterations):  # 20 warm-up calls each
+            fire = base + timedelta(seconds=i + 100)  # a newer fire time each call: every claim is won
+            for label, (holder, standby) in variants.items():
+                for role, sched in (("holder run", holder), ("standby tick", standby)):
+                    job, ctx = sched.get_job("bench"), copy_context()
+                    start, cpu0 = clock(), time.process_time()
+                    ctx.run(call, job, fire)
+                    if i >= 0:
+                        samples[f"{role}, {label}"].append(clock() - start)
+                        cpu[f"{role}, {label}"] += time.process_time() - cpu0
+        return [Row(name, values, None, "", cpu[name] / len(values)) for name, values in samples.items()]
+    finally:
+        for pair in variants.values():
+            for sched in pair:
+                sched.shutdown()
+        for iso in isos:
+            iso.cleanup()
+
+
+def render_ticks(kind: str, rows: list[Row]) -> str:
+    out = [[r.operation, f"{r.p50_ms:.3f}", f"{r.p99_ms:.3f}", f"{r.cpu * 1000:.3f}", str(len(r.samples))] for r in rows]
+    by = {r.operation: r for r in rows}
+    notes = []
+    for role in ("holder run", "standby tick"):
+        off, on = by[f"{role}, without metrics"], by[f"{role}, with metrics"]
+        notes.append(f"{role}: metrics add {(on.p50_ms - off.p50_ms) * 1000:+.1f} µs p50, "
+                     f"{(on.cpu - off.cpu) * 1e6:+.1f} µs CPU")  # fmt: skip
+    table = md_table(["guarded run (" + kind + ")", "p50 ms", "p99 ms", "client CPU ms", "n"], out)
+    return f"{table}\n\n" + "; ".join(notes) + "\n"
+
+
 def render(kind: str, version: str, rows: list[Row]) -> str:
     raw = rows[0].p50_ms
     write = next((r.p50_ms for r in rows if r.operation.startswith("raw write")), None)
@@ -384,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stores", default="memory,sqlite,mysql,postgresql,redis,mongodb", help="comma-separated")
     parser.add_argument("--iterations", type=int, default=1000, help="timed calls per operation [1000]")
     parser.add_argument("--big", type=int, default=BIG, help=f"held locks in the largest renew_many [{BIG}]")
+    parser.add_argument("--ticks", action="store_true", help="also time guarded runs without and with metrics")
+    parser.add_argument("--ticks-only", action="store_true", help="only the guarded runs (implies --ticks)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     kinds = [k.strip() for k in args.stores.split(",") if k.strip()]
@@ -396,11 +473,14 @@ def main(argv: list[str] | None = None) -> int:
             print("_mongodb: skipped (set MUTEXCRON_TEST_MONGODB_URL)_\n")
             continue
         try:
-            version, rows = bench_store(kind, args.iterations, args.big)
+            if not args.ticks_only:
+                version, rows = bench_store(kind, args.iterations, args.big)
+                print(render(kind, version, rows), flush=True)
+            if args.ticks or args.ticks_only:
+                print(render_ticks(kind, bench_ticks(kind, args.iterations)), flush=True)
         except MutexcronError as exc:
             print(f"_{kind}: skipped ({exc})_\n")
             continue
-        print(render(kind, version, rows), flush=True)
     return 0
 
 

@@ -26,6 +26,7 @@ well). The store URLs are those of ``overhead.py``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -72,6 +73,7 @@ class Settings:
     lease: float
     workers: int
     pool_size: int | None
+    metrics: bool = False  # the guarded nodes serve /metrics (mutexcron run --metrics-port, a free port each)
 
 
 @dataclass(frozen=True)
@@ -279,6 +281,9 @@ def run_guarded(kind: str, name: str, url: str, rs: RowSet, settings: Settings) 
         MUTEXCRON_SCALE_STORE_OPTIONS=json.dumps(pool),
         MUTEXCRON_SCALE_WORKERS=str(settings.workers or ""),
     )
+    if settings.metrics:
+        cluster.env.update(MUTEXCRON_METRICS_PORT="0", MUTEXCRON_METRICS_HOST="127.0.0.1")
+        name += " + metrics"
     with cluster:
         window = observe(cluster.check_nodes, [p.pid for p in cluster.procs.values()], settings)
         runs = read_runs(cluster.workdir)
@@ -436,6 +441,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="SQL stores: SQLAlchemy pool_size for the nodes' engines [the store's default]",
     )
     parser.add_argument(
+        "--with-metrics", action="store_true",
+        help="run each guarded row again with the nodes serving /metrics, to compare in the same run",
+    )
+    parser.add_argument(
         "--json", nargs="?", const="-", metavar="FILE", help="print JSON instead of the tables; with FILE, write it there too"
     )
     args = parser.parse_args(argv)
@@ -474,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
                 notes.append(f"plain baseline: failed ({exc})")
         plain = plain_by_jobs[rs.jobs]
         guarded = [r for kind in args.kinds if (r := guarded_row(kind, rs, settings, notes)) is not None]
+        if args.with_metrics:  # the same rows again with metrics served, in the same run
+            metered = dataclasses.replace(settings, metrics=True)
+            guarded += [r for kind in args.kinds if (r := guarded_row(kind, rs, metered, notes)) is not None]
         if tables:
             print(render(rs, plain, guarded, notes), flush=True)
         doc["row_sets"].append(to_json(rs, plain, guarded, notes))

@@ -98,3 +98,8 @@ def run_job(job: Any, run_time: datetime, logger_name: str) -> list[Any]:
     """APScheduler's ``run_job`` (public in the module, undocumented) for one run time."""
     events: list[Any] = _run_job(job, jobstore_alias(job), [run_time], logger_name)
     return events
+
+
+def dispatch_event(scheduler: Any, event: Any) -> None:
+    """Deliver ``event`` to the scheduler's listeners whose mask matches its code."""
+    scheduler._dispatch_event(event)

@@ -24,6 +24,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from . import apscheduler_internals as aps
+from .events import EVENT_RUN_SKIPPED, MutexEvent
 from .firetimes import slot_of
 from .locks import FireClaim, HeldClaim
 from .record import us_from_datetime
@@ -115,8 +116,9 @@ def _claim_and_start(
                 log.info("job %r: not started, the scheduler is stopping", entry.job.id)
         manager.end_run(held.lock)
         if won is not None and manager.holds(held.lock, held.token):
-            log.info("job %r: fire time %s already ran under lock %r; not running it again",
-                     entry.job.id, entry.slot, held.lock)
+            reason = "paused" if manager.paused(held.lock) else "already-run"
+            manager.emit(MutexEvent(EVENT_RUN_SKIPPED, lock=held.lock, job_id=entry.job.id, node=manager.node.node_id,
+                                    token=held.token, fire_time=entry.slot, reason=reason))  # fmt: skip
         aps.release_instance(entry.executor, entry.job)  # free the instance APScheduler counted
 
 

@@ -92,7 +92,27 @@ def main() -> None:
     type=click.FloatRange(min=0),
     default=30.0,
     show_default=True,
-    help="On SIGTERM/SIGINT, how long to wait for running guarded jobs before releasing their locks.",
+    help="On SIGTERM/SIGINT, how long to wait for running guarded jobs and task handlers before releasing their "
+    "locks (claimed tasks that have not started are handed back at once).",
+)
+@click.option(
+    "--task-concurrency",
+    type=click.IntRange(min=1),
+    envvar="MUTEXCRON_TASK_CONCURRENCY",
+    help="Threads running task handlers (sched.tasks) on this node [env MUTEXCRON_TASK_CONCURRENCY; default 8].",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(min=0, max=65535),
+    envvar="MUTEXCRON_METRICS_PORT",
+    help="Serve Prometheus /metrics and the /healthz and /readyz checks on this port (0: any free port; needs "
+    'pip install "mutexcron[metrics]") [env MUTEXCRON_METRICS_PORT; default: not served].',
+)
+@click.option(
+    "--metrics-host",
+    envvar="MUTEXCRON_METRICS_HOST",
+    metavar="ADDRESS",
+    help="The address the metrics port binds [env MUTEXCRON_METRICS_HOST; default 0.0.0.0, every interface].",
 )
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
 @click.pass_context
@@ -103,6 +123,9 @@ def run(
     node_id: str | None,
     unactive_interval: float | None,
     shutdown_timeout: float,
+    task_concurrency: int | None,
+    metrics_port: int | None,
+    metrics_host: str | None,
     log_level: str,
 ) -> None:
     """Run the scheduler in JOBS (a path to a .py file, or module:attr) until SIGTERM/SIGINT."""
@@ -120,7 +143,13 @@ def run(
         # already read by MutexScheduler() as defaults, below its explicit arguments.
         explicit: dict[str, Any] = {
             name: value
-            for name, value in (("node_id", node_id), ("unactive_interval", unactive_interval))
+            for name, value in (
+                ("node_id", node_id),
+                ("unactive_interval", unactive_interval),
+                ("task_concurrency", task_concurrency),
+                ("metrics_port", metrics_port),
+                ("metrics_host", metrics_host),
+            )
             if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
         }
         if store is not None:
@@ -137,8 +166,11 @@ def run(
         _fail_on(exc, debug=debug, what="startup")
     stopper.wait()
     running = sched.running_guarded_jobs()
-    if running:
-        log.warning("exiting with guarded jobs still running: %s", ", ".join(running))
+    tasks = sched.running_tasks()
+    if running or tasks:
+        # Their threads would keep the process alive; their leases run out and other nodes take over.
+        busy = [*running, *(f"task {code}/{key}" for code, key in tasks)]
+        log.warning("exiting with guarded jobs or task handlers still running: %s", ", ".join(busy))
         logging.shutdown()
         os._exit(1)
     log.info("stopped")
@@ -182,7 +214,11 @@ class _GracefulStop:
 
     def _stop(self) -> None:
         name = signal.Signals(self.signals[0][0]).name
-        log.info("%s received: stopping (waiting up to %ss for running guarded jobs)", name, self.shutdown_timeout)
+        log.info(
+            "%s received: stopping (waiting up to %ss for running guarded jobs and task handlers)",
+            name,
+            self.shutdown_timeout,
+        )
         self.sched.shutdown(wait=True)
 
     def wait(self) -> None:
@@ -242,12 +278,16 @@ def status(jobs: str | None, lock_url: str | None, as_json: bool) -> None:
 
     With JOBS (a jobs file), use that scheduler's lock store unless --lock-url is given.
     """
+    from .cli_tasks import task_status
+
     _setup_logging("warning")
+    sched = None
     try:
-        if not lock_url and jobs:
+        if jobs:
             from .loader import load_scheduler
 
-            lock_url = load_scheduler(jobs).lock_url
+            sched = load_scheduler(jobs)
+            lock_url = lock_url or sched.lock_url
         store = lock_store_from_url(lock_url or DEFAULT_LOCK_URL)
     except MutexcronError as exc:
         _fail_on(exc, what="status")
@@ -257,12 +297,16 @@ def status(jobs: str | None, lock_url: str | None, as_json: bool) -> None:
         _fail_on(exc, what="status")
     finally:
         store.close()
+    task_report = task_status(lock_url or DEFAULT_LOCK_URL, sched)
     if as_json:
-        click.echo(json.dumps({"store": store.masked_url, "locks": [r.to_json() for r in records]}, indent=2))
+        locks = [r.to_json() for r in records]
+        click.echo(json.dumps({"store": store.masked_url, "locks": locks, "tasks": task_report.to_json()}, indent=2))
         return
     click.echo(f"lock store: {store.masked_url}  ({len(records)} lock{'s' if len(records) != 1 else ''})")
     if records:
         click.echo(format_status(records))
+    for line in task_report.lines():
+        click.echo(line)
 
 
 @main.command()
@@ -273,12 +317,14 @@ def ddl(lock_url: str | None) -> None:
         store = lock_store_from_url(lock_url or DEFAULT_LOCK_URL)
     except MutexcronError as exc:
         _fail_on(exc, what="ddl")
+    from .cli_tasks import schemaless_note, task_ddl
+
     try:
         statements: Callable[[], list[str]] | None = getattr(store, "ddl", None)
         if statements is None:
-            _fail(f"{store.masked_url} has no schema to create: only SQL stores have DDL")
-        for statement in statements():
-            click.echo(statement.strip() + ";\n")
+            _fail(f"{store.masked_url} has no schema to create: only SQL stores have DDL. {schemaless_note(store)}".strip())
+        for statement in [*statements(), *task_ddl(lock_url or DEFAULT_LOCK_URL)]:
+            click.echo(statement.strip() + ("\n" if statement.startswith("--") else ";\n"))
     finally:
         store.close()
 
@@ -307,19 +353,48 @@ def ddl(lock_url: str | None) -> None:
     help="Shift node i's wall clock by i x SECONDS (needs libfaketime: apt-get install faketime).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout (progress stays on stderr).")
-def drill(lock_url: str | None, nodes: int, unactive_interval: float, duration: float, skew: float, as_json: bool) -> None:
+@click.option(
+    "--tasks",
+    "tasks_mode",
+    is_flag=True,
+    help="Drill the task pool instead of the cron locks: the nodes run tasks of the drill's own code "
+    "(mutexcron-drill-<random>, removed at the end); --unactive-interval is the task lease.",
+)
+@click.option(
+    "--task-rate",
+    type=click.FloatRange(min=0.5, max=200),
+    default=4.0,
+    show_default=True,
+    help="With --tasks: tasks added per second, due 0-3 s ahead.",
+)
+def drill(
+    lock_url: str | None,
+    nodes: int,
+    unactive_interval: float,
+    duration: float,
+    skew: float,
+    as_json: bool,
+    tasks_mode: bool,
+    task_rate: float,
+) -> None:
     """A failover drill against your store: N local nodes, SIGKILL, SIGSTOP and SIGTERM of the holder.
 
     The nodes guard one every-second job under a lock of the drill's own
     (mutexcron-drill-<random>). Exit 0 on PASS, 1 on FAIL, 2 if the drill could not run,
     130 if interrupted. Everything is cleaned up, also after Ctrl-C; the drill lock stays in the
     store as a released record (records are never deleted, so fencing tokens never go back).
+
+    With --tasks, the same faults hit nodes running task handlers while the drill adds tasks: no
+    task may be lost, a stale attempt's completion must be refused, and a killed, frozen or
+    stopped node's tasks must start again on another node in time.
     """
-    from .drill import format_report, run_drill
+    from .drill import format_report, format_task_report, run_drill, run_task_drill
 
     _setup_logging("warning")
     if not lock_url:
         _fail("drill needs the store to test: --lock-url URL (or MUTEXCRON_LOCK_URL)")
+    if tasks_mode and skew:
+        _fail("--skew is for the lock drill: the task drill judges leases and due times by the store's clock only")
 
     def progress(message: str) -> None:
         click.echo(f"[{time.strftime('%H:%M:%S')}] {message}", err=True)
@@ -328,10 +403,16 @@ def drill(lock_url: str | None, nodes: int, unactive_interval: float, duration: 
         raise KeyboardInterrupt  # the drill cleans up on its way out, as for Ctrl-C
 
     previous = signal.signal(signal.SIGTERM, interrupt)
+    report: Any
     try:
-        report = run_drill(
-            lock_url, nodes=nodes, unactive_interval=unactive_interval, duration=duration, skew=skew, progress=progress
-        )
+        if tasks_mode:
+            report = run_task_drill(
+                lock_url, nodes=nodes, lease=unactive_interval, duration=duration, rate=task_rate, progress=progress
+            )
+        else:
+            report = run_drill(
+                lock_url, nodes=nodes, unactive_interval=unactive_interval, duration=duration, skew=skew, progress=progress
+            )
     except KeyboardInterrupt:
         click.echo("mutexcron: drill interrupted; nodes stopped and temporary files removed", err=True)
         sys.exit(130)
@@ -342,9 +423,24 @@ def drill(lock_url: str | None, nodes: int, unactive_interval: float, duration: 
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:
-        click.echo(format_report(report))
+        click.echo(format_task_report(report) if tasks_mode else format_report(report))
     sys.exit(0 if report.passed else 1)
 
+
+from . import cli_tasks  # noqa: E402 - it uses the helpers above
+
+main.add_command(cli_tasks.tasks)
+
+from . import cli_trigger  # noqa: E402
+
+main.add_command(cli_trigger.trigger)
+
+from . import cli_ops  # noqa: E402
+
+main.add_command(cli_ops.history)
+main.add_command(cli_ops.pause)
+main.add_command(cli_ops.resume)
+main.add_command(cli_ops.status)  # replaces the status above: its lock table (+ PAUSED), nodes, pauses, last runs
 
 if __name__ == "__main__":  # pragma: no cover
     main()

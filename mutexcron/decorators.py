@@ -17,6 +17,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 
 from .errors import ConfigurationError
 from .guard import MutexConfig, _seconds
+from .pings import check_ping
 
 _JOB_OPTIONS = (
     "args",
@@ -46,6 +47,7 @@ class ScheduleDecorators:
         lock_else: Callable[[Any], Any] | None = None,
         unactive_interval: timedelta | float | None = None,
         heartbeat: Callable[..., Any] | None = None,
+        ping: str | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Guard a job with a named lock. Works above or below ``cron_schedule``/``scheduled_job``.
 
@@ -57,8 +59,12 @@ class ScheduleDecorators:
             unactive_interval: lease length: a holder whose heartbeat is older than this, by the
                 store's clock, is dead (seconds or timedelta; default the scheduler's, 10 s).
             heartbeat: callable-lock mode only: ``heartbeat(ip, now, **attrs)``.
+            ping: a monitor's ping URL, pinged when each run starts and ends on the node that runs
+                it: healthchecks.io's ``https://hc-ping.com/<uuid>``, or a template with ``{state}``
+                (Cronitor's ``https://cronitor.link/p/<api-key>/{job}?state={state}``); ``{job}``
+                and ``{lock}`` are filled in. See :mod:`mutexcron.pings`.
         """
-        config = MutexConfig(lock, lock_else, _seconds(unactive_interval, "unactive_interval"), heartbeat)
+        config = MutexConfig(lock, lock_else, _seconds(unactive_interval, "unactive_interval"), heartbeat, ping)
 
         def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
             jobs = getattr(func, "__mutexcron_jobs__", None)
@@ -67,6 +73,8 @@ class ScheduleDecorators:
                     for job in jobs:
                         self._guard_existing(job, func, config)
             else:
+                if ping is not None:  # not added yet: name the job by its default id
+                    check_ping(ping, getattr(func, "__qualname__", repr(func)))
                 func.__mutexcron_mutex__ = config  # type: ignore[attr-defined]
             return func
 

@@ -38,3 +38,20 @@ class AttrsError(MutexcronError, TypeError):
 
 class LeaseError(MutexcronError):
     """A lease operation was used outside the context that supports it."""
+
+
+class TaskSignal(MutexcronError):
+    """Raised by a task handler to tell the worker what to record (not an error of the handler)."""
+
+
+class Defer(TaskSignal):
+    """Run the task again in ``seconds`` (its due and idempotency key kept), quietly: no traceback
+    is logged. The attempt still counts toward the handler's ``max_attempts``."""
+
+    def __init__(self, seconds: float, reason: str = "deferred") -> None:
+        super().__init__(reason)
+        self.seconds, self.reason = max(0.0, float(seconds)), reason
+
+
+class FailTask(TaskSignal):
+    """Keep the task as ``failed`` now with this error, whatever attempts are left."""

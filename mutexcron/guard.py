@@ -22,10 +22,12 @@ from apscheduler.executors.pool import ThreadPoolExecutor
 from . import apscheduler_internals as aps
 from .batch import PRECLAIMED, ClaimBatch, Preclaim
 from .errors import AttrsError, ConfigurationError, LeaseError
+from .events import EVENT_RUN_FINISHED, EVENT_RUN_SKIPPED, EVENT_RUN_STARTED, Emit, MutexEvent, log_event
 from .firetimes import slot_of
 from .lease import Lease, _enter, _exit
 from .locks import AcquireResult, FireClaim, Node, RunInfo
 from .names import check_name
+from .pings import check_ping
 from .record import us_from_datetime
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,7 @@ class LeaseKeeper(Protocol):
     """What a guarded run needs from the node's lease manager."""
 
     node: Node
+    emit: Emit
 
     def clock(self) -> float: ...
     def begin_run(self, lock: str) -> bool: ...
@@ -82,6 +85,7 @@ class MutexConfig:
     lock_else: Callable[[Any], Any] | None = None
     unactive_interval: float | None = None  # None: the scheduler's default
     heartbeat: Callable[..., Any] | None = None
+    ping: str | None = None  # a monitor's ping URL or template: mutexcron.pings
 
     @property
     def callable_lock(self) -> bool:
@@ -106,6 +110,8 @@ class MutexConfig:
             check_name(self.lock, "lock name")
         if self.lock_else is not None and not callable(self.lock_else):
             raise ConfigurationError(f"mutex(lock_else=...) must be callable, not {self.lock_else!r}")
+        if self.ping is not None and self.callable_lock:
+            raise ConfigurationError("mutex(ping=...) needs a lock name: the callable-lock mode has no run events to ping")
 
 
 def _as_config(mutex: Any) -> MutexConfig | None:
@@ -137,6 +143,7 @@ class _Run:
     seen: set[str]
     context: contextvars.Token[Lease]
     started: float
+    fire_time: datetime
 
 
 class GuardedJob:
@@ -151,6 +158,8 @@ class GuardedJob:
         self.lock = config.lock if isinstance(config.lock, str) else default_lock
         if not config.callable_lock:
             check_name(self.lock, f"lock name of job {job_id!r}")
+        if config.ping is not None:
+            check_ping(config.ping, job_id)
         self.__name__ = getattr(func, "__name__", job_id)
         self.__qualname__ = getattr(func, "__qualname__", job_id)
         self.__module__ = getattr(func, "__module__", __name__)
@@ -186,7 +195,7 @@ class GuardedJob:
             preclaimed.taken = True
         # The run counts from before its store call: a stop that begins now waits for it.
         if manager is None or (preclaimed is None and not manager.begin_run(self.lock)):
-            log.info("job %r not started: the scheduler is stopping", self.job_id)
+            self._skipped(manager, fire_time, "stopping")
             return None
         try:
             token = preclaimed.token if preclaimed is not None else self._claim(manager, fire_time)
@@ -219,13 +228,41 @@ class GuardedJob:
         if result is None or result.uncertain:  # store down or contended: fail closed (logged)
             return None
         if not result.acquired:
+            self._skipped(manager, fire_time, "not-holder")
             if self.config.lock_else is not None:
                 self.config.lock_else(result.record)
             return None
         if not result.claimed:
-            log.info("job %r: fire time %s already ran under lock %r; not running it again", self.job_id, fire_time, self.lock)
+            self._skipped(manager, fire_time, "paused" if result.record.paused else "already-run", result.token)
             return None
         return result.token
+
+    def _skipped(self, manager: LeaseKeeper | None, fire_time: datetime, reason: str, token: int | None = None) -> None:
+        """A fire time this node does not run (:data:`~mutexcron.events.EVENT_RUN_SKIPPED`)."""
+        emit = manager.emit if manager is not None else log_event
+        node = manager.node.node_id if manager is not None else None
+        event = MutexEvent(EVENT_RUN_SKIPPED, lock=self.lock, job_id=self.job_id, node=node, token=token,
+                           fire_time=fire_time, reason=reason)  # fmt: skip
+        _report(event)
+        emit(event)
+
+    def run_now(self, fire_time: datetime, args: tuple[Any, ...], kwargs: dict[str, Any]) -> MutexEvent | None:
+        """Run the job for ``fire_time`` on this thread, through its lock as a scheduled run is
+        (the fire claim decides: at most once per fire time across the cluster).
+
+        Returns the event that ended it: RUN_FINISHED (ran; ``outcome``), RUN_SKIPPED (``reason``),
+        or None if it did not get that far. The job's own exception is in the event, not raised.
+        """
+        report: list[MutexEvent] = []
+        reported, fired = _REPORT.set(report), _FIRE_TIME.set(fire_time)
+        try:
+            self(*args, **kwargs)
+        except Exception:  # noqa: BLE001, S110 - the job's error is in the RUN_FINISHED event
+            pass
+        finally:
+            _FIRE_TIME.reset(fired)
+            _REPORT.reset(reported)
+        return report[-1] if report else None
 
     def _start(
         self, manager: LeaseKeeper, token: int, fire_time: datetime, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -243,23 +280,39 @@ class GuardedJob:
         # said "yours" may have outlasted the lease (monotonic deadline).
         if not manager.holds(self.lock, token):
             _exit(context)
-            log.warning("job %r: lease of lock %r (token %d) ran out before the run could start; not run",
-                        self.job_id, self.lock, token)
+            self._skipped(manager, fire_time, "lease-expired", token)
             return None
-        return _Run(token, attrs, seen, context, manager.clock())
+        lag = (datetime.now(fire_time.tzinfo) - fire_time).total_seconds()
+        manager.emit(MutexEvent(EVENT_RUN_STARTED, lock=self.lock, job_id=self.job_id, node=manager.node.node_id,
+                                token=token, fire_time=fire_time, lag=lag))  # fmt: skip
+        return _Run(token, attrs, seen, context, manager.clock(), fire_time)
 
     def _end(self, manager: LeaseKeeper, run: _Run, *, result: Any = None, error: BaseException | None = None) -> None:
         """The fenced hand-off of the run's attrs and run info (one store call)."""
         duration = manager.clock() - run.started
         if error is not None:
-            manager.finish(self.lock, run.token, run.seen, None, RunInfo(duration, _describe(error)), self.job_id)
+            manager.finish(self.lock, run.token, run.seen, None, self._info(run, duration, _describe(error)), self.job_id)
+            self._finished(manager, run, duration, _describe(error))
             return
         returned = self._returned_attrs(result)
         try:
-            manager.finish(self.lock, run.token, run.seen, returned, RunInfo(duration, None), self.job_id)
+            manager.finish(self.lock, run.token, run.seen, returned, self._info(run, duration, None), self.job_id)
         except AttrsError as exc:
-            manager.finish(self.lock, run.token, run.seen, None, RunInfo(duration, _describe(exc)), self.job_id)
+            manager.finish(self.lock, run.token, run.seen, None, self._info(run, duration, _describe(exc)), self.job_id)
+            self._finished(manager, run, duration, _describe(exc))
             raise
+        self._finished(manager, run, duration, None)
+
+    def _info(self, run: _Run, duration: float, error: str | None) -> RunInfo:
+        """What the hand-off records of the run (also its run-history entry)."""
+        return RunInfo(duration, error, job=self.job_id, fire_time=run.fire_time)
+
+    def _finished(self, manager: LeaseKeeper, run: _Run, duration: float, error: str | None) -> None:
+        event = MutexEvent(EVENT_RUN_FINISHED, lock=self.lock, job_id=self.job_id, node=manager.node.node_id,
+                           token=run.token, fire_time=run.fire_time, outcome="error" if error else "success",
+                           duration=duration, error=error)  # fmt: skip
+        _report(event)
+        manager.emit(event)
 
     def _returned_attrs(self, result: Any) -> Mapping[str, Any] | None:
         """A returned dict is the new attrs; anything else keeps them (logged once per job)."""
@@ -291,6 +344,16 @@ class GuardedJob:
         if self.config.lock_else is not None:
             self.config.lock_else(lock_rec)
         return None
+
+
+#: The events of a run started by :meth:`GuardedJob.run_now` (None for scheduled runs).
+_REPORT: contextvars.ContextVar[list[MutexEvent] | None] = contextvars.ContextVar("mutexcron_run_report", default=None)
+
+
+def _report(event: MutexEvent) -> None:
+    report = _REPORT.get()
+    if report is not None:
+        report.append(event)
 
 
 def _describe(exc: BaseException) -> str:

@@ -22,7 +22,7 @@ from apscheduler.executors.base import run_coroutine_job
 
 from . import apscheduler_internals as aps
 from .firetimes import slot_of
-from .guard import _FIRE_TIME, GuardedJob, _run_with_fire_times, log
+from .guard import _FIRE_TIME, GuardedJob, _run_with_fire_times
 from .lease import _exit
 
 
@@ -33,7 +33,7 @@ class AsyncGuardedJob(GuardedJob):
         fire_time = self._fire_time()
         manager = self.context.leases
         if manager is None or not manager.begin_run(self.lock):
-            log.info("job %r not started: the scheduler is stopping", self.job_id)
+            self._skipped(manager, fire_time, "stopping")
             return None
         try:
             token = await asyncio.to_thread(self._claim, manager, fire_time)

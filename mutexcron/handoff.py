@@ -9,6 +9,7 @@ and did not return are deleted, and keys it never saw (a lock-group mate's) are 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -50,8 +51,11 @@ class AttrsHandOff:
     ) -> bool:
         """One fenced write of the merged attrs and the run info; False if the lock moved on.
 
-        Raises StoreUnavailableError/StoreError from the store, AttrsError for bad attrs.
+        The run (if any) goes to ``job``'s run history in the same write (``run.job`` defaults to
+        ``job``). Raises StoreUnavailableError/StoreError from the store, AttrsError for bad attrs.
         """
+        if run is not None and run.job is None:
+            run = dataclasses.replace(run, job=job)
         with self._lock:
             writing = self._writing.setdefault(lock, threading.Lock())
         with writing:

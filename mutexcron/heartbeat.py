@@ -23,14 +23,31 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .clockoffset import ClockOffset
 from .errors import StoreError, StoreUnavailableError
+from .events import (
+    EVENT_LOCK_ACQUIRED,
+    EVENT_LOCK_LOST,
+    EVENT_LOCK_PAUSED,
+    EVENT_LOCK_RELEASED,
+    EVENT_LOCK_RESUMED,
+    EVENT_LOCK_TAKEN_OVER,
+    Emit,
+    MutexEvent,
+    log_event,
+)
 from .handoff import AttrsHandOff
 from .health import StoreHealth
 from .locks import AcquireResult, FireClaim, HeldClaim, LockStore, Node, RunInfo
+from .locks.base import Presence
 from .record import LockRecord
 from .views import STANDBY_REFRESH, RecordViews
 
 log = logging.getLogger(__name__)
+
+#: Seconds between two presence records of a node that renews no lease (a standby).
+PRESENCE_EVERY = 10.0
+
 
 @dataclass
 class _Held:
@@ -47,8 +64,11 @@ class LeaseManager:
         locks: lock name -> lease length in seconds, for every guarded lock of this scheduler.
         on_acquired: called from the heartbeat thread after it takes over a lock, with the
             lock name and the record as it was before the takeover.
+        on_read: called with each record a standby's refresh reads (the missed-run alarm); must
+            return at once.
         clock: monotonic clock for this node's own deadlines (injectable for tests).
         max_attrs_bytes: the largest attrs (as JSON) a run may store; larger ones raise AttrsError.
+        emit: where lease and store events go (:mod:`mutexcron.events`; default: the log lines alone).
     """
 
     def __init__(
@@ -58,24 +78,34 @@ class LeaseManager:
         locks: Mapping[str, float],
         *,
         on_acquired: Callable[[str, LockRecord | None], None] | None = None,
+        on_read: Callable[[str, LockRecord | None], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_attrs_bytes: int | None = None,
+        emit: Emit | None = None,
     ) -> None:
         self.store = store
+        self.emit: Emit = emit or log_event
         self.node = node
         self._locks = dict(locks)
         self.on_acquired = on_acquired
+        self.on_read = on_read
         self.clock = clock
         self._stopping = False
         self._held: dict[str, _Held] = {}
         self._mutex = threading.Lock()
         self.handoff = AttrsHandOff(store, node, max_attrs_bytes)
-        self.health = StoreHealth(store.masked_url, node.node_id)
+        self.health = StoreHealth(store.masked_url, node.node_id, emit=self.emit)
         self._running: dict[str, int] = {}
         self.views = RecordViews()  # other holders' records: standbys' ticks need no store call
         self._idle = threading.Condition(self._mutex)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by stop() and by participants
+        self._rounds: list[Callable[[], float | None]] = []  # other users of the thread (task renewals)
         self._thread: threading.Thread | None = None
+        self.last_round_ok: float | None = None  # monotonic: the last heartbeat round the store answered
+        self.offset = ClockOffset()  # this node's wall clock against the store's, from records it reads
+        self._paused: dict[str, bool] = {}  # lock -> paused, as this node last saw it
+        self._presence_at: float | None = None  # monotonic: when this node last published its presence
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -128,17 +158,20 @@ class LeaseManager:
         if old is not None and old.token == token:
             return False
         if previous is not None and previous.holder and previous.holder != self.node.node_id:
-            log.warning(
-                "took over lock %r (token %d) from %s (%s), whose heartbeat was %.1fs old",
+            self._emit(
+                EVENT_LOCK_TAKEN_OVER,
                 name,
                 token,
-                previous.holder,
-                previous.active_ip,
-                previous.heartbeat_age or 0.0,
+                previous_holder=previous.holder,
+                previous_ip=previous.active_ip,
+                stale_for=previous.heartbeat_age or 0.0,
             )
         else:
-            log.info("acquired lock %r (token %d)", name, token)
+            self._emit(EVENT_LOCK_ACQUIRED, name, token)
         return True
+
+    def _emit(self, code: int, lock: str, token: int | None, **details: Any) -> None:
+        self.emit(MutexEvent(code, lock=lock, node=self.node.node_id, token=token, **details))
 
     def _acquired(self, name: str, before: LockRecord | None) -> None:
         """A change of holder, by a tick or by the heartbeat thread: let the scheduler catch up."""
@@ -158,7 +191,7 @@ class LeaseManager:
             if expired and self.clock() < old.deadline:
                 return
             del self._held[name]
-        log.warning("lost lock %r (token %d): %s", name, old.token, why)
+        self._emit(EVENT_LOCK_LOST, name, old.token, reason=why)
 
     # -- operations used by guarded jobs ----------------------------------------------------------
     def tick(self, name: str, claim: FireClaim | None) -> AcquireResult | None:
@@ -172,13 +205,16 @@ class LeaseManager:
             elsewhere = self.views.held_elsewhere(name, sent_at)
             if elsewhere is not None:  # a standby that read the record a moment ago: no store call
                 return AcquireResult(False, elsewhere)
+        wall = time.time()
         try:
             result = self.store.acquire_or_renew(name, self.node, ttl, claim)
         except (StoreUnavailableError, StoreError) as exc:
             self.health.report(False, exc)
             return None
+        self.offset.observe(result.record, wall, time.time())
         self.health.report(True)
         self.views.seen(name, result.record, sent_at, self.clock(), self.node.node_id)
+        self.observe_paused(name, result.record)
         if result.uncertain:
             log.info("lock %r: the store could not settle this acquire (contention); not counted", name)
         elif result.acquired:
@@ -205,6 +241,8 @@ class LeaseManager:
             return None
         self.health.report(True)
         tokens = {c.lock: c.token for c in claims}
+        for lock in result.renewed:
+            self._set_paused(lock, lock in result.paused, None)
         with self._mutex:
             for lock in result.renewed:
                 held = self._held.get(lock)
@@ -213,6 +251,32 @@ class LeaseManager:
         for lock in set(tokens) - set(result.renewed):
             self._drop(lock, "another node holds it now", tokens[lock])
         return set(result.won)
+
+    # -- pause ---------------------------------------------------------------------------------------
+    def paused(self, name: str) -> bool:
+        """True if this node last saw ``name`` paused (``mutexcron pause``)."""
+        with self._mutex:
+            return self._paused.get(name, False)
+
+    def observe_paused(self, name: str, record: LockRecord) -> None:
+        """Note the pause flag of a record the store returned; an event (and a log line) on a change."""
+        self._set_paused(name, record.paused, record)
+
+    def _set_paused(self, name: str, paused: bool, record: LockRecord | None) -> None:
+        with self._mutex:
+            before = self._paused.get(name)
+            self._paused[name] = paused
+        if paused is (before is True):  # no change (a first sight of "not paused" is none either)
+            return
+        if record is None:  # a batched claim says only "paused" or not: read who and why, once per change
+            try:
+                record = self.store.read(name)
+            except (StoreUnavailableError, StoreError):
+                record = None
+        if paused:
+            self._emit(EVENT_LOCK_PAUSED, name, None, paused_by=record.paused_by if record is not None else None)
+        else:  # `mutexcron resume --catch-up` asks the holder for the catch-up runs itself (triggers)
+            self._emit(EVENT_LOCK_RESUMED, name, None, catch_up=bool(record is not None and record.resume_catch_up))
 
     def begin_run(self, name: str) -> bool:
         """Count a guarded run as started, from before its store call to its hand-off.
@@ -254,9 +318,7 @@ class LeaseManager:
             seen.update(attrs)
         return saved
 
-    def finish(
-        self, name: str, token: int, seen: set[str], attrs: Mapping[str, Any] | None, run: RunInfo, job: str
-    ) -> bool:
+    def finish(self, name: str, token: int, seen: set[str], attrs: Mapping[str, Any] | None, run: RunInfo, job: str) -> bool:
         """Save a run's attrs and run info, conditional on holder and token.
 
         Retries while the lease is still ours if the store is briefly unreachable, so a result
@@ -289,34 +351,63 @@ class LeaseManager:
     # -- the heartbeat thread -------------------------------------------------------------------
     def start(self) -> None:
         with self._mutex:
-            if self._thread is not None or not self._locks or self._stop.is_set():
+            if self._thread is not None or not (self._locks or self._rounds) or self._stop.is_set():
                 return
             self._thread = threading.Thread(target=self._loop, name="mutexcron-heartbeat", daemon=True)
         self._thread.start()
-        return
-        self._thread = threading.Thread(target=self._loop, name="mutexcron-heartbeat", daemon=True)
-        self._thread.start()
+
+    def attach(self, round_: Callable[[], float | None]) -> None:
+        """Run ``round_`` in every heartbeat round (the task worker's renewals); it returns the
+        seconds until it needs the next round, or None. Starts the thread if needed."""
+        with self._mutex:
+            self._rounds.append(round_)
+        self.start()
+
+    def wake(self) -> None:
+        """Run a round now (a participant needs one sooner than planned)."""
+        self._wake.set()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             wait = self.run_once()
-            self._stop.wait(wait)
+            self._wake.wait(wait)
+            self._wake.clear()
 
     def run_once(self) -> float:
         """One heartbeat round; returns how long to wait before the next one."""
+        if self.locks():
+            self._lock_round()
+        wait = self._run_participants()
+        if not self.locks():
+            return wait
+        if self.health.up is False:
+            return min(wait, self.health.backoff(self.period, holding=bool(self.held())))
+        return min(wait, self._next_round())
+
+    def _lock_round(self) -> None:
         try:
             self._renew()
             if not self._stopping:
                 self._take_over()
             self.health.report(True)
+            self.last_round_ok = self.clock()
         except (StoreUnavailableError, StoreError) as exc:
             self.health.report(False, exc)
         except Exception:  # never let the heartbeat thread die
             log.exception("heartbeat round failed")
         self._expire()
-        if self.health.up is False:
-            return self.health.backoff(self.period, holding=bool(self.held()))
-        return self._next_round()
+
+    def _run_participants(self) -> float:
+        wait = 10.0
+        for round_ in list(self._rounds):
+            try:
+                want = round_()
+            except Exception:  # never let the heartbeat thread die
+                log.exception("heartbeat participant failed")
+                want = 1.0
+            if want is not None:
+                wait = min(wait, want)
+        return max(0.0, wait)
 
     def _next_round(self) -> float:
         """Renew every lease/3; with locks held elsewhere, also refresh their view every second and
@@ -331,10 +422,13 @@ class LeaseManager:
 
     def _renew(self) -> None:
         leases = self.held()
-        if not leases:
+        presence = self._presence(bool(leases))
+        if not leases and presence is None:
             return
         sent_at = self.clock()
-        renewed = self.store.renew_many(self.node, leases)
+        renewed = self.store.renew_many(self.node, leases, presence=presence)
+        if presence is not None:
+            self._presence_at = sent_at
         with self._mutex:
             for name in renewed:
                 held = self._held.get(name)
@@ -342,6 +436,15 @@ class LeaseManager:
                     held.deadline = sent_at + self._locks[name]
         for name in set(leases) - renewed:
             self._drop(name, "another node holds it now", leases[name])
+
+    def _presence(self, renewing: bool) -> Presence | None:
+        """This node's presence, published with every renewal, and every PRESENCE_EVERY s otherwise."""
+        due = self._presence_at is None or self.clock() - self._presence_at >= PRESENCE_EVERY
+        if not renewing and not due:
+            return None
+        from . import __version__
+
+        return Presence(__version__, self.offset.value)
 
     def _take_over(self) -> None:
         held = self.held()
@@ -352,11 +455,16 @@ class LeaseManager:
         due, unknown = self.views.stale(wanted, self.clock())
         before = {name: self.views.record(name) for name in due}
         if unknown:
-            sent = self.clock()
+            sent, wall = self.clock(), time.time()
             records = self.store.read_many(unknown)
-            received = self.clock()
+            received, wall_received = self.clock(), time.time()
             for name in unknown:
                 record = records.get(name)
+                self.offset.observe(record, wall, wall_received)
+                if record is not None:
+                    self.observe_paused(name, record)
+                if self.on_read is not None:
+                    self.on_read(name, record)
                 self.views.seen(name, record, sent, received, self.node.node_id)
                 if record is None or record.state != "active" or record.holder == self.node.node_id:
                     due.append(name)
@@ -367,8 +475,9 @@ class LeaseManager:
             self._try_take_over(name, locks[name], before.get(name))
 
     def _try_take_over(self, name: str, ttl: float, before: LockRecord | None) -> None:
-        sent_at = self.clock()
+        sent_at, wall = self.clock(), time.time()
         result = self.store.acquire_or_renew(name, self.node, ttl)
+        self.offset.observe(result.record, wall, time.time())
         self.views.seen(name, result.record, sent_at, self.clock(), self.node.node_id)
         if not result.acquired:
             return
@@ -384,6 +493,12 @@ class LeaseManager:
             self._drop(name, "no successful renewal within the lease; this node demotes itself", expired=True)
 
     # -- stopping ---------------------------------------------------------------------------------
+    def begin_stop(self) -> None:
+        """No takeover and no new guarded run from now on; leases (and attached rounds) are still
+        renewed until :meth:`stop`."""
+        with self._mutex:
+            self._stopping = True
+
     def stop(self, timeout: float) -> None:
         """Stop takeovers, wait up to ``timeout`` s for running guarded jobs, release leases, stop.
 
@@ -397,23 +512,41 @@ class LeaseManager:
                 self._idle.wait(min(0.5, max(0.01, deadline - self.clock())))
             busy = dict(self._running)
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=15)  # longer than one store operation's timeout
         for name, token in self.held().items():
             if name in busy:
                 log.warning(
-                    "not releasing lock %r: a job is still running after the shutdown timeout; "
-                    "the lease will expire on its own",
+                    "not releasing lock %r: a job is still running after the shutdown timeout; the lease will expire on its own",
                     name,
                 )
                 continue
             try:
                 if self.store.release(name, self.node, token):
-                    log.info("released lock %r (token %d)", name, token)
+                    self._emit(EVENT_LOCK_RELEASED, name, token)
             except (StoreUnavailableError, StoreError) as exc:
                 log.warning("could not release lock %r (%s); it will expire after its lease", name, exc)
         with self._mutex:
             self._held.clear()
+
+    @property
+    def clock_offset(self) -> float | None:
+        """This node's wall clock minus the store's clock, in seconds (None until a record was read)."""
+        return self.offset.value
+
+    def unhealthy(self) -> str | None:
+        """Why this node cannot be trusted to run guarded jobs now, or None if it can: the store
+        is unreachable, the heartbeat thread is not running, or no round succeeded for 3 periods."""
+        if self.health.up is False:
+            return f"lock store {self.store.masked_url} is unreachable"
+        if self.locks() and (self._thread is None or not self._thread.is_alive()):
+            return "the heartbeat thread is not running"
+        if self.locks() and self.last_round_ok is not None:
+            late = self.clock() - self.last_round_ok
+            if late > 3 * self.period + 1.0:
+                return f"no heartbeat round succeeded for {late:.1f}s (every {self.period:.1f}s expected)"
+        return None
 
     def running(self) -> dict[str, int]:
         with self._mutex:

@@ -37,6 +37,14 @@ def load_scheduler(spec: str) -> MutexSchedulerMixin:
         if isinstance(value, MutexSchedulerMixin):
             found.setdefault(id(value), (name, value))
     if not found:
+        from .tasks.pool import TaskPool
+
+        if any(isinstance(v, TaskPool) and v.handlers for v in vars(module).values()):
+            raise JobsFileError(
+                "task handlers are registered on a TaskPool, but no MutexScheduler runs them: write "
+                "`sched = MutexScheduler()` and register them with `@sched.tasks.handler(...)`",
+                filename=filename,
+            )
         raise JobsFileError(
             "no MutexScheduler found: create one at module level, e.g. `sched = MutexScheduler()`", filename=filename
         )

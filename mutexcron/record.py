@@ -6,11 +6,12 @@ import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from types import MappingProxyType
 from typing import Any
 
 from .errors import AttrsError
+from .timeutil import MICROSECONDS, MILLISECONDS, as_utc
 from .timeutil import us_from_datetime as us_from_datetime  # re-exported: guard.py and firetimes.py use it
 
 #: Keys a LockRecord answers before it looks in the user attrs.
@@ -28,6 +29,10 @@ RECORD_KEYS: tuple[str, ...] = (
     "last_run_started",
     "last_run_finished",
     "last_error",
+    "paused",
+    "paused_at",
+    "paused_by",
+    "resume_catch_up",
 )
 
 
@@ -51,6 +56,11 @@ class LockRecord(Mapping[str, Any]):
         last_run_started / last_run_finished: the last guarded run, by the store's clock.
         last_error: the last run's error, or None if it succeeded.
         attrs: the user attrs the last run returned.
+        paused: an operator paused the lock (``mutexcron pause``): no fire time of it is claimed,
+            on any node, until it is resumed. Leases are still taken and renewed.
+        paused_at / paused_by: when (store clock) and by whom the flag was last set or cleared.
+        resume_catch_up: the last resume asked the nodes to catch up the fire times missed while
+            paused (``mutexcron resume --catch-up``); cleared by the next pause.
     """
 
     name: str
@@ -65,6 +75,10 @@ class LockRecord(Mapping[str, Any]):
     last_run_finished: datetime | None = None
     last_error: str | None = None
     attrs: Mapping[str, Any] = field(default_factory=dict)
+    paused: bool = False
+    paused_at: datetime | None = None
+    paused_by: str | None = None
+    resume_catch_up: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attrs", MappingProxyType(dict(self.attrs)))
@@ -120,7 +134,179 @@ class LockRecord(Mapping[str, Any]):
             "last_run_finished": iso(self.last_run_finished),
             "last_error": self.last_error,
             "attrs": dict(self.attrs),
+            "paused": self.paused,
+            "paused_at": iso(self.paused_at),
+            "paused_by": self.paused_by,
+            "resume_catch_up": self.resume_catch_up,
         }
+
+
+#: What a run's ``outcome`` is in its history entry.
+OUTCOMES: tuple[str, ...] = ("success", "error")
+
+
+def _stored_time(value: Any) -> datetime | None:
+    """A history time as a store keeps it: a datetime, ISO-8601 text, or epoch ms (Redis)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return as_utc(int(value), epoch_unit=MILLISECONDS)
+    try:
+        return as_utc(value)
+    except ValueError:  # text that is not a time: show none rather than fail the whole read
+        return None
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None or isinstance(value, bool) else int(value)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One finished run of a guarded job, from the run history the store keeps per job.
+
+    Written by the run's fenced hand-off (:meth:`mutexcron.locks.LockStore.hand_off` with a
+    :class:`~mutexcron.locks.RunInfo`), in the same store operation; ``started`` and ``ended`` are
+    the store's clock (``ended`` the hand-off, ``started`` that minus the run's duration).
+
+    Attributes:
+        lock / job: where the run belongs.
+        node / ip: the node that ran it, and its IP.
+        token: the fencing token it ran under.
+        fire_time: the scheduled fire time it ran for (None if the run did not say).
+        started / ended: by the store's clock.
+        outcome: ``success`` or ``error``.
+        error: the error, cut to :data:`mutexcron.locks.base.HISTORY_ERROR_LIMIT` characters.
+    """
+
+    lock: str
+    job: str
+    node: str | None = None
+    ip: str | None = None
+    token: int = 0
+    fire_time: datetime | None = None
+    started: datetime | None = None
+    ended: datetime | None = None
+    outcome: str = "success"
+    error: str | None = None
+
+    @property
+    def duration(self) -> float | None:
+        """Seconds from start to end, or None if either is unknown."""
+        if self.started is None or self.ended is None:
+            return None
+        return max(0.0, (self.ended - self.started).total_seconds())
+
+    @classmethod
+    def from_stored(cls, lock: str, job: str, entry: Mapping[str, Any]) -> RunRecord:
+        """A run from one stored history entry (the JSON object every store keeps)."""
+        fire_us = _optional_int(entry.get("fire_us"))
+        error = entry.get("error")
+        return cls(
+            lock=lock,
+            job=job,
+            node=entry.get("node"),
+            ip=entry.get("ip"),
+            token=_optional_int(entry.get("token")) or 0,
+            fire_time=None if fire_us is None else as_utc(fire_us, epoch_unit=MICROSECONDS),
+            started=_stored_time(entry.get("started")),
+            ended=_stored_time(entry.get("ended")),
+            outcome=str(entry.get("outcome") or ("error" if error is not None else "success")),
+            error=None if error is None else str(error),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (datetimes as ISO-8601 strings), as ``history --json`` prints."""
+        duration = self.duration
+        return {
+            "lock": self.lock,
+            "job": self.job,
+            "node": self.node,
+            "ip": self.ip,
+            "token": self.token,
+            "fire_time": _iso(self.fire_time),
+            "started": _iso(self.started),
+            "ended": _iso(self.ended),
+            "duration": None if duration is None else round(duration, 6),
+            "outcome": self.outcome,
+            "error": self.error,
+        }
+
+
+def newest_first(lock: str, runs_by_job: Mapping[str, Any], job: str | None = None, limit: int | None = None) -> list[RunRecord]:
+    """Stored history ``{job: [entry, ...]}`` (each list oldest first) -> runs, newest first.
+
+    Args:
+        lock: the lock the history belongs to.
+        runs_by_job: the stored lists; entries that are not objects are skipped.
+        job: only this job's runs.
+        limit: at most this many runs.
+    """
+    runs: list[RunRecord] = []
+    for name, entries in runs_by_job.items():
+        if (job is None or name == job) and isinstance(entries, list):
+            runs += [RunRecord.from_stored(lock, name, e) for e in entries if isinstance(e, Mapping)]
+    floor = datetime.min.replace(tzinfo=timezone.utc)
+    # Newest first by end time; a job's own order (oldest first) settles equal or missing times.
+    ranked = sorted(enumerate(runs), key=lambda pair: (pair[1].ended or floor, pair[0]), reverse=True)
+    runs = [run for _, run in ranked]
+    return runs if limit is None else runs[: max(0, limit)]
+
+
+@dataclass(frozen=True)
+class NodePresence:
+    """A node as it last announced itself with its lease renewals (``mutexcron status``).
+
+    Attributes:
+        node_id / ip / version: the node, its IP and its mutexcron version.
+        last_seen: its last renewal, by the store's clock.
+        age: seconds since then, by the store's clock.
+        clock_offset: the node's wall clock minus the store's, in seconds, as the node measured it
+            (None until it knows).
+        locks: the locks it held then, sorted.
+    """
+
+    node_id: str
+    ip: str | None = None
+    version: str | None = None
+    last_seen: datetime | None = None
+    age: float | None = None
+    clock_offset: float | None = None
+    locks: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict, as ``status --json`` prints."""
+        return {
+            "node_id": self.node_id,
+            "ip": self.ip,
+            "version": self.version,
+            "last_seen": _iso(self.last_seen),
+            "age": None if self.age is None else round(self.age, 3),
+            "clock_offset": self.clock_offset,
+            "locks": list(self.locks),
+        }
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value else None
+
+
+def load_locks(value: Any) -> tuple[str, ...]:
+    """A presence's stored lock list (JSON text or a list) as a sorted tuple of names."""
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value or "[]")
+        except ValueError:
+            return ()
+    return tuple(sorted(str(v) for v in value)) if isinstance(value, (list, tuple)) else ()
+
+
+def optional_float(value: Any) -> float | None:
+    """A stored number (or numeric text) as a float; None for none, '' or text that is not a number."""
+    if value is None or value == "":
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 DEFAULT_MAX_ATTRS_BYTES = 1_000_000

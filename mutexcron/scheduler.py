@@ -8,9 +8,10 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -23,12 +24,21 @@ from .batch import ClaimBatch, run_batch
 from .catchup import CatchUp
 from .decorators import ScheduleDecorators
 from .errors import ConfigurationError
+from .events import EVENT_MUTEX_ALL, MutexEvent, log_event
 from .firetimes import guard_trigger
 from .guard import GuardContext, GuardedJob, MutexConfig, MutexThreadPoolExecutor, _as_config, _seconds
 from .heartbeat import LeaseManager
 from .locks import DEFAULT_LOCK_URL, LockStore, Node, lock_store_from_url
 from .node import default_node_id, outbound_ip
+from .pings import register as register_pings
 from .record import DEFAULT_MAX_ATTRS_BYTES
+from .tasks.pool import TaskPool
+from .tasks.runner import TaskRunner
+from .tasks.worker import DEFAULT_CONCURRENCY
+from .triggers import register_triggers
+
+if TYPE_CHECKING:
+    from .metrics import Observability
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +59,14 @@ class MutexSchedulerMixin(ScheduleDecorators):
             releases the leases (seconds, default 30).
         max_attrs_bytes: the largest attrs a run may store, as JSON (default 1 MB); a larger
             return raises AttrsError and keeps the previous attrs.
+        task_concurrency: threads running task handlers (``sched.tasks``) on this node;
+            ``$MUTEXCRON_TASK_CONCURRENCY`` sets it too (default 8).
+        triggers: serve ``mutexcron trigger JOB`` requests (a task worker runs on every node with
+            guarded jobs; default True).
+        metrics_port: serve Prometheus metrics and health checks on this port from ``start()`` to
+            ``shutdown()`` (``/metrics``, ``/healthz``, ``/readyz``; needs ``mutexcron[metrics]``);
+            ``$MUTEXCRON_METRICS_PORT`` sets it too. Default: none, nothing is served.
+        metrics_host: the address it binds (``$MUTEXCRON_METRICS_HOST``; default 0.0.0.0).
         **kwargs: passed to the APScheduler scheduler; ``timezone`` is **UTC by default**
             (APScheduler's default is the host's zone, which would make ``cron_schedule(hour=3)``
             a different instant on each node).
@@ -64,6 +82,10 @@ class MutexSchedulerMixin(ScheduleDecorators):
         unactive_interval: timedelta | float | None = None,
         shutdown_timeout: float = 30.0,
         max_attrs_bytes: int = DEFAULT_MAX_ATTRS_BYTES,
+        task_concurrency: int | None = None,
+        triggers: bool = True,
+        metrics_port: int | None = None,
+        metrics_host: str | None = None,
         **kwargs: Any,
     ) -> None:
         self.lock_url = lock_url or os.environ.get("MUTEXCRON_LOCK_URL") or DEFAULT_LOCK_URL
@@ -85,7 +107,12 @@ class MutexSchedulerMixin(ScheduleDecorators):
         self._guard_context = GuardContext(self.unactive_interval, self.local_ip)
         self.shutdown_timeout = shutdown_timeout
         self.max_attrs_bytes = max_attrs_bytes
+        self.triggers = triggers
         self._own_store = lock_store is None  # built from the URL here: closed by shutdown()
+        self._tasks = TaskRunner(
+            lock_store.url if lock_store is not None else self.lock_url,
+            task_concurrency or _env_int("MUTEXCRON_TASK_CONCURRENCY") or DEFAULT_CONCURRENCY,
+        )
         self._claim_batch = ClaimBatch()
         self._leases: LeaseManager | None = None
         self._catch_up: CatchUp | None = None
@@ -97,6 +124,9 @@ class MutexSchedulerMixin(ScheduleDecorators):
         if not any(str(k).endswith("timezone") for k in gconfig):
             kwargs.setdefault("timezone", "UTC")
         super().__init__(*args, **kwargs)
+        self.add_listener(log_event, EVENT_MUTEX_ALL)  # type: ignore[attr-defined]  # the log lines are a listener
+        self._observability = _observability(metrics_port, metrics_host)  # /metrics, /healthz, /readyz
+        self._pings = register_pings(self)  # monitors' ping hooks (mutex(ping=...)): a listener too
 
     # -- configuration -----------------------------------------------------------------------
     def configure_mutex(
@@ -107,6 +137,9 @@ class MutexSchedulerMixin(ScheduleDecorators):
         node_id: str | None = None,
         unactive_interval: timedelta | float | None = None,
         shutdown_timeout: float | None = None,
+        task_concurrency: int | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str | None = None,
     ) -> None:
         """Override the lock settings before ``start()`` (the CLI's options use this).
 
@@ -125,6 +158,11 @@ class MutexSchedulerMixin(ScheduleDecorators):
             self.unactive_interval = self._guard_context.ttl = interval
         if shutdown_timeout is not None:
             self.shutdown_timeout = shutdown_timeout
+        if task_concurrency is not None:
+            self._tasks.concurrency = task_concurrency
+        if metrics_port is not None or metrics_host is not None:
+            self._observability = _observability(metrics_port, metrics_host, self._observability)
+        self._tasks.rebind(self.lock_url)
 
     @property
     def lock_store(self) -> LockStore:
@@ -132,6 +170,12 @@ class MutexSchedulerMixin(ScheduleDecorators):
         if self._lock_store is None:
             self._lock_store = lock_store_from_url(self.lock_url)
         return self._lock_store
+
+    @property
+    def tasks(self) -> TaskPool:
+        """The durable task pool on the scheduler's store: register handlers with
+        ``@sched.tasks.handler(code)``; they run on every node that starts this scheduler."""
+        return self._tasks.pool
 
     @property
     def node(self) -> Node:
@@ -212,7 +256,9 @@ class MutexSchedulerMixin(ScheduleDecorators):
             log.warning(
                 "guarded job %r fires in time zone %s, not the scheduler's %s: every node must use the same "
                 "zone (pass timezone= explicitly to the trigger)",
-                guard.job_id, built.timezone, self.timezone,  # type: ignore[attr-defined]
+                guard.job_id,
+                built.timezone,
+                self.timezone,  # type: ignore[attr-defined]
             )
         return guard_trigger(built, guard.job_id)
 
@@ -295,9 +341,17 @@ class MutexSchedulerMixin(ScheduleDecorators):
             locks = {g.lock: g.ttl for g in self._guarded.values() if not g.config.callable_lock}
             store = self.lock_store  # a bad URL fails here, before anything starts
             self._size_store_pool(store)
-            self._catch_up = CatchUp(self, lambda: self._guarded)
+            if self._observability is not None:  # serves from here; the heartbeat and ticks use a timed store
+                store = self._observability.start(self, store)
+            self._catch_up = CatchUp(self, lambda: self._guarded, self._emit, self.node_id)
             self._leases = LeaseManager(
-                store, self.node, locks, on_acquired=self._catch_up.queue, max_attrs_bytes=self.max_attrs_bytes
+                store,
+                self.node,
+                locks,
+                on_acquired=self._catch_up.queue,
+                on_read=self._catch_up.check_missed,
+                max_attrs_bytes=self.max_attrs_bytes,
+                emit=self._emit,
             )
             self._guard_context.leases = self._leases
             for job in aps.pending_jobs(self):
@@ -305,17 +359,21 @@ class MutexSchedulerMixin(ScheduleDecorators):
                 if guard is not None and job.id not in self._user_misfire and not guard.config.callable_lock:
                     aps.modify_pending(job, misfire_grace_time=self._guard_misfire(guard))
             log.info(
-                "node %s (%s) using lock store %s; %d guarded job(s) on %d lock(s)",
+                "node %s (%s) using lock store %s; %d guarded job(s) on %d lock(s); %d task handler(s)",
                 self.node_id,
                 self.local_ip,
                 store.masked_url,
                 len(self._guarded),
                 len(locks),
+                len(self._tasks.pool.handlers),
             )
         self._started_pid = os.getpid()
         _at_exit(self._stop_at_exit)
         # The heartbeat thread starts first: BlockingScheduler.start() does not return.
         self._leases.start()
+        if self.triggers and self._tasks.available() and any(not g.config.callable_lock for g in self._guarded.values()):
+            register_triggers(self)  # type: ignore[arg-type]  # `mutexcron trigger JOB`: a guarded job through its lock
+        self._tasks.start(self.node_id, self._leases, self._emit)
         super().start(paused)  # type: ignore[misc]
 
     def _size_store_pool(self, store: LockStore) -> None:
@@ -376,18 +434,39 @@ class MutexSchedulerMixin(ScheduleDecorators):
             if self._own_store and self._lock_store is not None and not busy:
                 self._lock_store.close()
                 self._lock_store = None
+            self._tasks.close()
+            if self._observability is not None:
+                self._observability.stop()
 
     def _stop_leases(self, timeout: float) -> None:
         """Stop scheduling, wait up to ``timeout`` for guarded runs, release the leases."""
         leases = self._leases
         if leases is not None and self.running and not leases.stopping:  # type: ignore[attr-defined]
             self.pause()  # type: ignore[attr-defined]  # no new fire times while guarded runs end
-            leases.stop(timeout)
+            started = time.monotonic()
+            leases.begin_stop()  # no takeover or new run while the task worker stops
+            self._tasks.stop(timeout)  # tasks first: their leases renew in the heartbeat thread
+            leases.stop(max(0.0, timeout - (time.monotonic() - started)))
 
     def running_guarded_jobs(self) -> dict[str, int]:
         """Guarded runs in progress on this node, per lock (after ``shutdown()``: those that
         outlived ``shutdown_timeout``)."""
         return self._leases.running() if self._leases is not None else {}
+
+    def _emit(self, event: MutexEvent) -> None:
+        """Deliver a lease or run event to the listeners (:mod:`mutexcron.events`), the log lines included."""
+        aps.dispatch_event(self, event)
+
+    def guard_of(self, job_id: str) -> GuardedJob | None:
+        """The guard of a guarded job (not of a callable-lock one), or None."""
+        guard = self._guarded.get(job_id)
+        return None if guard is None or guard.config.callable_lock else guard
+
+    def running_tasks(self) -> dict[tuple[str, str], int]:
+        """Task handlers in progress on this node, (code, key) -> token (after ``shutdown()``: those
+        that outlived ``shutdown_timeout``)."""
+        worker = self._tasks.worker
+        return worker.running() if worker is not None else {}
 
     def _stop_at_exit(self) -> None:
         # Exit hooks survive fork(): a child must not stop (or release the leases of) its parent's
@@ -395,6 +474,28 @@ class MutexSchedulerMixin(ScheduleDecorators):
         if self.running and os.getpid() == self._started_pid:  # type: ignore[attr-defined]
             log.info("interpreter exiting: stopping the scheduler and releasing its leases")
             self.shutdown(wait=True)
+
+
+def _observability(port: int | None, host: str | None, current: Observability | None = None) -> Observability | None:
+    """The metrics and health endpoints if a port is set (:mod:`mutexcron.metrics`); else nothing is imported."""
+    if port is None and current is None and not os.environ.get("MUTEXCRON_METRICS_PORT"):
+        return None
+    from .metrics import Observability
+
+    return Observability.configure(port, host, current)
+
+
+def _env_int(name: str) -> int | None:
+    text = os.environ.get(name)
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigurationError(f"{name}={text!r}: give a whole number >= 1")
+    return value
 
 
 def _start_one(entry: Any, token: int | None) -> None:

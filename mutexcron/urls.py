@@ -61,6 +61,18 @@ def mask_url(url: str) -> str:
     return url
 
 
+def mask_path(url: str) -> str:
+    """A URL whose path is itself the secret (a monitor's ping URL, ``https://hc-ping.com/<uuid>``,
+    ``https://cronitor.link/p/<api-key>/<job>``), safe to log: the scheme and host are kept (any
+    password masked as by :func:`mask_url`); the path and query become ``/***``."""
+    head, userinfo, rest = _split(url)
+    if not head:  # not scheme://host...: nothing can be told apart from a secret
+        return _MASK
+    end = min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest))
+    authority = mask_url(f"{head}{'' if userinfo is None else userinfo + '@'}{rest[:end]}")
+    return authority + (f"/{_MASK}" if rest[end:].strip("/") else "")
+
+
 def url_secrets(url: str) -> set[str]:
     """The secret strings of ``url`` (password, secret query values), raw and decoded."""
     found: set[str] = set()

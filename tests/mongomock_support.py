@@ -141,6 +141,28 @@ def open_mongomock(tag: str) -> tuple[Callable[[], LockStore], FakeClock]:
     return factory, clock
 
 
+def open_mongomock_tasks(tag: str) -> tuple[Callable[[], Any], FakeClock]:
+    """A factory of MongoDBTaskStores sharing one mongomock collection, and the clock they use.
+
+    As :func:`open_mongomock`: separate store instances (as on separate nodes) over one serialized
+    mongomock client, task collection ``mc_tasks_<tag>``, "now" = the FakeClock (the store's
+    clock: due times, claims and leases; a test moves it instead of sleeping).
+    """
+    from mutexcron.tasks.mongodb import MongoDBTaskStore
+
+    clock = FakeClock()
+    client = SerializedClient(mongomock.MongoClient(tz_aware=True))
+    url = f"mongodb://mongomock.invalid/mutexcron_test?tasks_collection=mc_tasks_{tag}"
+
+    def now() -> datetime:
+        return CLOCK_ORIGIN + timedelta(seconds=clock())
+
+    def factory() -> MongoDBTaskStore:
+        return MongoDBTaskStore(url, client=client, now=now)
+
+    return factory, clock
+
+
 def _bulk_update_takes_sort() -> None:
     """mongomock 4.3's bulk builder predates pymongo 4.11, whose ``UpdateOne`` passes ``sort=``
     (None here): the store's ``claim_many`` uses ``bulk_write``, so let mongomock accept it."""

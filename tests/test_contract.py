@@ -15,9 +15,10 @@ from datetime import datetime, timezone
 import pytest
 
 from mutexcron.errors import AttrsError
-from mutexcron.locks import FireClaim, Node, RunInfo
+from mutexcron.locks import FireClaim, HeldClaim, Node, Presence, RunInfo
 from tests import workers
 from tests.backends import ALL_BACKENDS, StoreCtx, backend_params
+from tests.test_batch_claims import counted
 
 A = Node("node-a:1:aaaa", "10.0.0.1")
 B = Node("node-b:2:bbbb", "10.0.0.2")
@@ -250,3 +251,212 @@ def test_concurrent_processes_one_winner_per_round(ctx: StoreCtx) -> None:
     store = ctx.make()
     holders = {rec.name: rec.holder for rec in store.list() if rec.name.startswith(prefix)}
     assert len(holders) == rounds
+
+
+# -- run history, the pause flag, node presence -------------------------------------------------------
+# tests/test_history.py runs these on MySQL 8's code path too (no RETURNING), on the MariaDB server.
+
+#: Round trips of one hand-off with a run (attrs, last run and history in one write), by backend.
+HAND_OFF_TRIPS = {
+    "memory": [],
+    "sqlite": ["UPDATE"],
+    "mysql": ["UPDATE"],
+    "mysql8": ["UPDATE"],
+    "postgresql": ["UPDATE"],
+    "redis": ["EVALSHA"],
+    "redis-cluster": ["EVALSHA"],
+    "mongomock": ["find_one_and_update"],
+    "mongodb": ["findAndModify"],
+}
+#: Round trips of one renew_many with a presence, once the node's presence exists, by backend.
+RENEW_PRESENCE_TRIPS = {
+    "memory": [],
+    "sqlite": ["BEGIN", "INSERT", "UPDATE", "COMMIT"],  # two statements, one transaction, in-process
+    "mysql": ["UPDATE"],  # the node's row joined with the renewed locks
+    "mysql8": ["UPDATE"],
+    "postgresql": ["WITH"],  # the renewal and the upsert as data-modifying CTEs
+    "redis": ["EVALSHA"],
+    "redis-cluster": ["EVALSHA"],
+    "mongomock": ["bulk_write"],
+    "mongodb": ["update"],  # one bulk write: the renewal and the presence upsert in one command
+}
+JOB = 'jobs.tick "v2"'  # dots and quotes: never a JSON path or a field path in any store
+
+
+def at(minute: int) -> datetime:
+    return datetime(2030, 1, 1, 0, minute, tzinfo=timezone.utc)
+
+
+def test_history_keeps_the_last_20_runs_per_job_newest_first(ctx: StoreCtx) -> None:
+    store = ctx.make()
+    token = store.acquire_or_renew("h", A, ttl=60).token
+    for i in range(25):
+        error = f"ValueError: row {i} " + "x" * 600 if i % 5 == 0 else None
+        assert store.hand_off("h", A, token, {"i": i}, RunInfo(0.25, error, job=JOB, fire_time=at(i)))
+    ctx.wait_stale(0.01)  # the other job's runs end later by the store's clock (runs of one job keep their order)
+    for i in range(3):
+        assert store.hand_off("h", A, token, None, RunInfo(0.5, None, job="other", fire_time=at(30 + i)))
+    runs = ctx.make().history("h", job=JOB)
+    assert [r.fire_time for r in runs] == [at(i) for i in range(24, 4, -1)], "the last 20, newest first"
+    newest, failed = runs[0], runs[4]
+    assert (newest.lock, newest.job, newest.node, newest.ip, newest.token) == ("h", JOB, A.node_id, A.ip, token)
+    assert newest.outcome == "success" and newest.error is None
+    assert newest.duration == pytest.approx(0.25, abs=0.002)
+    assert failed.fire_time == at(20) and failed.outcome == "error"
+    assert failed.error is not None and failed.error.startswith("ValueError: row 20 xx") and len(failed.error) == 500
+    last = store.history("h", job="other")[0]
+    rec = store.read("h")
+    assert rec is not None and rec.last_run_finished is not None and last.ended is not None
+    assert abs((last.ended - rec.last_run_finished).total_seconds()) < 1, "ended is the store's clock, as last_run_finished"
+    assert rec.last_error is None and dict(rec.attrs) == {"i": 24}
+    everything = store.history("h")
+    assert len(everything) == 23 and [r.job for r in everything[:3]] == ["other"] * 3
+    assert [r.fire_time for r in store.history("h", limit=2)] == [at(32), at(31)]
+    assert store.history("missing") == [] and set(store.history_many(["h", "missing"])) == {"h"}
+    assert runs[0].to_json()["fire_time"] == "2030-01-01T00:24:00+00:00"
+
+
+def test_history_length_caps_each_job_on_every_write(ctx: StoreCtx) -> None:
+    store = ctx.make()
+    store.history_length = 3  # what ?history=3 sets (tests/test_history.py checks the option itself)
+    token = store.acquire_or_renew("cap", A, ttl=60).token
+    for i in range(5):
+        assert store.hand_off("cap", A, token, None, RunInfo(0.1, None, job="a", fire_time=at(i)))
+    assert store.hand_off("cap", A, token, None, RunInfo(0.1, None, job="b", fire_time=at(9)))
+    assert [r.fire_time for r in store.history("cap", job="a")] == [at(4), at(3), at(2)]
+    store.history_length = 2
+    assert store.hand_off("cap", A, token, None, RunInfo(0.1, None, job="a", fire_time=at(5)))
+    assert [r.fire_time for r in store.history("cap", job="a")] == [at(5), at(4)], "a shorter length applies at once"
+    assert [r.fire_time for r in store.history("cap", job="b")] == [at(9)], "each job has its own list"
+
+
+def test_refused_hand_off_writes_no_history(ctx: StoreCtx) -> None:
+    a, b = ctx.make(), ctx.make()
+    assert a.acquire_or_renew("r", A, ttl=TTL).token == 1
+    assert a.hand_off("r", A, 1, None, RunInfo(0.1, None, job="j", fire_time=at(1)))
+    ctx.wait_stale(TTL)
+    assert b.acquire_or_renew("r", B, ttl=60).token == 2
+    assert not a.hand_off("r", A, 1, {"late": True}, RunInfo(0.1, "late", job="j", fire_time=at(2)))
+    assert not b.hand_off("r", B, 1, None, RunInfo(0.1, "old token", job="j", fire_time=at(3)))
+    assert [(r.node, r.token, r.fire_time) for r in b.history("r")] == [(A.node_id, 1, at(1))]
+    rec = b.read("r")
+    assert rec is not None and rec.last_error is None and dict(rec.attrs) == {}
+
+
+def test_hand_off_with_history_is_one_round_trip(ctx: StoreCtx, monkeypatch: pytest.MonkeyPatch) -> None:
+    with counted(ctx, monkeypatch) as (store, sent):
+        token = store.acquire_or_renew("rt", A, ttl=60).token
+        assert store.hand_off("rt", A, token, {"w": 0}, RunInfo(0.1, None, job="j"))  # loads a Redis script once
+        sent.clear()
+        assert store.hand_off("rt", A, token, {"w": 1}, RunInfo(0.1, "boom", job="j", fire_time=at(1)))
+        trips = list(sent)
+    assert trips == HAND_OFF_TRIPS[ctx.kind], f"{ctx.kind}: {trips}"
+    assert [r.outcome for r in store.history("rt", job="j")] == ["error", "success"]
+
+
+def test_pause_is_an_operators_write_that_every_write_and_read_keeps(ctx: StoreCtx) -> None:
+    a, ops = ctx.make(), ctx.make()
+    got = a.acquire_or_renew("p", A, ttl=60, claim=FireClaim.new("job", 1_000_000))
+    assert got.claimed and not got.record.paused and got.record.paused_at is None
+    ctx.wait_stale(0.2)  # let the heartbeat age: a pause must not renew it
+    paused = ops.set_paused("p", True, "alice@ops")
+    assert (paused.holder, paused.token, paused.active_ip, paused.ttl) == (A.node_id, 1, A.ip, 60)
+    assert paused.heartbeat_age is not None and paused.heartbeat_age >= 0.2, "the lease is not renewed by a pause"
+    assert paused.paused and paused.paused_by == "alice@ops" and paused.paused_at is not None
+    assert not paused.resume_catch_up and paused["paused"] is True and paused.to_json()["paused"] is True
+    # The holder keeps its lease through every write; no fire time is claimed while paused.
+    renewed = a.acquire_or_renew("p", A, ttl=60, claim=FireClaim.new("job", 2_000_000))
+    assert renewed.acquired and renewed.token == 1 and not renewed.claimed and renewed.record.paused
+    assert a.renew_many(A, {"p": 1}) == {"p"}
+    assert a.hand_off("p", A, 1, {"k": "v"}, RunInfo(0.1, None, job="job"))
+    batch = a.claim_many(A, [HeldClaim("p", 1, FireClaim.new("job", 3_000_000))])
+    assert batch.renewed == {"p"} and batch.won == frozenset() and batch.paused == {"p"}
+    listed = {r.name: r for r in a.list()}
+    for rec in (a.read("p"), a.read_many(["p"])["p"], listed["p"]):
+        assert rec is not None and rec.paused and rec.paused_by == "alice@ops" and rec.paused_at is not None
+        assert abs((rec.paused_at - paused.paused_at).total_seconds()) < 0.01  # memory:// derives wall times per read
+        assert (rec.holder, rec.token, dict(rec.attrs)) == (A.node_id, 1, {"k": "v"})
+        assert rec.fire_times["job"].timestamp() == 1.0, "no claim was written while paused"
+    # A resume with catch-up: the claims go on, and the nodes see the catch-up flag.
+    resumed = ops.set_paused("p", False, "bob", catch_up=True)
+    assert not resumed.paused and resumed.resume_catch_up and resumed.paused_by == "bob" and resumed.token == 1
+    nxt = a.acquire_or_renew("p", A, ttl=60, claim=FireClaim.new("job", 2_000_000))
+    assert nxt.claimed and not nxt.record.paused and nxt.record.resume_catch_up
+    batch = a.claim_many(A, [HeldClaim("p", 1, FireClaim.new("job", 3_000_000))])
+    assert len(batch.won) == 1 and batch.paused == frozenset()
+    again = ops.set_paused("p", True, "carol")
+    assert again.paused and not again.resume_catch_up, "a pause clears the last resume's catch-up"
+
+
+def test_a_lock_can_be_paused_before_any_node_ran_it_and_stays_paused_across_takeovers(ctx: StoreCtx) -> None:
+    ops, a, b = ctx.make(), ctx.make(), ctx.make()
+    created = ops.set_paused("fresh", True, "ops")
+    assert (created.name, created.holder, created.token, created.state, created.paused) == ("fresh", None, 0, "released", True)
+    assert [r.name for r in ops.list()] == ["fresh"]
+    got = a.acquire_or_renew("fresh", A, ttl=TTL, claim=FireClaim.new("j", 1_000))
+    assert got.acquired and got.token == 1 and not got.claimed and got.record.paused
+    ctx.wait_stale(TTL)
+    took = b.acquire_or_renew("fresh", B, ttl=60, claim=FireClaim.new("j", 2_000))
+    assert took.acquired and took.token == 2 and not took.claimed and took.record.paused
+    assert b.release("fresh", B, 2)
+    rec = ops.read("fresh")
+    assert rec is not None and rec.paused and rec.state == "released" and rec.token == 2
+    assert not ops.set_paused("fresh", False, "ops").paused
+    assert a.acquire_or_renew("fresh", A, ttl=60, claim=FireClaim.new("j", 2_000)).claimed
+
+
+def test_presence_is_published_with_the_renewals(ctx: StoreCtx) -> None:
+    a, b, viewer = ctx.make(), ctx.make(), ctx.make()
+    for name in ("x", "y"):
+        assert a.acquire_or_renew(name, A, ttl=60).acquired
+    assert viewer.nodes() == []
+    assert a.renew_many(A, {"x": 1, "y": 1}, presence=Presence("1.2.3", 0.25)) == {"x", "y"}
+    assert b.renew_many(B, {}, presence=Presence("1.2.4")) == set(), "a presence alone: nothing held"
+    nodes = {n.node_id: n for n in viewer.nodes()}
+    assert list(nodes) == sorted([A.node_id, B.node_id])
+    na, nb = nodes[A.node_id], nodes[B.node_id]
+    assert (na.ip, na.version, na.clock_offset, na.locks) == (A.ip, "1.2.3", 0.25, ("x", "y"))
+    assert na.last_seen is not None and na.age is not None and 0 <= na.age < 5
+    assert (nb.ip, nb.version, nb.clock_offset, nb.locks) == (B.ip, "1.2.4", None, ())
+    # A later presence replaces the earlier one; a lease not held is not renewed.
+    assert a.renew_many(A, {"x": 1, "y": 5}, presence=Presence("1.2.3", -0.5, locks=("x",))) == {"x"}
+    na = next(n for n in viewer.nodes() if n.node_id == A.node_id)
+    assert (na.clock_offset, na.locks) == (-0.5, ("x",))
+    assert a.renew_many(A, {"x": 1}) == {"x"}, "renew_many without a presence works as before"
+    assert na.to_json()["locks"] == ["x"]
+
+
+def test_presence_older_than_its_ttl_is_pruned(ctx: StoreCtx, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    for module in ("memory", "sql", "redis", "mongodb"):
+        monkeypatch.setattr(importlib.import_module(f"mutexcron.locks.{module}"), "PRESENCE_TTL", 1)
+
+    def outlive_ttl() -> None:
+        if ctx.clock is not None:
+            ctx.clock.advance(1.5)
+        else:
+            time.sleep(1.5)
+
+    a, b, viewer = ctx.make(), ctx.make(), ctx.make()
+    assert a.acquire_or_renew("x", A, ttl=60).acquired
+    assert a.renew_many(A, {"x": 1}, presence=Presence("1")) == {"x"}
+    outlive_ttl()
+    assert b.renew_many(B, {}, presence=Presence("1")) == set()
+    assert [n.node_id for n in viewer.nodes()] == [B.node_id]
+    outlive_ttl()
+    assert viewer.nodes() == []
+    # A node whose presence was pruned (silent for longer than the TTL) comes back with its next renewal.
+    assert a.renew_many(A, {"x": 1}, presence=Presence("1")) == {"x"}
+    assert [(n.node_id, n.locks) for n in viewer.nodes()] == [(A.node_id, ("x",))]
+
+
+def test_renewal_with_a_presence_is_one_round_trip(ctx: StoreCtx, monkeypatch: pytest.MonkeyPatch) -> None:
+    with counted(ctx, monkeypatch) as (store, sent):
+        tokens = {name: store.acquire_or_renew(name, A, ttl=60).token for name in ("r1", "r2", "r3")}
+        assert store.renew_many(A, tokens, presence=Presence("1", 0.0)) == set(tokens)  # the node's row, scripts
+        sent.clear()
+        assert store.renew_many(A, tokens, presence=Presence("1", 0.1)) == set(tokens)
+        trips = list(sent)
+    assert trips == RENEW_PRESENCE_TRIPS[ctx.kind], f"{ctx.kind}: {trips}"
+    assert [n.clock_offset for n in store.nodes()] == [0.1]

@@ -168,6 +168,8 @@ def test_ctrl_c_stops_nodes_removes_files_and_releases_the_lock(tmp_path: Path) 
     proc = subprocess.Popen(
         [sys.executable, "-m", "mutexcron", "drill", "--lock-url", url, "--unactive-interval", "2", "--json"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # A shell's background job ignores SIGINT, and an ignored SIGINT is inherited: undo that here.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     seen = []
     assert proc.stderr is not None

@@ -69,3 +69,12 @@ def test_missing_file_and_no_scheduler(tmp_path: Path) -> None:
     with pytest.raises(JobsFileError, match="is not a MutexScheduler"):
         named = write(tmp_path, ONE + "y = 2\n", "named.py")
         load_scheduler(f"{named}:y")
+
+
+def test_handlers_on_a_bare_task_pool_say_how_to_run_them(tmp_path: Path) -> None:
+    body = (
+        f"from mutexcron import TaskPool\npool = TaskPool('sqlite:///{tmp_path}/t.db')\n"
+        "@pool.handler('c')\ndef handle(task):\n    pass\n"
+    )
+    with pytest.raises(JobsFileError, match=r"no MutexScheduler runs them: .*@sched.tasks.handler"):
+        load_scheduler(str(write(tmp_path, body, "pool_only.py")))

@@ -45,6 +45,16 @@ def mongomock_everywhere(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         original(self, url, **options)
 
     monkeypatch.setattr(MongoDBLockStore, "__init__", init)
+    from mutexcron.tasks.mongodb import MongoDBTaskStore
+
+    original_tasks = MongoDBTaskStore.__init__
+
+    def init_tasks(self: MongoDBTaskStore, url: str, **options: Any) -> None:
+        options.setdefault("client", client)
+        options.setdefault("now", lambda: datetime.now(timezone.utc))
+        original_tasks(self, url, **options)
+
+    monkeypatch.setattr(MongoDBTaskStore, "__init__", init_tasks)
     yield
 
 

@@ -31,7 +31,7 @@ from click.testing import CliRunner
 
 from mutexcron import ConfigurationError, HeldLease, LeaseError, LockRecord, Mutex, MutexScheduler, StoreUnavailableError
 from mutexcron.cli import main as cli_main
-from mutexcron.locks import AcquireResult, BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, RunInfo
+from mutexcron.locks import AcquireResult, BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, Presence, RunInfo
 from mutexcron.mutex_support import FIRST_BACKOFF, MAX_BACKOFF
 from tests.backends import ALL_BACKENDS, FakeClock, StoreCtx, backend_params, open_backend
 from tests.redis_servers import PrivateRedis
@@ -123,9 +123,9 @@ class CountingStore(LockStore):
         self.calls["hand_off"] += 1
         return self.inner.hand_off(name, node, token, attrs, run)
 
-    def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
+    def renew_many(self, node: Node, leases: Mapping[str, int], presence: Presence | None = None) -> set[str]:
         self.calls["renew_many"] += 1
-        return self.inner.renew_many(node, leases)
+        return self.inner.renew_many(node, leases, presence=presence)
 
     def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
         self.calls["claim_many"] += 1

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.cluster
 
 JOBS = 200
 NODES = 3
-RUN_FOR = 20.0
+RUN_FOR = 12.0
 MARGIN = 4.0  # seconds at each end left out: start-up and shutdown
 
 

@@ -23,7 +23,7 @@ from mutexcron import (
 )
 from mutexcron.guard import GuardedJob
 from mutexcron.heartbeat import LeaseManager
-from mutexcron.locks import BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, RunInfo
+from mutexcron.locks import BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, Presence, RunInfo
 from mutexcron.locks.memory import MemoryLockStore
 from tests.backends import FakeClock
 
@@ -315,9 +315,9 @@ class FlakyStore(LockStore):
         self._check()
         return self.inner.hand_off(*a, **k)
 
-    def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
+    def renew_many(self, node: Node, leases: Mapping[str, int], presence: Presence | None = None) -> set[str]:
         self._check()
-        return self.inner.renew_many(node, leases)
+        return self.inner.renew_many(node, leases, presence=presence)
 
     def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
         self._check()

@@ -26,7 +26,7 @@ from mutexcron.tasks.memory import MemoryTaskStore
 from tests import task_workers
 from tests.backends import FakeClock, backend_params, cleanup_redis, require_server
 
-TASK_BACKENDS = ("memory", "sqlite", "mysql", "postgresql", "redis", "redis-cluster")
+TASK_BACKENDS = ("memory", "sqlite", "mysql", "postgresql", "redis", "redis-cluster", "mongomock", "mongodb")
 every_backend = pytest.mark.parametrize("kind", backend_params(*TASK_BACKENDS))
 
 A, B = "node-a:1:aaaa", "node-b:2:bbbb"
@@ -90,6 +90,32 @@ def tasks_ctx(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iter
             url = request.getfixturevalue("redis_cluster").namespaced_url(f"tasks-{tag}")
         ctx = TaskCtx(kind, url, lambda: task_store_from_url(url))
         cleanup = lambda: cleanup_redis(url)  # noqa: E731
+    elif kind in ("mongomock", "mongodb"):
+        if request.function.__name__ == "test_four_racers_claim_every_task_exactly_once":
+            pytest.skip(
+                "mongomock is in-process and serializes every call: no race to run"
+                if kind == "mongomock"
+                else "MongoDB's 4-process race is tests/test_task_store_mongodb.py (seeded with insert_many)"
+            )
+        if kind == "mongomock":
+            pytest.importorskip("mongomock")
+            from tests.mongomock_support import open_mongomock_tasks
+
+            factory, clock = open_mongomock_tasks(tag)
+            ctx = TaskCtx(kind, None, factory, clock)
+        else:
+            base = require_server(kind)
+            url = f"{base}{'&' if '?' in base else '?'}tasks_collection=mc_tasks_{tag}"
+            ctx = TaskCtx(kind, url, lambda: task_store_from_url(url))
+
+            def cleanup_mongodb() -> None:
+                store = task_store_from_url(url)
+                try:
+                    store.collection.drop()  # type: ignore[attr-defined]
+                finally:
+                    store.close()
+
+            cleanup = cleanup_mongodb
     else:
         base = require_server(kind)
         url = f"{base}{'&' if '?' in base else '?'}tasks_table=mc_tasks_{tag}"
@@ -126,6 +152,7 @@ def test_add_inserts_a_queued_task_and_get_returns_it(tasks_ctx: TaskCtx) -> Non
     assert task.payload == {"pct": 20, "tags": ["a", "é"]}
     assert task.idempotency_key == f"end_promotion:sku-123:{due.isoformat()}"
     assert task.created is not None and task.updated is not None and task.lease_until is None
+    assert task.run_at == due  # claimable at its due
     assert not task.pending and not task.cancel_requested
     assert store.get("end_promotion", "missing") is None
     assert store.add("x", "y", timedelta(minutes=5)) == "inserted"  # a str, too
@@ -345,20 +372,26 @@ def test_retry_then_fail_then_retry_by_hand(tasks_ctx: TaskCtx) -> None:
     pool = TaskPool(store)
     pool.add("c", "k", SOON, {"v": 1})
     [task] = store.claim(A, ["c"], 10, 30)
+    due = task.due
+    assert task.run_at == task.lease_until
     assert store.complete(A, "c", "k", task.token, Retry(timedelta(seconds=-1), "ValueError: boom"))
     queued = pool.get("c", "k")
     assert queued is not None and (queued.state, queued.attempt, queued.last_error) == ("queued", 1, "ValueError: boom")
+    assert queued.due == due and _close(queued.run_at, store.now() - timedelta(seconds=1))  # the same occurrence
     [task] = store.claim(A, ["c"], 10, 30)
-    assert task.attempt == 2
+    assert task.attempt == 2 and task.due == due
     assert store.complete(A, "c", "k", task.token, Fail("x" * 10_000))
     failed = pool.get("c", "k")
     assert failed is not None and failed.state == "failed" and failed.attempt == 2 and failed.lease_until is None
+    assert failed.run_at is None and failed.due == due
     assert failed.last_error is not None and len(failed.last_error) == 4000  # kept, bounded
     assert store.claim(A, ["c"], 10, 30) == [] and store.next_due(["c"]) is None
     assert [t.key for t in pool.list(state="failed")] == ["k"]
     assert pool.retry("c", "k") and not pool.retry("c", "k") and not pool.retry("c", "missing")
     retried = pool.get("c", "k")
-    assert retried is not None and (retried.state, retried.attempt) == ("queued", 0) and _close(retried.due, store.now())
+    assert retried is not None and (retried.state, retried.attempt) == ("queued", 0)
+    assert retried.due == due and _close(retried.run_at, store.now())  # claimable now; the occurrence is kept
+    assert retried.idempotency_key == task.idempotency_key
     assert _claim_keys(store) == ["k"]
 
 
@@ -377,6 +410,40 @@ def test_reschedule_queues_a_new_occurrence(tasks_ctx: TaskCtx) -> None:
 
 
 @every_backend
+def test_every_attempt_of_one_occurrence_has_one_idempotency_key(tasks_ctx: TaskCtx) -> None:
+    """A Retry, a hand-back and a retry by hand keep the due (the occurrence) and move only run_at;
+    a Reschedule starts a new occurrence: a new key."""
+    store = tasks_ctx.make()
+    store.add("c", "k", timedelta(seconds=-5), {"v": 1})
+    added = store.get("c", "k")
+    assert added is not None and added.run_at == added.due
+    due = added.due
+    [first] = store.claim(A, ["c"], 10, 30)
+    assert first.due == due and first.run_at == first.lease_until and first.run_at is not None
+    assert store.complete(A, "c", "k", first.token, Retry(timedelta(seconds=1), "boom"))
+    waiting = store.get("c", "k")
+    assert waiting is not None and (waiting.state, waiting.due, waiting.attempt) == ("queued", due, 1)
+    assert waiting.run_at is not None and _close(waiting.run_at, store.now() + timedelta(seconds=1), 0.5)
+    assert store.claim(A, ["c"], 10, 30) == []  # its due has long passed: the retry's time counts
+    wait = store.next_due(["c"])
+    assert wait is not None and 0 < wait <= 1
+    assert [t.key for t in store.list(due_before=due + timedelta(milliseconds=1))] == ["k"]  # list filters on due
+    tasks_ctx.wait(1.2)
+    [listed] = store.list(code="c")
+    assert listed.run_at == waiting.run_at
+    [overdue] = store.summary(["c"])
+    assert overdue.due_now == 1 and overdue.oldest_overdue is not None and overdue.oldest_overdue >= 5.0  # since the due
+    [second] = store.claim(A, ["c"], 10, 30)
+    assert second.attempt == 2 and second.idempotency_key == first.idempotency_key
+    assert store.release(A, [("c", "k", second.token)]) == 1  # a hand-back: the same occurrence, claimable now
+    [third] = store.claim(B, ["c"], 10, 30)
+    assert third.attempt == 2 and third.idempotency_key == first.idempotency_key
+    assert store.complete(B, "c", "k", third.token, Reschedule(timedelta(seconds=-1)))  # a new occurrence
+    [fourth] = store.claim(A, ["c"], 10, 30)
+    assert fourth.attempt == 1 and fourth.due > due and fourth.idempotency_key != first.idempotency_key
+
+
+@every_backend
 def test_release_hands_unstarted_tasks_back_at_once(tasks_ctx: TaskCtx) -> None:
     a, b = tasks_ctx.make(), tasks_ctx.make()
     for key in ("plain", "pending", "cancelled"):
@@ -388,10 +455,136 @@ def test_release_hands_unstarted_tasks_back_at_once(tasks_ctx: TaskCtx) -> None:
     assert a.get("c", "cancelled") is None
     plain, pending = a.get("c", "plain"), a.get("c", "pending")
     assert plain is not None and (plain.state, plain.attempt, plain.token) == ("queued", 0, claimed["plain"].token + 1)
+    assert plain.due == claimed["plain"].due and _close(plain.run_at, a.now()) and plain.lease_until is None
     assert pending is not None and (pending.state, pending.payload) == ("queued", {"v": 2})
     retaken = {t.key: t for t in b.claim(B, ["c"], 10, 30)}  # no lease to wait out
     assert sorted(retaken) == ["pending", "plain"] and retaken["plain"].attempt == 1
     assert not a.complete(A, "c", "plain", claimed["plain"].token, Done())
+
+
+# -- complete_many -----------------------------------------------------------------------------------------
+def _ms(at: datetime) -> datetime:
+    """``at`` to the millisecond: every store keeps that exactly (MongoDB keeps no more)."""
+    return at.replace(microsecond=at.microsecond // 1000 * 1000)
+
+
+def _batch(store: TaskStore, code: str, times: dict[str, datetime]) -> list[tuple[str, str, int, Outcome]]:
+    """Tasks of ``code`` claimed by A (``stale``: taken over by B since), cancelled or re-added while
+    running, and the completions A records for them (one of each kind, one with a stale token)."""
+    for key in ("done", "retry", "resched", "fail", "cancelled", "pending"):
+        store.add(code, key, times["due"], {"v": 1})
+    tokens = {t.key: t.token for t in store.claim(A, [code], 10, 30)}
+    assert store.cancel(code, "cancelled")
+    assert store.add(code, "pending", times["pending"], {"v": 2}) is AddResult.PENDING
+    [stale] = [t for t in store.list(code=f"{code}-stale")]
+    return [
+        (code, "done", tokens["done"], Done()),
+        (code, "retry", tokens["retry"], Retry(times["retry"], "e1")),
+        (code, "resched", tokens["resched"], Reschedule(times["resched"])),
+        (code, "fail", tokens["fail"], Fail("e2")),
+        (f"{code}-stale", "s", stale.token - 1, Done()),  # A's claim, taken over by B since
+        (code, "cancelled", tokens["cancelled"], Retry(times["retry"], "dropped anyway")),
+        (code, "pending", tokens["pending"], Fail("the pending re-add wins")),
+    ]
+
+
+def _end_state(store: TaskStore, code: str) -> dict[str, Any]:
+    """Each task's fields that do not depend on when it was written (a running task's run_at is its lease's end)."""
+    return {
+        t.key: (t.state, t.due, t.run_at if t.state != "running" else None, t.attempt, t.payload, t.last_error, t.owner)
+        for c in (code, f"{code}-stale")
+        for t in store.list(code=c)
+    }
+
+
+class RoundTrips:
+    """Counts what one store sends: Redis commands, SQL statements and commits, MongoDB collection calls."""
+
+    def __init__(self, kind: str, store: TaskStore) -> None:
+        self.kind, self.store = kind, store
+        self.calls: list[str] = []
+
+    def __enter__(self) -> RoundTrips:
+        store: Any = self.store
+        if self.kind in ("redis", "redis-cluster"):
+            client = store.backend.client
+            original = client.execute_command
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                self.calls.append(str(args[0]).upper())
+                return original(*args, **kwargs)
+
+            client.execute_command = counted
+            self._undo: Callable[[], None] = lambda: delattr(client, "execute_command")
+        elif self.kind in ("sqlite", "mysql", "postgresql"):
+            import sqlalchemy
+
+            def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+                self.calls.append(statement.split()[0].upper())
+
+            engine = store.backend.engine
+            sqlalchemy.event.listen(engine, "before_cursor_execute", before)
+            self._undo = lambda: sqlalchemy.event.remove(engine, "before_cursor_execute", before)
+        elif self.kind in ("mongomock", "mongodb"):
+            collection, calls = store.collection, self.calls
+
+            class Counted:
+                def __getattr__(self, name: str) -> Any:
+                    calls.append(name)
+                    return getattr(collection, name)
+
+            store.collection = Counted()
+            self._undo = lambda: setattr(store, "collection", collection)
+        else:
+            self._undo = lambda: None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._undo()
+
+
+@every_backend
+def test_complete_many_is_complete_for_each_in_one_round_trip(tasks_ctx: TaskCtx) -> None:
+    """Mixed outcomes, a stale token, a task cancelled while running and one re-added while running:
+    complete_many gives the results and the end state of one complete() after the other, and
+    sends one script call (Redis), one transaction (SQL), one find and one bulk write (MongoDB)."""
+    store = tasks_ctx.make()
+    now = store.now()
+    times = {
+        "due": _ms(now - timedelta(seconds=5)),
+        "pending": _ms(now - timedelta(seconds=2)),
+        "retry": _ms(now + timedelta(minutes=10)),
+        "resched": _ms(now + timedelta(hours=2)),
+    }
+    for code in ("one", "many"):
+        store.add(f"{code}-stale", "s", times["due"])
+        store.claim(A, [f"{code}-stale"], 10, LEASE)
+    tasks_ctx.wait(LEASE * 1.5)
+    assert len(store.claim(B, ["one-stale", "many-stale"], 10, 30)) == 2  # A's claims are taken over
+    one, many = _batch(store, "one", times), _batch(store, "many", times)
+    expected = [True, True, True, True, False, True, True]
+
+    assert [store.complete(A, *item) for item in one] == expected
+    with RoundTrips(tasks_ctx.kind, store) as sent:
+        assert store.complete_many(A, many) == expected
+    assert _end_state(store, "many") == _end_state(store, "one")
+    assert _end_state(store, "many") == {
+        "retry": ("queued", times["due"], times["retry"], 1, {"v": 1}, "e1", A),
+        "resched": ("queued", times["resched"], times["resched"], 0, {"v": 1}, None, A),
+        "fail": ("failed", times["due"], None, 1, {"v": 1}, "e2", A),
+        "s": ("running", times["due"], None, 2, None, None, B),
+        "pending": ("queued", times["pending"], times["pending"], 0, {"v": 2}, None, A),
+    }
+    if tasks_ctx.kind in ("redis", "redis-cluster"):
+        assert sent.calls == ["EVALSHA"], sent.calls
+    elif tasks_ctx.kind in ("sqlite", "mysql", "postgresql"):
+        assert sent.calls.count("COMMIT") == 1 and sent.calls[-1] == "COMMIT", sent.calls  # one transaction
+        assert sent.calls[0] in ("BEGIN", "START"), sent.calls
+    elif tasks_ctx.kind in ("mongomock", "mongodb"):
+        assert sent.calls == ["find", "bulk_write"], sent.calls
+    assert store.complete_many(A, []) == []
+    with pytest.raises(ConfigurationError):
+        store.complete_many(A, [("many", "retry", 1, Done()), ("many", "retry", 1, "done")])  # type: ignore[list-item]
 
 
 # -- reads ------------------------------------------------------------------------------------------------
@@ -476,8 +669,6 @@ def test_the_claim_is_an_index_range_scan(tasks_ctx: TaskCtx) -> None:
 
 
 def test_task_store_urls() -> None:
-    with pytest.raises(ConfigurationError, match="no task pool yet"):
-        task_store_from_url("mongodb://127.0.0.1:1/db")
     with pytest.raises(ConfigurationError, match="scheme"):
         task_store_from_url("ftp://x")
     with pytest.raises(ConfigurationError, match="bad tasks table"):
@@ -556,3 +747,34 @@ def test_redis_task_keys_share_the_namespace_slot_and_colons_never_collide(tasks
 
 def store_us(at: datetime) -> float:
     return float(round(at.timestamp() * 1_000_000))
+
+
+# -- summary -------------------------------------------------------------------------------------
+@every_backend
+def test_summary_counts_each_code_by_the_store_clock(tasks_ctx: TaskCtx) -> None:
+    from mutexcron.tasks import CodeSummary
+
+    store = tasks_ctx.make()
+    assert store.summary() == [] and store.summary(["a"]) == [CodeSummary("a")] and store.summary([]) == []
+    store.add("a", "failed", SOON)
+    [task] = store.claim(A, ["a"], 1, 30)
+    assert store.complete(A, "a", "failed", task.token, Fail("boom"))
+    store.add("a", "running", SOON)
+    assert _claim_keys(store, codes=("a",), lease=30) == ["running"]
+    store.add("a", "expired", SOON)
+    assert _claim_keys(store, codes=("a",), lease=LEASE) == ["expired"]
+    tasks_ctx.wait(LEASE + 0.5)  # its worker died: due again, by its lease
+    store.add("a", "due", timedelta(seconds=-5))
+    store.add("a", "later", timedelta(hours=1))
+    store.add("b", "later", timedelta(hours=1))
+    store.add("gone", "x", SOON)
+    assert store.cancel("gone", "x")  # a code whose tasks are all gone is not listed
+
+    a, b = store.summary()
+    assert (a.code, a.queued, a.due_now, a.running, a.failed) == ("a", 2, 2, 2, 1)
+    assert a.oldest_overdue is not None and 4.0 <= a.oldest_overdue <= 15.0  # "due", 5 s ago
+    assert b == CodeSummary("b", queued=1)
+    listed = store.summary(["zz", "b", "a", "b"])
+    assert [s.code for s in listed] == ["a", "b", "zz"] and listed[1] == b and listed[2] == CodeSummary("zz")
+    assert listed[0].due_now == 2 and listed[0].failed == 1
+    assert store.summary("b") == [b]  # a lone code is one code

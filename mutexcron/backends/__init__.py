@@ -93,6 +93,7 @@ FAMILIES: tuple[StoreFamily, ...] = (
         drivers=("pymongo",),
         backend="mutexcron.backends.mongodb:MongoDBBackend",
         lock_store="mutexcron.locks.mongodb:MongoDBLockStore",
+        task_store="mutexcron.tasks.mongodb:MongoDBTaskStore",
     ),
 )
 

@@ -102,6 +102,8 @@ def parse_url(url: str, options: Iterable[str] = ()) -> MongoURL:
         key, _, value = item.partition("=")
         if key == "collection":
             collection = unquote(value) or DEFAULT_COLLECTION
+        elif key in ("tasks_collection", "history"):
+            continue  # the task store's and the lock store's options, not pymongo's
         elif item:
             kept.append(item)
     path = urlsplit(base).path

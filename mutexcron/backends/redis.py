@@ -52,7 +52,7 @@ DEFAULT_HEALTH_CHECK_INTERVAL = 30
 DEFAULT_SENTINEL_PORT = 26379
 DEFAULT_CLUSTER_PORT = 6379
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
-_OWN_OPTIONS = ("namespace", "socket_timeout", "socket_connect_timeout")
+_OWN_OPTIONS = ("namespace", "socket_timeout", "socket_connect_timeout", "history")  # history: the lock store's
 # What the server is doing when it answers like this: it is down, restarting or demoted.
 _UNAVAILABLE = (
     redis.exceptions.ConnectionError,

@@ -40,7 +40,8 @@ from .sql_pool import DEFAULT_POOL_SIZE, POOL_IDLE_TIMEOUT, POOL_MIN_IDLE, POOL_
 log = logging.getLogger(__name__)
 
 #: mutexcron's own URL options, removed before SQLAlchemy sees the URL.
-OWN_OPTIONS = ("table", "tasks_table", "pool_size")  # tasks_table: the task store's, on the same URL
+# tasks_table: the task store's; history: the lock store's run-history length (same URL for both)
+OWN_OPTIONS = ("table", "tasks_table", "pool_size", "history")
 DEFAULT_TABLE = "mutexcron_locks"
 TABLE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")  # used with fullmatch: "$" alone accepts a trailing newline
 
@@ -175,6 +176,30 @@ class SQLBackend(Backend):
         pool.resize(concurrency)
 
     # -- running statements ------------------------------------------------------------------
+    def run_in_transaction(self, work: Callable[[Connection], _T], begin: str, operation: str) -> _T:
+        """``work`` in one short transaction opened with ``begin`` (the dialect's; SQLite: BEGIN
+        IMMEDIATE), committed, or rolled back on any error (a connection that cannot roll back is
+        invalidated: never pooled with row locks held). An unknown outcome raises
+        StoreUnavailableError."""
+
+        def in_transaction(conn: Connection) -> _T:
+            conn.exec_driver_sql(begin)
+            try:
+                result = work(conn)
+                conn.exec_driver_sql("COMMIT")
+            except BaseException:
+                try:
+                    conn.exec_driver_sql("ROLLBACK")
+                except sa_exc.SQLAlchemyError:
+                    conn.invalidate()
+                raise
+            return result
+
+        try:
+            return self.run(in_transaction, operation)
+        except UncertainOutcome as exc:
+            raise self.uncertain(exc) from exc
+
     def run(self, work: Callable[[Connection], _T], operation: str) -> _T:
         """Run ``work(connection)`` on a pooled connection, translating driver errors.
 

@@ -9,6 +9,7 @@ unused for ``POOL_IDLE_TIMEOUT`` seconds, down to ``POOL_MIN_IDLE``.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -30,6 +31,11 @@ POOL_OVERFLOW = 10
 POOL_IDLE_TIMEOUT = 300.0
 # Idle connections always kept: the heartbeat's renewal and the next tick find one open.
 POOL_MIN_IDLE = 2
+
+
+# SQLAlchemy logs every pool re-creation (each engine.dispose(), e.g. at shutdown) at INFO on a
+# logger named after the pool class: noise in `mutexcron run --log-level info`.
+logging.getLogger(f"{__name__}.IdleTrimmingPool").setLevel(logging.WARNING)
 
 
 class IdleTrimmingPool(Pool):

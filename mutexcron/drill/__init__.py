@@ -11,6 +11,11 @@ Used by ``mutexcron drill``, the cluster tests and ``benchmarks/``; nothing in t
 * :mod:`~mutexcron.drill.records`: the ticks and timing files the nodes write, read back;
 * :mod:`~mutexcron.drill.analysis` and :mod:`~mutexcron.drill.report`: gaps, duplicates, attrs
   repeats, latency, PASS/FAIL reasons; :func:`format_report` and :meth:`DrillReport.to_json`.
+
+The task drill (``mutexcron drill --tasks``), the same faults against the task pool:
+:mod:`~mutexcron.drill.tasks_scenario` (:func:`run_task_drill`), :mod:`~mutexcron.drill.task_node_jobs`
+and :mod:`~mutexcron.drill.task_node_side` (the nodes' handler and recording store),
+:mod:`~mutexcron.drill.task_analysis` and :mod:`~mutexcron.drill.task_report` (:func:`format_task_report`).
 """
 
 from __future__ import annotations
@@ -21,21 +26,27 @@ from .node_side import TimedLockStore, die_with_parent, timed_store_from_env
 from .records import NodeOps, Tick
 from .report import DrillReport, PhaseMark, format_report
 from .scenario import PHASES, check_drill_url, run_drill
+from .task_report import TaskDrillReport, format_task_report
+from .tasks_scenario import TASK_NODE_JOBS, run_task_drill
 
 __all__ = [
     "NODE_JOBS",
     "PHASES",
+    "TASK_NODE_JOBS",
     "Cluster",
     "DrillReport",
     "NodeOps",
     "PhaseMark",
+    "TaskDrillReport",
     "Tick",
     "TimedLockStore",
     "check_drill_url",
     "die_with_parent",
     "format_report",
+    "format_task_report",
     "libfaketime",
     "percentile",
     "run_drill",
+    "run_task_drill",
     "timed_store_from_env",
 ]

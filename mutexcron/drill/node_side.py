@@ -19,8 +19,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import ConfigurationError, StoreError
-from ..locks import AcquireResult, BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, RunInfo, lock_store_from_url
-from ..record import LockRecord
+from ..locks import AcquireResult, BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, Presence, RunInfo, lock_store_from_url
+from ..record import LockRecord, NodePresence, RunRecord
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +113,20 @@ class TimedLockStore(LockStore):
         with self._timed("hand_off"):
             return self.inner.hand_off(name, node, token, attrs, run)
 
-    def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
+    def renew_many(self, node: Node, leases: Mapping[str, int], presence: Presence | None = None) -> set[str]:
         with self._timed("renew_many"):
-            return self.inner.renew_many(node, leases)
+            return self.inner.renew_many(node, leases, presence=presence)
+
+    def set_paused(self, name: str, paused: bool, by: str, *, catch_up: bool = False) -> LockRecord:
+        return self.inner.set_paused(name, paused, by, catch_up=catch_up)
+
+    def history_many(
+        self, locks: Iterable[str], job: str | None = None, limit: int | None = None
+    ) -> dict[str, list[RunRecord]]:
+        return self.inner.history_many(locks, job, limit)
+
+    def nodes(self) -> list[NodePresence]:
+        return self.inner.nodes()
 
     def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
         with self._timed("claim_many"):

@@ -6,7 +6,8 @@ from typing import Any
 
 from ..backends import FAMILIES, build, family_of
 from ..errors import ConfigurationError
-from .base import AcquireResult, BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, RunInfo
+from ..record import NodePresence, RunRecord
+from .base import AcquireResult, BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, Presence, RunInfo
 
 __all__ = [
     "DEFAULT_LOCK_URL",
@@ -17,7 +18,10 @@ __all__ = [
     "HeldClaim",
     "LockStore",
     "Node",
+    "NodePresence",
+    "Presence",
     "RunInfo",
+    "RunRecord",
     "lock_store_from_url",
 ]
 

@@ -24,10 +24,22 @@ Rules every implementation follows (the contract suite in ``tests/test_contract.
   makes the other writes raise :class:`~mutexcron.errors.StoreUnavailableError`: it is never
   reported as a renewal, and never as a loss of the lease.
 * A store that cannot be reached raises :class:`~mutexcron.errors.StoreUnavailableError`.
+* Run history: ``hand_off(..., run=RunInfo(...))`` appends the run to its job's history in the
+  same atomic operation (and only if the hand-off is accepted), keeping the last
+  ``history_length`` runs per job (``?history=N``, default 20).
+* Pause: ``set_paused`` is an operator's write: it sets or clears the flag (creating the record if
+  missing) and changes neither holder, token nor lease; every other write keeps the flag. While a
+  lock is paused its leases are taken and renewed as usual, but **no fire claim is written**:
+  ``acquire_or_renew`` answers ``claimed=False`` and ``claim_many`` lists the lock in ``paused``.
+* Presence: ``renew_many(..., presence=Presence(...))`` also upserts the node's presence, in the
+  same round trip where the store allows it; ``nodes()`` lists those seen within
+  :data:`PRESENCE_TTL` seconds (older ones are pruned).
 """
 
 from __future__ import annotations
 
+import builtins
+import json
 import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
@@ -35,9 +47,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from ..record import LockRecord
-from ..timeutil import MICROSECONDS, as_utc
-from ..urls import mask_url
+from ..errors import ConfigurationError
+from ..record import LockRecord, NodePresence, RunRecord, newest_first
+from ..timeutil import MICROSECONDS, as_utc, us_from_datetime
+from ..urls import mask_url, pop_query
 
 
 @dataclass(frozen=True)
@@ -63,14 +76,80 @@ class FireClaim:
 
 @dataclass(frozen=True)
 class RunInfo:
-    """What a finished run reports with its heartbeat.
+    """What a finished run reports with its hand-off.
 
     ``duration`` is measured with the node's monotonic clock; the store stamps
     ``last_run_finished`` with its own clock and ``last_run_started`` as that minus ``duration``.
+    The same write appends the run to the job's history (:meth:`LockStore.history`), stamped the
+    same way.
     """
 
     duration: float
     error: str | None = None
+    #: The job the run belongs to: its history list in the lock record (None: the lock's name).
+    job: str | None = None
+    #: The scheduled fire time the run was for (None: not known, e.g. a run by hand).
+    fire_time: datetime | None = None
+
+    def history_entry(self, node: Node, token: int) -> dict[str, Any]:
+        """The run's history entry as every store keeps it, but for ``started``/``ended`` (the store stamps them)."""
+        fire_us = None if self.fire_time is None else us_from_datetime(self.fire_time)
+        error = None if self.error is None else self.error[:HISTORY_ERROR_LIMIT]
+        outcome = "success" if self.error is None else "error"
+        return {"node": node.node_id, "ip": node.ip, "token": token, "fire_us": fire_us, "outcome": outcome, "error": error}
+
+    def history_text(self, node: Node, token: int) -> str:
+        """:meth:`history_entry` as compact JSON text (what the SQL and Redis stores send)."""
+        return json.dumps(self.history_entry(node, token), ensure_ascii=False, separators=(",", ":"))
+
+
+#: The default number of runs kept per job (``?history=N`` / ``history=N``), and its bounds.
+DEFAULT_HISTORY, MIN_HISTORY, MAX_HISTORY = 20, 1, 1000
+#: The longest error text a history entry keeps (``last_error`` keeps the whole text).
+HISTORY_ERROR_LIMIT = 500
+#: A node's presence is dropped once it is older than this many seconds (store clock).
+PRESENCE_TTL = 600
+
+
+def history_option(url: str, history: int | str | None = None) -> tuple[str, int]:
+    """Split the run-history length off a lock URL: ``(url without ?history=, length)``.
+
+    ``history`` (the store's keyword) wins over ``?history=``; neither: :data:`DEFAULT_HISTORY`.
+
+    Raises:
+        ConfigurationError: not a whole number from :data:`MIN_HISTORY` to :data:`MAX_HISTORY`.
+    """
+    rest, found = pop_query(url, "history")
+    value = history if history is not None else found.get("history", DEFAULT_HISTORY)
+    text = str(value).strip()
+    if isinstance(value, bool) or not text.isdecimal() or not MIN_HISTORY <= int(text) <= MAX_HISTORY:
+        raise ConfigurationError(
+            f"bad history length {value!r} for {mask_url(url)}: use ?history=N with N from {MIN_HISTORY} to {MAX_HISTORY} "
+            f"(runs kept per job; default {DEFAULT_HISTORY})"
+        )
+    return rest, int(text)
+
+
+@dataclass(frozen=True)
+class Presence:
+    """What a node publishes with its renewals: ``renew_many(node, leases, presence=...)``.
+
+    The store adds the node's id and IP (from the :class:`Node`) and ``last_seen`` (its own clock).
+    """
+
+    #: The node's mutexcron version.
+    version: str
+    #: The node's wall clock minus the store's, in seconds (None: not measured yet).
+    clock_offset: float | None = None
+    #: The locks the node holds; None: the names in the same call's ``leases``.
+    locks: tuple[str, ...] | None = None
+
+    def held(self, leases: Mapping[str, int]) -> list[str]:
+        """The lock names to publish, sorted."""
+        return sorted(self.locks if self.locks is not None else leases)
+
+    def locks_text(self, leases: Mapping[str, int]) -> str:
+        return json.dumps(self.held(leases), ensure_ascii=False, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
@@ -112,6 +191,8 @@ class BatchClaimResult:
     #: :attr:`AcquireResult.claimed`, "wrote" is read as "the stored nonce is ours", so a retry with
     #: the same nonces after an unknown outcome reports the claims an earlier attempt wrote.
     won: frozenset[str] = frozenset()
+    #: Renewed locks that are paused (:meth:`LockStore.set_paused`): none of their claims was written.
+    paused: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -188,6 +269,9 @@ class LockStore(ABC):
     around another store pass that store's URL).
     """
 
+    #: Runs kept per job in the run history (``?history=N``; stores set it from their URL).
+    history_length: int = DEFAULT_HISTORY
+
     def __init__(self, url: str) -> None:
         self.url = url
 
@@ -233,8 +317,11 @@ class LockStore(ABC):
         """
 
     @abstractmethod
-    def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
+    def renew_many(self, node: Node, leases: Mapping[str, int], presence: Presence | None = None) -> set[str]:
         """Refresh every lease in ``{name: token}`` held by ``node``, in one round trip.
+
+        With ``presence``, also publish the node's presence (see :meth:`nodes`) in the same round
+        trip where the store allows it; ``leases`` may then be empty (only the presence is written).
 
         Returns the names that were renewed; the others were lost.
         """
@@ -290,6 +377,42 @@ class LockStore(ABC):
             if record is not None:
                 out[name] = record
         return out
+
+    def set_paused(self, name: str, paused: bool, by: str, *, catch_up: bool = False) -> LockRecord:
+        """Pause or resume a lock: one atomic write of the flag, creating the record if missing.
+
+        An operator's write: holder, token, lease, attrs and fire times are left as they are.
+        ``paused_at`` is set to the store's clock and ``paused_by`` to ``by``; ``resume_catch_up``
+        to ``catch_up`` on a resume (False on a pause).
+
+        Returns:
+            The record after the write.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot pause locks")
+
+    def history(self, lock: str, job: str | None = None, limit: int | None = None) -> builtins.list[RunRecord]:
+        """The runs kept for ``lock`` (only ``job``'s if given), newest first, at most ``limit``."""
+        return self.history_many([lock], job, limit).get(lock, [])
+
+    def history_many(
+        self, locks: Iterable[str], job: str | None = None, limit: int | None = None
+    ) -> dict[str, builtins.list[RunRecord]]:
+        """:meth:`history` of several locks, in one round trip where the store allows it.
+
+        Returns:
+            ``{lock: runs newest first}``, for the locks that have a record.
+        """
+        wanted = list(dict.fromkeys(locks))
+        stored = self._stored_history(wanted) if wanted else {}
+        return {lock: newest_first(lock, stored[lock], job, limit) for lock in wanted if lock in stored}
+
+    def _stored_history(self, locks: Sequence[str]) -> dict[str, Mapping[str, Any]]:
+        """``{lock: {job: [entry, ...] oldest first}}`` as stored, for the locks that have a record."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no run history")
+
+    def nodes(self) -> builtins.list[NodePresence]:
+        """The nodes that published their presence within :data:`PRESENCE_TTL` seconds, by node id."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no node presence")
 
     @abstractmethod
     def ping(self) -> None:

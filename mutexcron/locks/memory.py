@@ -14,18 +14,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends.memory import MemoryBackend
-from ..record import LockRecord, dump_attrs
+from ..record import LockRecord, NodePresence, dump_attrs
 from .base import (
+    PRESENCE_TTL,
     AcquireResult,
     BatchClaimResult,
     FireClaim,
     HeldClaim,
     LockStore,
     Node,
+    Presence,
     RunInfo,
     claim_won,
     fire_times_from_json,
     group_claims,
+    history_option,
 )
 
 
@@ -41,26 +44,48 @@ class _Row:
     last_run_started: float | None = None
     last_run_finished: float | None = None
     last_error: str | None = None
+    paused: bool = False
+    paused_at: float | None = None
+    paused_by: str | None = None
+    resume_catch_up: bool = False
+    #: ``{job: [entry, ...]}``, oldest first; ``started``/``ended`` as aware datetimes.
+    history: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+@dataclass
+class _NodeRow:
+    ip: str
+    version: str
+    seen: float
+    clock_offset: float | None
+    locks: tuple[str, ...]
 
 
 class MemoryLockStore(LockStore):
     """A dict behind a mutex. Its clock is ``clock`` (monotonic seconds), injectable for tests.
 
     Args:
-        url: ``memory://`` or ``memory://NAME``, or a ready :class:`MemoryBackend`.
+        url: ``memory://`` or ``memory://NAME`` (``?history=N``: runs kept per job), or a ready
+            :class:`MemoryBackend`.
         clock: the store's clock (with a URL only).
+        history: runs kept per job (wins over ``?history=``; default 20).
     """
 
-    def __init__(self, url: str | MemoryBackend = "memory://", *, clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self, url: str | MemoryBackend = "memory://", *, clock: Callable[[], float] | None = None, history: int | None = None
+    ) -> None:
         if isinstance(url, MemoryBackend):
             if clock is not None:
                 raise TypeError("clock= belongs to the backend: MemoryBackend(url, clock=...)")
             backend = url
+            _, self.history_length = history_option(url.url, history)
         else:
+            url, self.history_length = history_option(url, history)
             backend = MemoryBackend(url, clock=clock)
         super().__init__(backend.url)
         self.backend = backend
         self._rows: dict[str, _Row] = backend.table("locks")
+        self._nodes: dict[str, _NodeRow] = backend.table("nodes")
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -82,6 +107,10 @@ class MemoryLockStore(LockStore):
             last_run_finished=wall(row.last_run_finished, now),
             last_error=row.last_error,
             attrs=json.loads(row.attrs),
+            paused=row.paused,
+            paused_at=wall(row.paused_at, now),
+            paused_by=row.paused_by,
+            resume_catch_up=row.resume_catch_up,
         )
 
     # -- LockStore ---------------------------------------------------------------------------
@@ -99,7 +128,7 @@ class MemoryLockStore(LockStore):
                 if row.holder != node.node_id:
                     row.token += 1
                 row.holder, row.active_ip, row.hb, row.ttl = node.node_id, node.ip, now, ttl
-                if claim is not None:
+                if claim is not None and not row.paused:
                     stored = row.fires.get(claim.job_id)
                     if stored is None or int(stored[0]) < claim.fire_us:
                         row.fires[claim.job_id] = [claim.fire_us, claim.nonce]
@@ -127,9 +156,18 @@ class MemoryLockStore(LockStore):
                 row.last_run_finished = now
                 row.last_run_started = now - run.duration
                 row.last_error = run.error
+                self._append_run(row, name, node, token, run, now)
             return True
 
-    def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
+    def _append_run(self, row: _Row, name: str, node: Node, token: int, run: RunInfo, now: float) -> None:
+        entry = run.history_entry(node, token)
+        entry["started"] = self.backend.wall(now - max(0.0, run.duration), now)
+        entry["ended"] = self.backend.wall(now, now)
+        runs = row.history.setdefault(run.job or name, [])
+        runs.append(entry)
+        del runs[: max(0, len(runs) - self.history_length)]
+
+    def renew_many(self, node: Node, leases: Mapping[str, int], presence: Presence | None = None) -> set[str]:
         renewed: set[str] = set()
         with self.backend.mutex:
             now = self.clock()
@@ -138,12 +176,46 @@ class MemoryLockStore(LockStore):
                 if row is not None and row.holder == node.node_id and row.token == token:
                     row.hb = now
                     renewed.add(name)
+            if presence is not None:
+                held = tuple(presence.held(leases))
+                self._nodes[node.node_id] = _NodeRow(node.ip, presence.version, now, presence.clock_offset, held)
+                self._prune(now)
         return renewed
+
+    def _prune(self, now: float) -> None:
+        for node_id in [n for n, r in self._nodes.items() if now - r.seen > PRESENCE_TTL]:
+            del self._nodes[node_id]
+
+    def nodes(self) -> list[NodePresence]:
+        with self.backend.mutex:
+            now = self.clock()
+            self._prune(now)
+            wall = self.backend.wall
+            return [
+                NodePresence(node_id, r.ip, r.version, wall(r.seen, now), max(0.0, now - r.seen), r.clock_offset, r.locks)
+                for node_id, r in sorted(self._nodes.items())
+            ]
+
+    def set_paused(self, name: str, paused: bool, by: str, *, catch_up: bool = False) -> LockRecord:
+        with self.backend.mutex:
+            now = self.clock()
+            row = self._rows.get(name)
+            if row is None:  # paused before any node ran it: a released record, token 0
+                row = _Row(holder=None, active_ip=None, token=0, hb=now, ttl=0.0)
+                self._rows[name] = row
+            row.paused, row.paused_at, row.paused_by = paused, now, by
+            row.resume_catch_up = catch_up and not paused
+            return self._record(name, row, now)
+
+    def _stored_history(self, locks: Sequence[str]) -> dict[str, Mapping[str, Any]]:
+        with self.backend.mutex:
+            return {n: copy.deepcopy(self._rows[n].history) for n in locks if n in self._rows}
 
     def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
         groups = group_claims(claims)
         renewed: set[str] = set()
         won: set[str] = set()
+        paused: set[str] = set()
         with self.backend.mutex:
             now = self.clock()
             for name, group in groups.items():
@@ -152,13 +224,16 @@ class MemoryLockStore(LockStore):
                     continue
                 row.hb = now
                 renewed.add(name)
+                if row.paused:
+                    paused.add(name)
+                    continue
                 for claim in group.claims.values():
                     stored = row.fires.get(claim.job_id)
                     if stored is None or int(stored[0]) < claim.fire_us:
                         row.fires[claim.job_id] = [claim.fire_us, claim.nonce]
                     if claim_won(row.fires, claim):
                         won.add(claim.nonce)
-        return BatchClaimResult(frozenset(renewed), frozenset(won))
+        return BatchClaimResult(frozenset(renewed), frozenset(won), frozenset(paused))
 
     def release(self, name: str, node: Node, token: int) -> bool:
         with self.backend.mutex:

@@ -3,7 +3,14 @@
 One document per lock in one collection, ``_id`` = the lock name::
 
     {_id, holder, active_ip, hb: <date>, ttl: <ms>, token, attrs: <JSON text>,
-     fires: {<job>: [fire_us, nonce]}, last_run_started, last_run_finished, last_error}
+     fires: {<job>: [fire_us, nonce]}, last_run_started, last_run_finished, last_error,
+     paused, paused_at, paused_by, resume_catch_up, history: {<job>: [<run>, ...]}}
+
+The run history is written by ``hand_off`` in the same update pipeline (each job's list cut to the
+last ``?history=N`` runs by ``$slice``); reads of records leave it out. Nodes' presence documents
+live in the same collection under an object ``_id`` (``{_id: {node: <node id>}, ip, version,
+seen: <date>, clock_offset, locks}``), so that ``renew_many`` writes a presence in the same
+``bulk_write`` as the renewal; lock reads only ever match string ``_id`` values.
 
 A release never deletes the document (holder null, hb at the epoch), so the fencing token keeps
 growing. Every write is one command (``find_one_and_update`` with an update pipeline, or an
@@ -31,28 +38,32 @@ filters, update pipelines and parsing.
 
 from __future__ import annotations
 
+import builtins
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import pymongo.errors
-from pymongo import ReturnDocument, UpdateOne
+from pymongo import ReturnDocument, UpdateMany, UpdateOne
 
 from ..backends.base import UncertainOutcome
 from ..backends.mongodb import MongoDBBackend
-from ..record import LockRecord, dump_attrs, load_attrs
+from ..record import LockRecord, NodePresence, dump_attrs, load_attrs, load_locks, optional_float
 from ..timeutil import EPOCH, as_utc
 from .base import (
+    PRESENCE_TTL,
     AcquireResult,
     BatchClaimResult,
     FireClaim,
     HeldClaim,
     LockStore,
     Node,
+    Presence,
     RunInfo,
     claim_won,
     fire_times_from_json,
     group_claims,
+    history_option,
     won_claims,
 )
 
@@ -61,6 +72,22 @@ log = logging.getLogger(__name__)
 __all__ = ["MongoDBLockStore"]
 
 _MIN_INT64 = -(2**63)
+
+
+# Each call builds its own filter or projection: mongomock adds keys to the ones it is given.
+def _locks() -> dict[str, Any]:
+    """Lock documents: a string ``_id`` (presence documents have an object one)."""
+    return {"_id": {"$type": "string"}}
+
+
+def _nodes() -> dict[str, Any]:
+    """Presence documents."""
+    return {"_id": {"$type": "object"}}
+
+
+def _no_history() -> dict[str, Any]:
+    """What record reads leave out of a lock document."""
+    return {"history": 0}
 
 
 def _ms(seconds: float) -> int:
@@ -78,18 +105,27 @@ class MongoDBLockStore(LockStore):
             ``mongomock.MongoClient``); the store then does not close it.
         now: with a URL, tests only: a callable returning the date to use as "now" instead of the
             server's ``$$NOW`` (which mongomock does not know). Production code never passes it.
+        history: runs kept per job in the run history (wins over ``?history=``; default 20).
         **options: with a URL: extra ``pymongo.MongoClient`` keyword options; they win over the URL
             and the defaults.
     """
 
     def __init__(
-        self, url: str | MongoDBBackend, *, client: Any = None, now: Callable[[], Any] | None = None, **options: Any
+        self,
+        url: str | MongoDBBackend,
+        *,
+        client: Any = None,
+        now: Callable[[], Any] | None = None,
+        history: int | None = None,
+        **options: Any,
     ) -> None:
         if isinstance(url, MongoDBBackend):
             if client is not None or now is not None or options:
                 raise TypeError("connection options belong to the backend: MongoDBBackend(url, client=..., now=...)")
             backend = url
+            _, self.history_length = history_option(url.url, history)
         else:
+            url, self.history_length = history_option(url, history)  # pymongo must not see ?history=
             backend = MongoDBBackend(url, client=client, now=now, **options)
         super().__init__(backend.url)
         self.backend = backend
@@ -136,12 +172,17 @@ class MongoDBLockStore(LockStore):
             last_run_finished=as_utc(doc.get("last_run_finished")),
             last_error=doc.get("last_error"),
             attrs=load_attrs(doc.get("attrs")),
+            paused=bool(doc.get("paused")),
+            paused_at=as_utc(doc.get("paused_at")),
+            paused_by=doc.get("paused_by"),
+            resume_catch_up=bool(doc.get("resume_catch_up")),
         )
 
     def _aggregate(self, match: Mapping[str, Any] | None, op: str, *, committed: bool = False) -> list[dict[str, Any]]:
-        """Lock documents plus ``_age_ms`` (the server clock minus ``hb``), sorted by name, in one round trip."""
-        pipeline: list[dict[str, Any]] = [{"$match": match}] if match is not None else []
+        """Lock documents (without their history) plus ``_age_ms`` (server clock minus ``hb``), by name, in one round trip."""
+        pipeline: list[dict[str, Any]] = [{"$match": match if match is not None else _locks()}]
         pipeline += [
+            {"$project": _no_history()},
             {"$addFields": {"_age_ms": {"$subtract": [self.now_expr(), "$hb"]}}},
             {"$sort": {"_id": 1}},
         ]
@@ -196,7 +237,7 @@ class MongoDBLockStore(LockStore):
         try:
             with self.backend.errors("acquire_or_renew", write=True):
                 doc = self.collection.find_one_and_update(
-                    query, [{"$set": fields}], upsert=True, return_document=ReturnDocument.AFTER
+                    query, [{"$set": fields}], upsert=True, return_document=ReturnDocument.AFTER, projection=_no_history()
                 )
         except pymongo.errors.DuplicateKeyError:
             doc = None  # refused: the document exists and failed the filter (or a racing upsert made it)
@@ -229,6 +270,7 @@ class MongoDBLockStore(LockStore):
             fields["last_run_finished"] = now
             fields["last_run_started"] = {"$subtract": [now, _ms(run.duration)]}
             fields["last_error"] = {"$literal": run.error}
+            fields["history"] = self._history_expr(name, node, token, run, now)
         query = {"_id": name, "holder": node.node_id, "token": token}
         try:
             with self.backend.errors("hand_off", write=True):
@@ -240,8 +282,25 @@ class MongoDBLockStore(LockStore):
             raise self.backend.uncertain(exc) from exc
         return doc is not None
 
-    def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
-        if not leases:
+    def _history_expr(self, name: str, node: Node, token: int, run: RunInfo, now: Any) -> dict[str, Any]:
+        """``history`` with the run appended to its job's list, cut to the last ``history_length``.
+
+        The job is only ever compared as a ``$literal`` value (``$objectToArray``), as in
+        :func:`_claim_expr`: a job id with dots or ``$`` is never a field path.
+        """
+        entry: dict[str, Any] = {k: {"$literal": v} for k, v in run.history_entry(node, token).items()}
+        entry.update(started={"$subtract": [now, _ms(max(0.0, run.duration))]}, ended=now)
+        job = {"$literal": run.job or name}
+        pairs = {"$objectToArray": {"$ifNull": ["$history", {}]}}
+        ours = {"$filter": {"input": pairs, "cond": {"$eq": ["$$this.k", job]}}}
+        runs = {"$ifNull": [{"$arrayElemAt": [{"$map": {"input": ours, "in": "$$this.v"}}, 0]}, []]}
+        others = {"$filter": {"input": pairs, "cond": {"$ne": ["$$this.k", job]}}}
+        kept = {"$slice": [{"$concatArrays": [runs, _one(entry)]}, -self.history_length]}
+        return {"$arrayToObject": {"$concatArrays": [others, _one({"k": job, "v": kept})]}}
+
+    def renew_many(self, node: Node, leases: Mapping[str, int], presence: Presence | None = None) -> set[str]:
+        """One ``update_many``; with a presence, one ``bulk_write`` of it and the presence's upsert."""
+        if not leases and presence is None:
             return set()
         names = list(leases)
         query = {
@@ -249,18 +308,89 @@ class MongoDBLockStore(LockStore):
             "holder": node.node_id,
             "$or": [{"_id": name, "token": token} for name, token in leases.items()],
         }
+        now = self.now_expr()
         try:
             with self.backend.errors("renew_many", write=True):
-                result = self.collection.update_many(query, [{"$set": {"hb": self.now_expr()}}])
+                if presence is None:
+                    matched = self.collection.update_many(query, [{"$set": {"hb": now}}]).matched_count
+                else:
+                    ops: list[Any] = [UpdateMany(query, [{"$set": {"hb": now}}])] if leases else []
+                    ops.append(self._presence_op(node, leases, presence, now))
+                    matched = self._bulk(ops, "renew_many", ordered=True, presence=True)
         except UncertainOutcome as exc:
             # Nothing may be counted as renewed (hb may not have moved), nor as lost.
             raise self.backend.uncertain(exc) from exc
-        if result.matched_count == len(names):
+        if not names:
+            return set()
+        if matched == len(names):
             return set(names)
         # Say which were renewed: those still ours with the same token (a token never comes back).
         with self.backend.errors("renew_many (read)"):
             docs = list(self.collection.find({"_id": {"$in": names}, "holder": node.node_id}, {"token": True}))
         return {doc["_id"] for doc in docs if doc.get("token") == leases[doc["_id"]]}
+
+    def _bulk(self, ops: Sequence[Any], operation: str, *, ordered: bool, presence: bool = False) -> int:
+        """One ``bulk_write``: the documents its updates matched (with ``presence``, the last op's own not counted)."""
+        try:
+            result = self.collection.bulk_write(ops, ordered=ordered)
+        except pymongo.errors.BulkWriteError as exc:
+            # A bulk write reports a write concern failure in its details, not as WriteConcernError.
+            if exc.details.get("writeConcernErrors") and not exc.details.get("writeErrors"):
+                raise UncertainOutcome(operation, "outcome unknown") from exc
+            raise
+        return int(result.matched_count) - int(presence and not result.upserted_count)
+
+    def _presence_op(self, node: Node, leases: Mapping[str, int], presence: Presence, now: Any) -> UpdateOne:
+        fields = {
+            "ip": node.ip,
+            "version": presence.version,
+            "clock_offset": presence.clock_offset,
+            "locks": presence.held(leases),
+        }
+        values = {k: {"$literal": v} for k, v in fields.items()}
+        return UpdateOne({"_id": {"node": node.node_id}}, [{"$set": {**values, "seen": now}}], upsert=True)
+
+    def nodes(self) -> builtins.list[NodePresence]:
+        """One ``aggregate`` of the presence documents; those older than the TTL are deleted (a second command)."""
+        pipeline = [
+            {"$match": _nodes()},
+            {"$addFields": {"_age_ms": {"$subtract": [self.now_expr(), "$seen"]}}},
+            {"$sort": {"_id.node": 1}},
+        ]
+        with self.backend.errors("nodes"):
+            docs = [dict(doc) for doc in self.collection.aggregate(pipeline)]
+        old = [doc for doc in docs if doc.get("_age_ms") is None or float(doc["_age_ms"]) > PRESENCE_TTL * 1000]
+        if old:
+            with self.backend.errors("nodes (prune)"):  # a node that wrote again since keeps its document
+                self.collection.delete_many({"$or": [{"_id": doc["_id"], "seen": doc.get("seen")} for doc in old]})
+        return [_presence(doc) for doc in docs if doc not in old]
+
+    def set_paused(self, name: str, paused: bool, by: str, *, catch_up: bool = False) -> LockRecord:
+        """One ``find_one_and_update`` (an upsert), then one read of the record for its heartbeat age."""
+        fields = {
+            "paused": bool(paused),
+            "paused_at": self.now_expr(),
+            "paused_by": {"$literal": by},
+            "resume_catch_up": bool(catch_up and not paused),
+            # A new document: released, token 0 (the first acquire makes it 1), no heartbeat.
+            "token": {"$ifNull": ["$token", 0]},
+            "ttl": {"$ifNull": ["$ttl", 0]},
+            "hb": {"$ifNull": ["$hb", EPOCH]},
+        }
+        try:
+            with self.backend.errors("set_paused", write=True):
+                self.collection.find_one_and_update({"_id": name}, [{"$set": fields}], upsert=True, projection={"_id": True})
+        except UncertainOutcome as exc:
+            raise self.backend.uncertain(exc) from exc
+        doc = self._read_doc(name, "set_paused (read)")
+        if doc is None:
+            raise self.backend.failed(None, "set_paused", why=f"lock {name!r} vanished right after it was written")
+        return self._record(doc)
+
+    def _stored_history(self, locks: Sequence[str]) -> dict[str, Mapping[str, Any]]:
+        with self.backend.errors("history"):
+            docs = list(self.collection.find({"_id": {"$in": list(locks)}}, {"history": True}))
+        return {doc["_id"]: dict(doc.get("history") or {}) for doc in docs}
 
     def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
         """One ``bulk_write``, then one ``find`` of the claimed documents: two round trips.
@@ -287,27 +417,25 @@ class MongoDBLockStore(LockStore):
         ]
         try:
             with self.backend.errors("claim_many", write=True):
-                try:
-                    result = self.collection.bulk_write(ops, ordered=False)
-                except pymongo.errors.BulkWriteError as exc:
-                    # A bulk write reports a write concern failure in its details, not as WriteConcernError.
-                    if exc.details.get("writeConcernErrors") and not exc.details.get("writeErrors"):
-                        raise UncertainOutcome("claim_many", "outcome unknown") from exc
-                    raise
+                matched = self._bulk(ops, "claim_many", ordered=False)
         except UncertainOutcome as exc:
             # Nothing may be counted as renewed or claimed (nor lost): the caller retries.
             raise self.backend.uncertain(exc) from exc
-        if result.matched_count == 0:
+        if matched == 0:
             return BatchClaimResult()
         names = list(groups)
         with self.backend.errors("claim_many (read)"):
             docs = list(
                 self.collection.find(
-                    {"_id": {"$in": names}, "holder": node.node_id}, {"token": True, "fires": True}, batch_size=len(names)
+                    {"_id": {"$in": names}, "holder": node.node_id},
+                    {"token": True, "fires": True, "paused": True},
+                    batch_size=len(names),
                 )
             )
-        fires = {doc["_id"]: doc.get("fires") for doc in docs if doc.get("token") == groups[doc["_id"]].token}
-        return BatchClaimResult(frozenset(fires), won_claims(groups, fires))
+        ours = [doc for doc in docs if doc.get("token") == groups[doc["_id"]].token]
+        fires = {doc["_id"]: doc.get("fires") for doc in ours}
+        paused = frozenset(doc["_id"] for doc in ours if doc.get("paused"))
+        return BatchClaimResult(frozenset(fires), won_claims(groups, fires), paused)
 
     def release(self, name: str, node: Node, token: int) -> bool:
         query = {"_id": name, "holder": node.node_id, "token": token}
@@ -328,7 +456,7 @@ class MongoDBLockStore(LockStore):
 
 
 def _claim_expr(claim: FireClaim) -> dict[str, Any]:
-    """``fires`` with ``fires[job] = [fire_us, nonce]`` if ``fire_us`` is newer than the stored one.
+    """``fires`` with ``fires[job] = [fire_us, nonce]`` if ``fire_us`` is newer than the stored one and the lock is not paused.
 
     Job keys may hold dots, quotes and ``$``: they are only ever compared as ``$literal`` values
     (``$objectToArray``/``$arrayToObject``), never used as field paths. This form runs on MongoDB
@@ -344,4 +472,23 @@ def _claim_expr(claim: FireClaim) -> dict[str, Any]:
     others = {"$filter": {"input": pairs, "cond": {"$ne": ["$$this.k", job]}}}
     mine = {"$literal": [{"k": claim.job_id, "v": [claim.fire_us, claim.nonce]}]}
     claimed = {"$arrayToObject": {"$concatArrays": [others, mine]}}
-    return {"$cond": [{"$gt": [claim.fire_us, stored_us]}, claimed, {"$ifNull": ["$fires", {}]}]}
+    newer = {"$and": [{"$gt": [claim.fire_us, stored_us]}, {"$ne": [{"$ifNull": ["$paused", False]}, True]}]}
+    return {"$cond": [newer, claimed, {"$ifNull": ["$fires", {}]}]}
+
+
+def _one(expression: dict[str, Any]) -> dict[str, Any]:
+    """An array of the one document ``expression`` evaluates to (``[expression]`` would be a literal on mongomock)."""
+    return {"$map": {"input": [0], "in": expression}}
+
+
+def _presence(doc: Mapping[str, Any]) -> NodePresence:
+    age_ms = doc.get("_age_ms")
+    return NodePresence(
+        node_id=str(doc["_id"].get("node")),
+        ip=doc.get("ip"),
+        version=doc.get("version"),
+        last_seen=as_utc(doc.get("seen")),
+        age=None if age_ms is None else max(0.0, float(age_ms) / 1000),
+        clock_offset=optional_float(doc.get("clock_offset")),
+        locks=load_locks(doc.get("locks")),
+    )

@@ -2,7 +2,9 @@
 
 Every lock is one hash that never expires, ``mutexcron:{<namespace>}:lock:<name>``, beside a
 token counter ``mutexcron:{<namespace>}:token:<name>`` (INCR only, never expires, so a deleted
-hash cannot reset the fencing tokens) and the names set ``mutexcron:{<namespace>}:names``. Each
+hash cannot reset the fencing tokens) and the names set ``mutexcron:{<namespace>}:names``; a lock's run history is the hash
+``mutexcron:{<namespace>}:history:<name>`` (one field per job), and the nodes' presence the hash
+``mutexcron:{<namespace>}:nodes`` with the zset ``mutexcron:{<namespace>}:nodes:seen``. Each
 write is one Lua script (:mod:`mutexcron.locks.redis_scripts`) judged by the server's ``TIME``;
 the client, the namespace and the error translation are the
 :class:`~mutexcron.backends.redis.RedisBackend`'s.
@@ -21,21 +23,35 @@ from redis.cluster import RedisCluster
 from redis.sentinel import Sentinel
 
 from ..backends.redis import RedisBackend, now_ms
-from ..record import LockRecord, dump_attrs, load_attrs
+from ..record import LockRecord, NodePresence, dump_attrs, load_attrs, load_locks, optional_float
 from ..timeutil import MILLISECONDS, as_utc
 from .base import (
+    PRESENCE_TTL,
     AcquireResult,
     BatchClaimResult,
     FireClaim,
     HeldClaim,
     LockStore,
     Node,
+    Presence,
     RunInfo,
     claim_won,
     fire_times_from_json,
     group_claims,
+    history_option,
 )
-from .redis_scripts import ACQUIRE_LUA, CLAIM_MANY_LUA, HAND_OFF_LUA, READ_LUA, RELEASE_LUA, RENEW_MANY_LUA
+from .redis_scripts import (
+    ACQUIRE_LUA,
+    CLAIM_MANY_LUA,
+    HAND_OFF_LUA,
+    HISTORY_LUA,
+    NODES_LUA,
+    READ_LUA,
+    RELEASE_LUA,
+    RENEW_MANY_LUA,
+    RENEW_PRESENCE_LUA,
+    SET_PAUSED_LUA,
+)
 
 __all__ = ["RedisLockStore"]
 
@@ -50,14 +66,17 @@ class RedisLockStore(LockStore):
         **options: with a URL, the backend's: ``namespace``, ``socket_timeout``,
             ``socket_connect_timeout`` (the URL query wins over these), ``sentinel_kwargs``, and any
             other redis-py connection keyword.
+        history: runs kept per job in the run history (wins over ``?history=``; default 20).
     """
 
-    def __init__(self, url: str | RedisBackend, **options: Any) -> None:
+    def __init__(self, url: str | RedisBackend, *, history: int | None = None, **options: Any) -> None:
         if isinstance(url, RedisBackend):
             if options:
                 raise TypeError("connection options belong to the backend: RedisBackend(url, ...)")
             backend = url
+            _, self.history_length = history_option(url.url, history)
         else:
+            url, self.history_length = history_option(url, history)  # redis-py must not see ?history=
             backend = RedisBackend(url, **options)
         super().__init__(backend.url)
         self.backend = backend
@@ -67,6 +86,10 @@ class RedisLockStore(LockStore):
         self._claim_many = backend.script(CLAIM_MANY_LUA)
         self._release = backend.script(RELEASE_LUA)
         self._read = backend.script(READ_LUA)
+        self._renew_presence = backend.script(RENEW_PRESENCE_LUA)
+        self._nodes = backend.script(NODES_LUA)
+        self._set_paused = backend.script(SET_PAUSED_LUA)
+        self._history = backend.script(HISTORY_LUA)
         self._floor: dict[str, int] = {}
         self._floor_mutex = threading.Lock()
 
@@ -114,9 +137,17 @@ class RedisLockStore(LockStore):
     def _token_key(self, name: str) -> str:
         return self.backend.key(f"token:{name}")
 
+    def _history_key(self, name: str) -> str:
+        return self.backend.key(f"history:{name}")
+
     @property
     def _names_key(self) -> str:
         return self.backend.key("names")
+
+    @property
+    def _presence_keys(self) -> list[str]:
+        """The nodes hash and its seen zset."""
+        return [self.backend.key("nodes"), self.backend.key("nodes:seen")]
 
     def _seen(self, name: str, token: int) -> None:
         with self._floor_mutex:
@@ -147,6 +178,10 @@ class RedisLockStore(LockStore):
             last_run_finished=as_utc(fields.get("last_run_finished"), epoch_unit=MILLISECONDS),
             last_error=fields.get("last_error"),
             attrs=load_attrs(fields.get("attrs")),
+            paused=fields.get("paused") == "1",
+            paused_at=as_utc(fields.get("paused_at"), epoch_unit=MILLISECONDS),
+            paused_by=fields.get("paused_by"),
+            resume_catch_up=fields.get("resume_catch_up") == "1",
         )
 
     @staticmethod
@@ -189,20 +224,71 @@ class RedisLockStore(LockStore):
             args += ["0", 0, "0", ""]
         else:
             args += ["1", max(0, round(run.duration * 1000)), "0" if run.error is None else "1", run.error or ""]
+            args += [run.job or name, run.history_text(node, token), self.history_length]
+        keys = [self._lock_key(name), self._history_key(name)]
         with self.backend.errors("hand_off"):
-            return bool(self._hand_off(keys=[self._lock_key(name)], args=args, client=self.backend.client))
+            return bool(self._hand_off(keys=keys, args=args, client=self.backend.client))
 
-    def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
-        if not leases:
+    def renew_many(self, node: Node, leases: Mapping[str, int], presence: Presence | None = None) -> set[str]:
+        if not leases and presence is None:
             return set()
         names = list(leases)
+        keys = [self._lock_key(n) for n in names]
+        args: list[str | int] = [node.node_id, *(leases[n] for n in names)]
+        script = self._renew_many
+        if presence is not None:
+            script = self._renew_presence
+            keys += self._presence_keys
+            args += [self._presence_text(node, presence, leases), PRESENCE_TTL * 1000]
         with self.backend.errors("renew_many"):
-            renewed = self._renew_many(
-                keys=[self._lock_key(n) for n in names],
-                args=[node.node_id, *(leases[n] for n in names)],
-                client=self.backend.client,
-            )
+            renewed = script(keys=keys, args=args, client=self.backend.client)
         return {names[int(i) - 1] for i in renewed}
+
+    @staticmethod
+    def _presence_text(node: Node, presence: Presence, leases: Mapping[str, int]) -> str:
+        """The presence as stored, but for ``seen`` (the script adds it)."""
+        fields: dict[str, Any] = {"ip": node.ip, "version": presence.version, "clock_offset": presence.clock_offset}
+        fields["locks"] = presence.held(leases)
+        return json.dumps(fields, ensure_ascii=False, separators=(",", ":"))
+
+    def nodes(self) -> list[NodePresence]:
+        with self.backend.errors("nodes"):
+            reply = self._nodes(keys=self._presence_keys, args=[PRESENCE_TTL * 1000], client=self.backend.client)
+        now, flat = json.loads(reply)
+        fields = self._pairs(flat) if isinstance(flat, list) else {}  # cjson: an empty table is {}
+        return [self._presence(node_id, text, int(now)) for node_id, text in sorted(fields.items())]
+
+    @staticmethod
+    def _presence(node_id: str, text: str, now: int) -> NodePresence:
+        value = json.loads(text)
+        seen = value.get("seen")
+        return NodePresence(
+            node_id=node_id,
+            ip=value.get("ip"),
+            version=value.get("version"),
+            last_seen=as_utc(seen, epoch_unit=MILLISECONDS),
+            age=None if seen is None else max(0.0, (now - int(seen)) / 1000),
+            clock_offset=optional_float(value.get("clock_offset")),
+            locks=load_locks(value.get("locks")),
+        )
+
+    def set_paused(self, name: str, paused: bool, by: str, *, catch_up: bool = False) -> LockRecord:
+        args = ["1" if paused else "0", by, "1" if catch_up and not paused else "0", name]
+        with self.backend.errors("set_paused"):
+            reply = self._set_paused(keys=[self._lock_key(name), self._names_key], args=args, client=self.backend.client)
+        now, flat = json.loads(reply)
+        return self._record(name, self._pairs(flat), int(now))
+
+    def _stored_history(self, locks: Sequence[str]) -> dict[str, Mapping[str, Any]]:
+        keys = [key for name in locks for key in (self._lock_key(name), self._history_key(name))]
+        with self.backend.errors("history"):
+            rows = json.loads(self._history(keys=keys, client=self.backend.client))
+        out: dict[str, Mapping[str, Any]] = {}
+        for name, (exists, flat) in zip(locks, rows, strict=True):
+            if int(exists):
+                jobs = self._pairs(flat) if isinstance(flat, list) else {}
+                out[name] = {job: _entries(text) for job, text in jobs.items()}
+        return out
 
     def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
         groups = group_claims(claims)
@@ -216,8 +302,10 @@ class RedisLockStore(LockStore):
                 args += [claim.job_id, claim.fire_us, claim.nonce]
         with self.backend.errors("claim_many"):
             reply = self._claim_many(keys=[self._lock_key(n) for n in names], args=args, client=self.backend.client)
-        renewed, won = json.loads(reply)  # cjson encodes an empty table as {}: iterating it yields nothing
-        return BatchClaimResult(frozenset(names[int(i) - 1] for i in renewed), frozenset(won))
+        renewed, won, paused = json.loads(reply)  # cjson encodes an empty table as {}: iterating it yields nothing
+        return BatchClaimResult(
+            frozenset(names[int(i) - 1] for i in renewed), frozenset(won), frozenset(names[int(i) - 1] for i in paused)
+        )
 
     def release(self, name: str, node: Node, token: int) -> bool:
         with self.backend.errors("release"):
@@ -260,3 +348,9 @@ class RedisLockStore(LockStore):
 
     def close(self) -> None:
         self.backend.close()
+
+
+def _entries(text: str) -> list[Any]:
+    """A history field: a JSON array of entry texts (cjson writes an empty one as ``{}``)."""
+    texts = json.loads(text)
+    return [json.loads(entry) for entry in texts] if isinstance(texts, list) else []

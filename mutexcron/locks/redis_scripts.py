@@ -9,15 +9,27 @@ from __future__ import annotations
 
 from ..backends.redis import LUA_NOW
 
-__all__ = ["ACQUIRE_LUA", "CLAIM_MANY_LUA", "HAND_OFF_LUA", "READ_LUA", "RELEASE_LUA", "RENEW_MANY_LUA"]
+__all__ = [
+    "ACQUIRE_LUA",
+    "CLAIM_MANY_LUA",
+    "HAND_OFF_LUA",
+    "HISTORY_LUA",
+    "NODES_LUA",
+    "READ_LUA",
+    "RELEASE_LUA",
+    "RENEW_MANY_LUA",
+    "RENEW_PRESENCE_LUA",
+    "SET_PAUSED_LUA",
+]
 
 # acquire_or_renew: take the lock if it is free, released, ours or stale by the *holder's* stored
-# ttl (new token on every change of holder), claim a fire time if asked; return the whole record.
+# ttl (new token on every change of holder), claim a fire time if asked and the lock is not
+# paused; return the whole record.
 # KEYS: hash, token counter, names set. ARGV: node_id, ip, ttl_ms, token floor, name[, job, fire_us, nonce].
 ACQUIRE_LUA = (
     LUA_NOW
     + """
-local h = redis.call('HMGET', KEYS[1], 'holder', 'hb', 'ttl', 'token')
+local h = redis.call('HMGET', KEYS[1], 'holder', 'hb', 'ttl', 'token', 'paused')
 local holder, hb, ttl, token = h[1], tonumber(h[2]), tonumber(h[3]), tonumber(h[4]) or 0
 local floor = tonumber(ARGV[4]) or 0
 local acquired = 0
@@ -41,7 +53,7 @@ elseif floor > token then
   local counter = tonumber(redis.call('GET', KEYS[2])) or 0
   if floor > counter then redis.call('SET', KEYS[2], string.format('%d', floor)) end
 end
-if acquired == 1 then
+if acquired == 1 and h[5] ~= '1' then
   if ARGV[6] then
     local raw = redis.call('HGET', KEYS[1], 'fires')
     local ok, fires = pcall(cjson.decode, raw or '{}')
@@ -68,8 +80,12 @@ return cjson.encode({acquired, string.format('%d', now), redis.call('HGETALL', K
 )
 
 # hand_off: refresh the lease if ARGV[1] still holds it with token ARGV[2]; optionally store
-# attrs (ARGV[3]=='1', text ARGV[4]) and the last run (ARGV[5]=='1', duration_ms ARGV[6], error ARGV[7..8]).
-# KEYS: hash. ARGV: node_id, token, has_attrs, attrs, has_run, duration_ms, has_error, error. Returns 1 or 0.
+# attrs (ARGV[3]=='1', text ARGV[4]) and the last run (ARGV[5]=='1', duration_ms ARGV[6], error ARGV[7..8]),
+# appending the run to its job's history: field ARGV[9] of the history hash, a JSON array of entry
+# texts (strings: cjson never re-encodes their numbers), oldest first, cut to the last ARGV[11].
+# ARGV[10] is the entry's JSON object without its times; the script adds started and ended (ms).
+# KEYS: hash, history hash. ARGV: node_id, token, has_attrs, attrs, has_run, duration_ms, has_error,
+# error, job, entry, keep. Returns 1 or 0.
 HAND_OFF_LUA = (
     LUA_NOW
     + """
@@ -82,6 +98,13 @@ if ARGV[5] == '1' then
              'last_run_started', string.format('%d', now - tonumber(ARGV[6])))
   if ARGV[7] == '1' then redis.call('HSET', KEYS[1], 'last_error', ARGV[8])
   else redis.call('HDEL', KEYS[1], 'last_error') end
+  local ok, runs = pcall(cjson.decode, redis.call('HGET', KEYS[2], ARGV[9]) or '[]')
+  if not ok or type(runs) ~= 'table' then runs = {} end
+  runs[#runs + 1] = string.sub(ARGV[10], 1, -2) .. ',"started":' .. string.format('%d', now - tonumber(ARGV[6]))
+                    .. ',"ended":' .. string.format('%d', now) .. '}'
+  local kept = {}
+  for i = math.max(1, #runs - tonumber(ARGV[11]) + 1), #runs do kept[#kept + 1] = runs[i] end
+  redis.call('HSET', KEYS[2], ARGV[9], cjson.encode(kept))
 end
 return 1
 """
@@ -89,39 +112,97 @@ return 1
 
 # renew_many: refresh every lease KEYS[i] that ARGV[1] holds with token ARGV[i+1]; return those i.
 # KEYS: hash of each lock. ARGV: node_id, then the token of each lock, in KEYS order.
-RENEW_MANY_LUA = (
-    LUA_NOW
-    + """
+_RENEW_LOOP = """
 local stamp = string.format('%d', now)
 local out = {}
-for i, key in ipairs(KEYS) do
+for i = 1, LOCKS do
+  local key = KEYS[i]
   local h = redis.call('HMGET', key, 'holder', 'token')
   if h[1] == ARGV[1] and tonumber(h[2]) == tonumber(ARGV[i + 1]) then
     redis.call('HSET', key, 'hb', stamp)
     out[#out + 1] = i
   end
 end
-return out
+"""
+RENEW_MANY_LUA = LUA_NOW + "local LOCKS = #KEYS\n" + _RENEW_LOOP + "return out\n"
+
+# renew_many with a presence: the same renewal of the first #KEYS - 2 keys, then the node's
+# presence: field ARGV[1] of the nodes hash (its JSON object ARGV[#KEYS], without ``seen``: the
+# script adds it, in ms), its score in the seen zset, both keys expiring ARGV[#KEYS + 1] ms after
+# the last presence; members older than that are removed. Returns the renewed i.
+# KEYS: hash of each lock, nodes hash, seen zset. ARGV: node_id, each lock's token, presence, ttl_ms.
+_PRESENCE = """
+local nodes, seen, ttl = KEYS[LOCKS + 1], KEYS[LOCKS + 2], tonumber(ARGV[LOCKS + 3])
+redis.call('HSET', nodes, ARGV[1], string.sub(ARGV[LOCKS + 2], 1, -2) .. ',"seen":' .. stamp .. '}')
+redis.call('ZADD', seen, now, ARGV[1])
+for _, old in ipairs(redis.call('ZRANGEBYSCORE', seen, '-inf', '(' .. string.format('%d', now - ttl))) do
+  redis.call('HDEL', nodes, old)
+  redis.call('ZREM', seen, old)
+end
+redis.call('PEXPIRE', nodes, ttl)
+redis.call('PEXPIRE', seen, ttl)
+"""
+RENEW_PRESENCE_LUA = LUA_NOW + "local LOCKS = #KEYS - 2\n" + _RENEW_LOOP + _PRESENCE + "return out\n"
+
+# nodes: the presences younger than ARGV[1] ms (older ones are removed), and the server clock.
+# KEYS: nodes hash, seen zset. ARGV: ttl_ms. Returns JSON [now_ms, {node_id: presence JSON, ...} as a flat list].
+NODES_LUA = (
+    LUA_NOW
+    + """
+for _, old in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. string.format('%d', now - tonumber(ARGV[1])))) do
+  redis.call('HDEL', KEYS[1], old)
+  redis.call('ZREM', KEYS[2], old)
+end
+return cjson.encode({string.format('%d', now), redis.call('HGETALL', KEYS[1])})
 """
 )
 
+# set_paused: the operator's flag (ARGV[1] '1' or '0'), when (server clock), by whom (ARGV[2]) and
+# the resume's catch-up (ARGV[3]); creates the hash if missing (no holder, no token yet) and adds
+# the name (ARGV[4]) to the names set. Holder, token and lease are not touched.
+# KEYS: hash, names set. Returns JSON [now_ms, fields of the hash].
+SET_PAUSED_LUA = (
+    LUA_NOW
+    + """
+redis.call('HSET', KEYS[1], 'paused', ARGV[1], 'paused_at', string.format('%d', now), 'paused_by', ARGV[2],
+           'resume_catch_up', ARGV[3])
+redis.call('SADD', KEYS[2], ARGV[4])
+return cjson.encode({string.format('%d', now), redis.call('HGETALL', KEYS[1])})
+"""
+)
+
+# history: for each lock, whether its hash exists and its history hash (job -> JSON array of entry
+# texts). KEYS: lock hash, history hash, for each lock. Returns JSON [[exists, fields], ...].
+HISTORY_LUA = """
+local out = {}
+for i = 1, #KEYS, 2 do
+  out[#out + 1] = {redis.call('EXISTS', KEYS[i]), redis.call('HGETALL', KEYS[i + 1])}
+end
+return cjson.encode(out)
+"""
+
 # claim_many: for every lock KEYS[i] that ARGV[1] holds with its token, refresh the lease and write
-# each of its claims whose fire time is newer than the stored one for that job; all of a lock's
-# part happens inside this script, so it is atomic with the lease check. Returns JSON
-# [[i of each renewed lock], [nonce of each claim the record now holds as ours]].
+# each of its claims whose fire time is newer than the stored one for that job, unless the lock is
+# paused; all of a lock's part happens inside this script, so it is atomic with the lease check.
+# Returns JSON [[i of each renewed lock], [nonce of each claim the record now holds as ours],
+# [i of each renewed lock that is paused]].
 # KEYS: hash of each lock. ARGV: node_id, then for each lock in KEYS order: token, number of
 # claims n, then n times job, fire_us, nonce.
 CLAIM_MANY_LUA = (
     LUA_NOW
     + """
 local stamp = string.format('%d', now)
-local renewed, won = {}, {}
+local renewed, won, paused = {}, {}, {}
 local a = 2
 for i, key in ipairs(KEYS) do
   local token, first = tonumber(ARGV[a]), a + 2
   a = first + 3 * tonumber(ARGV[a + 1])
-  local h = redis.call('HMGET', key, 'holder', 'token', 'fires')
-  if h[1] == ARGV[1] and tonumber(h[2]) == token then
+  local h = redis.call('HMGET', key, 'holder', 'token', 'fires', 'paused')
+  if h[1] == ARGV[1] and tonumber(h[2]) == token and h[4] == '1' then
+    renewed[#renewed + 1] = i
+    paused[#paused + 1] = i
+    redis.call('HSET', key, 'hb', stamp)
+  elseif h[1] == ARGV[1] and tonumber(h[2]) == token then
     renewed[#renewed + 1] = i
     local ok, fires = pcall(cjson.decode, h[3] or '{}')
     if not ok or type(fires) ~= 'table' then fires = {} end
@@ -151,7 +232,7 @@ for i, key in ipairs(KEYS) do
     end
   end
 end
-return cjson.encode({renewed, won})
+return cjson.encode({renewed, won, paused})
 """
 )
 

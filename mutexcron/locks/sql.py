@@ -10,6 +10,12 @@ run in autocommit (READ COMMITTED) by a :class:`~mutexcron.backends.sql.SQLBacke
   ``RETURNING``; MySQL (no ``RETURNING``) reads it back in the same short transaction, whose row
   lock keeps other writers out until the read is done.
 * hand_off, renew_many and release are conditional UPDATEs on holder **and** token.
+* hand_off with a run also appends it to the job's history (a JSON column of the row, cut to the
+  last ``?history=N`` runs per job) in the same UPDATE.
+* set_paused is one upsert of the operator's flag (MySQL 8: upsert and read-back in one transaction).
+* renew_many with a presence also upserts the node's row of ``<table>_nodes``: in the same
+  statement on PostgreSQL (data-modifying CTEs) and MySQL/MariaDB (an UPDATE joining the node's
+  row, inserted by a first upsert), in the same transaction on SQLite (two statements, in-process).
 * claim_many is one statement over every claimed lock (the claims passed as one JSON array) that,
   on each row naming this node with the given token, renews the lease and writes the newer
   claims, and returns the rows: an UPDATE ... RETURNING on PostgreSQL and SQLite, an INSERT ...
@@ -21,8 +27,10 @@ Failures: contention makes an acquire *uncertain* and the other writes raise
 StoreUnavailableError; the backend reports outages and refused requests (see
 :mod:`mutexcron.backends.sql`).
 
-The schema (see :meth:`SQLLockStore.ddl`) is created if missing; teams that manage their own
-schema can create it beforehand and the store will use it.
+The schema (see :meth:`SQLLockStore.ddl`) is created if missing, and the columns added since the
+first schema are added to an older table (``ALTER TABLE ... ADD COLUMN``, once per process, for
+each column the table lacks); teams that manage their own schema can create it beforehand and the
+store will use it.
 """
 
 from __future__ import annotations
@@ -32,24 +40,29 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import sqlalchemy
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 
 from ..backends.base import UncertainOutcome
 from ..backends.sql import SQLBackend
 from ..errors import StoreError
-from ..record import LockRecord, dump_attrs, load_attrs
+from ..record import LockRecord, NodePresence, dump_attrs, load_attrs, load_locks, optional_float
 from ..timeutil import as_utc
 from .base import (
+    PRESENCE_TTL,
     AcquireResult,
     BatchClaimResult,
     FireClaim,
     HeldClaim,
     LockStore,
     Node,
+    Presence,
     RunInfo,
     claim_won,
     fire_times_from_json,
     group_claims,
+    history_option,
     won_claims,
 )
 from .sql_statements import MARIADB, NO_CLAIM, STATEMENTS
@@ -76,6 +89,7 @@ class SQLLockStore(LockStore):
             ``postgresql://`` or ``postgres://`` (any driver options SQLAlchemy accepts), or a
             ready :class:`SQLBackend`.
         connect_timeout: seconds to wait for a connection before failing closed (with a URL only).
+        history: runs kept per job in the run history (wins over ``?history=``; default 20).
         **engine_options: passed to the backend's engine (with a URL only).
     """
 
@@ -83,20 +97,26 @@ class SQLLockStore(LockStore):
     #: run the MySQL 8 path (upsert and read-back in one transaction) on MariaDB.
     _use_mariadb_returning = True
 
-    def __init__(self, url: str | SQLBackend, *, connect_timeout: float | None = None, **engine_options: Any) -> None:
+    def __init__(
+        self, url: str | SQLBackend, *, connect_timeout: float | None = None, history: int | None = None, **engine_options: Any
+    ) -> None:
         if isinstance(url, SQLBackend):
             if connect_timeout is not None or engine_options:
                 raise TypeError("connection options belong to the backend: SQLBackend(url, connect_timeout=..., ...)")
             backend = url
-        elif connect_timeout is None:
-            backend = SQLBackend(url, **engine_options)
+            _, self.history_length = history_option(url.url, history)
         else:
-            backend = SQLBackend(url, connect_timeout=connect_timeout, **engine_options)
+            url, self.history_length = history_option(url, history)  # the driver must not see ?history=
+            extra = {} if connect_timeout is None else {"connect_timeout": connect_timeout}
+            backend = SQLBackend(url, **extra, **engine_options)
         super().__init__(backend.url)
         self.backend = backend
         #: The lock table.
         self.table = backend.table
         self._sql = STATEMENTS[backend.dialect.name].bind(self.table, backend.clock)
+        #: The presence table (the lock table's name + ``_nodes``).
+        self.nodes_table = f"{self.table}_nodes"
+        self._presence_rows: set[str] = set()  # nodes whose presence row this store object has written
 
     @property
     def engine(self) -> Engine:
@@ -104,8 +124,22 @@ class SQLLockStore(LockStore):
         return self.backend.engine
 
     def ddl(self) -> list[str]:
-        """The CREATE statements for this table and database (``mutexcron ddl`` prints them)."""
-        return list(self._sql.ddl)
+        """The CREATE statements for this table and database (``mutexcron ddl`` prints them).
+
+        Then the presence table's, and, as a ``--`` comment, the ``ALTER TABLE`` statements that
+        bring a lock table created by an earlier mutexcron up to date (the store runs them itself).
+        """
+        upgrade = "\n".join(f"--   {statement};" for statement in self._add_column_statements())
+        note = f"-- a lock table created before the run history and the pause flag gets these columns:\n{upgrade}"
+        return [*self._sql.ddl, *self._sql.nodes_ddl, note]
+
+    def _add_column_statements(self, names: Iterable[str] | None = None) -> list[str]:
+        wanted = None if names is None else set(names)
+        return [
+            f"ALTER TABLE {self.table} ADD COLUMN {name} {definition}"
+            for name, definition in self._sql.added_columns
+            if wanted is None or name in wanted
+        ]
 
     # -- plumbing ----------------------------------------------------------------------------
     def _ensure_table(self) -> None:
@@ -120,8 +154,24 @@ class SQLLockStore(LockStore):
         # The mysql dialect serves MySQL 8 and MariaDB; only the server can say which one it is.
         if self._use_mariadb_returning and self._sql.dialect == "mysql" and self.backend.is_mariadb(conn):
             self._sql = MARIADB.bind(self.table, self.backend.clock)
-        for statement in self._sql.ddl:
+        for statement in (*self._sql.ddl, *self._sql.nodes_ddl):
             self.backend.create(conn, statement)
+        self._add_columns(conn)
+
+    def _columns(self, conn: Connection) -> set[str]:
+        return {str(column["name"]).lower() for column in sqlalchemy.inspect(conn).get_columns(self.table)}
+
+    def _add_columns(self, conn: Connection) -> None:
+        """Add the columns a table created by an earlier mutexcron lacks (another node may add them at the same time)."""
+        missing = {name for name, _ in self._sql.added_columns} - self._columns(conn)
+        for statement in self._add_column_statements(missing):
+            try:
+                conn.execute(self.backend.text(statement))
+            except sa_exc.DBAPIError:
+                if missing - self._columns(conn):  # not a concurrent ALTER that added them: a real failure
+                    raise
+                return
+            log.info("%s: %s", self.masked_url, statement)
 
     def _run(self, work: Callable[[Connection], _T], what: str) -> _T:
         self._ensure_table()
@@ -144,7 +194,8 @@ class SQLLockStore(LockStore):
 
     def _parse(self, row: Any) -> tuple[LockRecord, dict[str, Any]]:
         """A row -> (record, raw fires JSON incl. claim nonces)."""
-        (name, holder, ip, token, hb, ttl_ms, attrs, fires, started, finished, error, age) = tuple(row)
+        (name, holder, ip, token, hb, ttl_ms, attrs, fires, started, finished, error, *pause, age) = tuple(row)
+        paused, paused_at, paused_by, catch_up = pause
         if isinstance(fires, (str, bytes)):
             fires = json.loads(fires or "{}")
         record = LockRecord(
@@ -160,6 +211,10 @@ class SQLLockStore(LockStore):
             last_run_finished=as_utc(finished),
             last_error=error,
             attrs=load_attrs(attrs),
+            paused=bool(paused),
+            paused_at=as_utc(paused_at),
+            paused_by=paused_by,
+            resume_catch_up=bool(catch_up),
         )
         return record, fires or {}
 
@@ -206,15 +261,15 @@ class SQLLockStore(LockStore):
             return self._execute(self._sql.acquire, params, "acquire", write=True)[0]
         return self._run(lambda conn: self.backend.transaction(conn, lambda c: self._upsert_and_read(c, params)), "acquire")
 
-    def _upsert_and_read(self, conn: Connection, params: Mapping[str, Any]) -> list[Any]:
-        """MySQL 8 has no RETURNING: upsert, then read the row back, in one short transaction.
+    def _upsert_and_read(self, conn: Connection, params: Mapping[str, Any], sql: str | None = None) -> list[Any]:
+        """MySQL 8 has no RETURNING: upsert (``sql``, default the acquire), then read the row back, in one short transaction.
 
         The upsert keeps the row locked until COMMIT, so the read (READ COMMITTED, set per session)
         sees exactly what this upsert left. Two autocommit statements would let another claim of
         the same lock land in between, and this call would read that claim's nonce as a loss.
         """
         text = self.backend.text
-        conn.execute(text(self._sql.acquire), dict(params))
+        conn.execute(text(sql or self._sql.acquire), dict(params))
         return list(conn.execute(text(self._sql.read_one), {"name": params["name"]}).fetchall())
 
     def hand_off(
@@ -230,14 +285,32 @@ class SQLLockStore(LockStore):
             params["attrs"] = dump_attrs(attrs, job=name)
         if run is not None:
             params.update(dur=max(0.0, run.duration), dur_us=int(max(0.0, run.duration) * 1e6), err=run.error)
+            params.update(self._history_params(name, node, token, run))
         _, count = self._write(self._sql.hand_off[attrs is not None, run is not None], params, "hand_off")
         return bool(count == 1)
 
-    def renew_many(self, node: Node, leases: Mapping[str, int]) -> set[str]:
+    def _history_params(self, name: str, node: Node, token: int, run: RunInfo) -> dict[str, Any]:
+        job = run.job or name
+        keep = self.history_length
+        return {
+            "hjob": job,
+            "hpath": _json_path(job),
+            "hentry": run.history_text(node, token),
+            "hn": keep,
+            "hslice": f"$[last - {keep - 1} to last]",
+        }
+
+    def renew_many(self, node: Node, leases: Mapping[str, int], presence: Presence | None = None) -> set[str]:
+        if presence is not None:
+            return self._renew_with_presence(node, leases, presence)
         if not leases:
             return set()
         sql, params = self._sql.renew_shape(self._sql.renew_many, leases)
         rows, count = self._write(sql, {"me": node.node_id, **params}, "renew")
+        return self._renewed(node, leases, rows, count)
+
+    def _renewed(self, node: Node, leases: Mapping[str, int], rows: list[Any], count: int) -> set[str]:
+        """The names a renewal renewed: returned by it, or (MySQL/MariaDB: a count only) read back if not all were."""
         if self._sql.renew_returns_names:
             return {r[0] for r in rows}
         if count == len(leases):
@@ -245,6 +318,96 @@ class SQLLockStore(LockStore):
         # MySQL/MariaDB UPDATE has no RETURNING: one read says which ones were renewed.
         current = self.read_many(leases)
         return {n for n, rec in current.items() if rec.holder == node.node_id and rec.token == leases[n]}
+
+    # -- presence ----------------------------------------------------------------------------
+    def _presence_params(self, node: Node, leases: Mapping[str, int], presence: Presence) -> dict[str, Any]:
+        return {
+            "me": node.node_id,
+            "ip": node.ip,
+            "version": presence.version[:64],
+            "offset": presence.clock_offset,
+            "locks": presence.locks_text(leases),
+            "dur": float(PRESENCE_TTL),
+            "dur_us": PRESENCE_TTL * 1_000_000,
+        }
+
+    def _renew_with_presence(self, node: Node, leases: Mapping[str, int], presence: Presence) -> set[str]:
+        """The renewal and the presence upsert in one statement (PostgreSQL, MySQL/MariaDB) or one transaction (SQLite)."""
+        self._ensure_table()
+        params = self._presence_params(node, leases, presence)
+        first = node.node_id not in self._presence_rows
+        if first or not leases or not self._sql.renew_presence:
+            # The node's first presence from this store object (stale rows are pruned then), a
+            # presence alone, or SQLite: the upsert, with the renewal in the same transaction.
+            renewed = self._upsert_presence(node, leases, params, prune=first)
+            self._presence_rows.add(node.node_id)
+            return renewed
+        sql, lease_params = self._sql.renew_shape(self._sql.renew_presence, leases)
+        rows, count = self._write(sql, {**params, **lease_params}, "renew")
+        if not self._sql.renew_returns_names:  # MySQL: the count includes the node's row
+            if count == 0:  # the node's row is gone (pruned after 10 minutes of silence): insert it again
+                self._presence_rows.discard(node.node_id)
+                return self._renew_with_presence(node, leases, presence)
+            count -= 1
+        return self._renewed(node, leases, rows, count)
+
+    def _upsert_presence(self, node: Node, leases: Mapping[str, int], params: Mapping[str, Any], *, prune: bool) -> set[str]:
+        """Upsert this node's presence (after pruning stale ones if ``prune``) and renew ``leases``: one transaction."""
+        renew_sql, lease_params = self._sql.renew_shape(self._sql.renew_many, leases) if leases else ("", {})
+
+        def work(conn: Connection) -> tuple[list[Any], int]:
+            text = self.backend.text
+            if prune:
+                conn.execute(text(self._sql.presence_prune), dict(params))
+            conn.execute(text(self._sql.presence_upsert), dict(params))
+            if not leases:
+                return [], 0
+            result = conn.execute(text(renew_sql), {"me": node.node_id, **lease_params})
+            return (list(result.fetchall()) if result.returns_rows else []), result.rowcount
+
+        rows, count = self._transaction(work, "renew")
+        return self._renewed(node, leases, rows, count) if leases else set()
+
+    def _transaction(self, work: Callable[[Connection], _T], what: str) -> _T:
+        """``work`` in one short transaction (:meth:`SQLBackend.run_in_transaction`)."""
+        self._ensure_table()
+        return self.backend.run_in_transaction(work, self._sql.begin, what)
+
+    def nodes(self) -> list[NodePresence]:
+        params = {"dur": float(PRESENCE_TTL), "dur_us": PRESENCE_TTL * 1_000_000}
+        self._write(self._sql.presence_prune, params, "nodes (prune)")
+        rows, _ = self._execute(self._sql.nodes_read, params, "nodes")
+        return [
+            NodePresence(
+                node_id=node_id,
+                ip=ip,
+                version=version,
+                last_seen=as_utc(seen),
+                age=None if age is None else max(0.0, float(age)),
+                clock_offset=optional_float(offset),
+                locks=load_locks(locks),
+            )
+            for node_id, ip, version, seen, offset, locks, age in rows
+        ]
+
+    # -- pause and history -------------------------------------------------------------------
+    def set_paused(self, name: str, paused: bool, by: str, *, catch_up: bool = False) -> LockRecord:
+        params = {"name": name, "paused": bool(paused), "by": by, "catch_up": bool(catch_up and not paused)}
+        self._ensure_table()  # first: it picks MariaDB's statements once it knows the server
+        if self._sql.acquire_returns_row:
+            rows, _ = self._write(self._sql.set_paused, params, "set_paused")
+        else:
+            work = lambda conn: self._upsert_and_read(conn, params, self._sql.set_paused)  # noqa: E731
+            rows = self._transaction(work, "set_paused")
+        if not rows:
+            raise StoreError(f"lock {name!r} vanished from {self.table} on {self.masked_url} during set_paused")
+        return self._record(rows[0])
+
+    def _stored_history(self, locks: Sequence[str]) -> dict[str, Mapping[str, Any]]:
+        params = {f"n{i}": n for i, n in enumerate(locks)}
+        sql = self._sql.history_read.replace("{names}", ", ".join(f":n{i}" for i in range(len(locks))))
+        rows, _ = self._execute(sql, params, "history")
+        return {name: _load_fires(history) for name, history in rows}
 
     def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
         groups = group_claims(claims)
@@ -256,12 +419,10 @@ class SQLLockStore(LockStore):
             rows, _ = self._write(self._sql.claim_many, params, "claim_many")
         else:
             rows = self._claim_and_read(params, {name: group.token for name, group in groups.items()})
-        fires = {
-            name: _load_fires(value)
-            for name, holder, token, value in rows
-            if holder == node.node_id and name in groups and int(token) == groups[name].token
-        }
-        return BatchClaimResult(frozenset(fires), won_claims(groups, fires))
+        ours = [row for row in rows if row[1] == node.node_id and row[0] in groups and int(row[2]) == groups[row[0]].token]
+        fires = {name: _load_fires(value) for name, _, _, value, _ in ours}
+        paused = frozenset(name for name, _, _, _, flag in ours if flag)
+        return BatchClaimResult(frozenset(fires), won_claims(groups, fires), paused)
 
     def _claim_and_read(self, params: Mapping[str, Any], leases: Mapping[str, int]) -> list[Any]:
         """MySQL 8: the claiming UPDATE, then the renewed rows, in one short transaction.

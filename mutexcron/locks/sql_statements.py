@@ -26,7 +26,12 @@ from typing import Any
 from ..backends.sql_dialects import SQLClock
 from .base import LockClaims
 
-COLUMNS = "name, holder, active_ip, token, hb, ttl_ms, attrs, fires, last_run_started, last_run_finished, last_error"
+COLUMNS = (
+    "name, holder, active_ip, token, hb, ttl_ms, attrs, fires, last_run_started, last_run_finished, last_error, "
+    "paused, paused_at, paused_by, resume_catch_up"
+)
+#: The presence columns ``nodes`` reads (then the age of ``seen``).
+NODE_COLUMNS = "node_id, ip, version, seen, clock_offset, locks"
 #: A fire time no claim can be below: ``COALESCE(stored, -1) < -1`` is always false.
 NO_CLAIM = -1
 
@@ -84,15 +89,69 @@ def _claims_json_with_paths(groups: Mapping[str, LockClaims]) -> dict[str, Any]:
     return {"claims": _claim_rows(groups, paths=True)}
 
 
-#: ``hand_off`` by (stores attrs, stores the last run): the same on every dialect but for the clock.
+#: ``hand_off`` by (stores attrs, stores the last run): the same on every dialect but for the clock
+#: and ``{history}``, the dialect's append of the run to its job's history (``LockStatements.history_set``).
 _HAND_OFFS: Mapping[tuple[bool, bool], str] = {
     (False, False): "UPDATE {t} SET hb = {now} WHERE name = :name AND holder = :me AND token = :token",
     (True, False): "UPDATE {t} SET hb = {now}, attrs = :attrs WHERE name = :name AND holder = :me AND token = :token",
     (False, True): "UPDATE {t} SET hb = {now}, last_run_started = {run_started}, last_run_finished = {now}, "
-    "last_error = :err WHERE name = :name AND holder = :me AND token = :token",
+    "last_error = :err, history = {history} WHERE name = :name AND holder = :me AND token = :token",
     (True, True): "UPDATE {t} SET hb = {now}, attrs = :attrs, last_run_started = {run_started}, last_run_finished = {now}, "
-    "last_error = :err WHERE name = :name AND holder = :me AND token = :token",
+    "last_error = :err, history = {history} WHERE name = :name AND holder = :me AND token = :token",
 }
+
+# Run history: one JSON object per lock row, ``{job: [entry, ...]}``, each list oldest first and cut
+# to the newest :hn entries in the same UPDATE. Parameters: :hjob (the job), :hpath (its JSON path),
+# :hentry (the entry's JSON without its times), :hn (runs kept), :hslice (PostgreSQL: the jsonpath
+# of the last :hn elements). ``started``/``ended`` are the database clock, as last_run_* are.
+# PostgreSQL addresses the job as a key (``ARRAY[:hjob]``), never as a path.
+_PG_HISTORY = """jsonb_set(COALESCE(history, '{{}}'::jsonb), ARRAY[CAST(:hjob AS text)], jsonb_path_query_array(
+        COALESCE(history -> CAST(:hjob AS text), '[]'::jsonb)
+        || jsonb_build_array(CAST(:hentry AS jsonb) || jsonb_build_object('started', {run_started}, 'ended', {now})),
+        CAST(:hslice AS jsonpath)))"""
+# MySQL 8: a range path always returns an array (a match of one is wrapped); its start is
+# computed, never negative. The times as text: MySQL would store a DATETIME as a JSON date.
+_MY_HISTORY_ARRAY = """JSON_ARRAY_APPEND(COALESCE(JSON_EXTRACT(history, :hpath), '[]'), '$',
+        JSON_MERGE_PATCH(:hentry, JSON_OBJECT('started', CAST({run_started} AS CHAR), 'ended', CAST({now} AS CHAR))))"""
+_MY_HISTORY = """JSON_SET(COALESCE(history, '{{}}'), :hpath,
+    JSON_EXTRACT({arr}, CONCAT('$[', GREATEST(JSON_LENGTH({arr}) - :hn, 0), ' to last]')))""".replace(
+    "{arr}", _MY_HISTORY_ARRAY
+)
+# MariaDB (range paths only from 10.9; JSON_TABLE from 10.6, as claim_many): the appended list
+# through JSON_TABLE, its last :hn elements aggregated in order (JSON_EXTRACT keeps each one an
+# object, not a string).
+# The usual write (the list one over its length after the append) only drops the oldest entry
+# (JSON_REMOVE, cheap); JSON_TABLE (several times slower per write) runs only when the length was
+# lowered meanwhile.
+_MARIADB_HISTORY = """JSON_SET(COALESCE(history, '{{}}'), :hpath, CASE
+    WHEN JSON_LENGTH({arr}) <= :hn THEN {arr}
+    WHEN JSON_LENGTH({arr}) = :hn + 1 THEN JSON_REMOVE({arr}, '$[0]')
+    ELSE (SELECT JSON_ARRAYAGG(JSON_EXTRACT(e.v, '$') ORDER BY e.i)
+          FROM JSON_TABLE({arr}, '$[*]' COLUMNS (i FOR ORDINALITY, v JSON PATH '$')) AS e
+          WHERE e.i > JSON_LENGTH({arr}) - :hn) END)""".replace("{arr}", _MY_HISTORY_ARRAY)
+# SQLite: no JSON path for the job (its paths cannot quote every key): the job's list is found by
+# key (json_each) and written back by a merge patch (json_patch replaces an array whole).
+_SQLITE_HISTORY_ARRAY = """json_insert(
+        COALESCE((SELECT h.value FROM json_each(COALESCE(history, '{{}}')) AS h WHERE h.key = :hjob), '[]'),
+        '$[#]', json_patch(:hentry, json_object('started', {run_started}, 'ended', {now})))"""
+_SQLITE_HISTORY = """json_patch(COALESCE(history, '{{}}'), json_object(:hjob, json((
+    SELECT json_group_array(json(e.value)) FROM json_each({arr}) AS e
+    WHERE e.key >= json_array_length({arr}) - :hn))))""".replace("{arr}", _SQLITE_HISTORY_ARRAY)
+
+#: The presence of nodes (``{n}``: the lock table's name + ``_nodes``), upserted with a renewal.
+#: Parameters: me, ip, version, offset, locks (JSON text).
+_PRESENCE_VALUES = "(node_id, ip, version, seen, clock_offset, locks) VALUES (:me, :ip, :version, {now}, :offset, :locks)"
+_PRESENCE_UPSERT = f"""INSERT INTO {{n}} {_PRESENCE_VALUES}
+ON CONFLICT (node_id) DO UPDATE SET ip = excluded.ip, version = excluded.version, seen = excluded.seen,
+    clock_offset = excluded.clock_offset, locks = excluded.locks"""
+#: Presence rows older than :data:`mutexcron.locks.base.PRESENCE_TTL` (``{cutoff}``: :dur/:dur_us seconds ago).
+_PRESENCE_PRUNE = "DELETE FROM {n} WHERE seen < {cutoff}"
+_NODES_READ = "SELECT {node_cols}, {seen_age} AS age FROM {n} WHERE seen >= {cutoff} ORDER BY node_id"
+
+#: ``set_paused``: the operator's flag, on an existing row or a new released one (token 0).
+#: Parameters: name, paused, by, catch_up.
+_PAUSE_VALUES = """(name, token, ttl_ms, attrs, fires, paused, paused_at, paused_by, resume_catch_up)
+VALUES (:name, 0, 0, '{{}}', '{{}}', :paused, {now}, :by, :catch_up)"""
 
 
 @dataclass(frozen=True)
@@ -116,6 +175,23 @@ class LockStatements:
     #: them. False (MySQL 8: no RETURNING): the store runs ``claim_read`` (its ``{pairs}`` filled by
     #: ``renew_shape``), which returns the same, in the same transaction.
     claim_returns_rows: bool
+    #: ``hand_off``'s ``{history}``: the job's history with the run appended and cut (see ``_PG_HISTORY``).
+    history_set: str
+    #: The presence table's CREATE statements (``{n}``).
+    nodes_ddl: tuple[str, ...]
+    #: Columns added since the first schema: ``(name, definition)``, added to older tables by ``ALTER TABLE``.
+    added_columns: tuple[tuple[str, str], ...]
+    #: ``set_paused``: returns the row like ``acquire`` (MySQL 8: the store reads it back in the same transaction).
+    set_paused: str
+    #: ``renew_many`` with a presence, one statement: PostgreSQL returns the renewed names; MySQL
+    #: (joined UPDATE, ``{pairs}`` by ``renew_shape``) the matched rows' count, node row included.
+    #: Empty (SQLite): ``renew_many`` and ``presence_upsert`` in one transaction.
+    renew_presence: str
+    presence_upsert: str = _PRESENCE_UPSERT
+    presence_prune: str = _PRESENCE_PRUNE
+    nodes_read: str = _NODES_READ
+    history_read: str = "SELECT name, history FROM {t} WHERE name IN ({names})"
+    begin: str = "START TRANSACTION"
     claim_read: str = ""
     hand_off: Mapping[tuple[bool, bool], str] = field(default_factory=lambda: dict(_HAND_OFFS))
     release: str = "UPDATE {t} SET holder = NULL WHERE name = :name AND holder = :me AND token = :token"
@@ -127,29 +203,33 @@ class LockStatements:
         """This row with every template filled for ``table`` and the backend's ``clock`` (``{pairs}`` and ``{names}`` kept)."""
         fill = {
             "t": table,
+            "n": f"{table}_nodes",
             "cols": COLUMNS,
+            "node_cols": NODE_COLUMNS,
             "now": clock.now,
             "age": clock.age_of("hb"),
             "stale": clock.stale_of("hb", "ttl_ms"),
             "run_started": clock.minus_seconds,
+            "cutoff": clock.minus_seconds,
+            "seen_age": clock.age_of("seen"),
             "l_age": clock.age_of("l.hb"),
             "l_stale": clock.stale_of("l.hb", "l.ttl_ms"),
             "pairs": "{pairs}",
             "names": "{names}",
         }
-        return dataclasses.replace(
-            self,
-            ddl=tuple(s.format(**fill) for s in self.ddl),
-            acquire=self.acquire.format(**fill),
-            renew_many=self.renew_many.format(**fill),
-            claim_many=self.claim_many.format(**fill),
-            claim_read=self.claim_read.format(**fill),
-            hand_off={key: s.format(**fill) for key, s in self.hand_off.items()},
-            release=self.release.format(**fill),
-            read_one=self.read_one.format(**fill),
-            read_many=self.read_many.format(**fill),
-            read_all=self.read_all.format(**fill),
-        )
+        fill["history"] = self.history_set.format(**fill)
+        fill["presence_upsert"] = self.presence_upsert.format(**fill)
+
+        def filled(value: Any) -> Any:
+            if isinstance(value, str):
+                return value.format(**fill)
+            if isinstance(value, tuple):
+                return tuple(filled(v) for v in value)
+            if isinstance(value, Mapping):
+                return {k: filled(v) for k, v in value.items()}
+            return value  # the shapes (callables) and flags
+
+        return dataclasses.replace(self, **{f.name: filled(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
 
 POSTGRESQL = LockStatements(
@@ -166,10 +246,54 @@ POSTGRESQL = LockStatements(
     fires             jsonb        NOT NULL DEFAULT '{{}}',
     last_run_started  timestamptz,
     last_run_finished timestamptz,
-    last_error        text
+    last_error        text,
+    paused            boolean      NOT NULL DEFAULT false,
+    paused_at         timestamptz,
+    paused_by         varchar(255),
+    resume_catch_up   boolean      NOT NULL DEFAULT false,
+    history           jsonb        NOT NULL DEFAULT '{{}}'
 )""",
         "CREATE INDEX IF NOT EXISTS {t}_holder ON {t} (holder)",
     ),
+    nodes_ddl=(
+        """CREATE TABLE IF NOT EXISTS {n} (
+    node_id      varchar(255) PRIMARY KEY,
+    ip           varchar(64),
+    version      varchar(64),
+    seen         timestamptz  NOT NULL,
+    clock_offset double precision,
+    locks        text         NOT NULL DEFAULT '[]'
+)""",
+        "CREATE INDEX IF NOT EXISTS {n}_seen ON {n} (seen)",
+    ),
+    added_columns=(
+        ("paused", "boolean NOT NULL DEFAULT false"),
+        ("paused_at", "timestamptz"),
+        ("paused_by", "varchar(255)"),
+        ("resume_catch_up", "boolean NOT NULL DEFAULT false"),
+        ("history", "jsonb NOT NULL DEFAULT '{{}}'"),
+    ),
+    history_set=_PG_HISTORY,
+    set_paused=f"""
+INSERT INTO {{t}} AS l {_PAUSE_VALUES}
+ON CONFLICT (name) DO UPDATE SET paused = excluded.paused, paused_at = excluded.paused_at,
+    paused_by = excluded.paused_by, resume_catch_up = excluded.resume_catch_up
+RETURNING {{cols}}, {{l_age}} AS age""",
+    # One statement: the renewal and the presence upsert are data-modifying CTEs of one query.
+    renew_presence="""
+WITH r AS (
+    UPDATE {t} AS l SET hb = {now}
+    FROM jsonb_to_recordset(CAST(:leases AS jsonb)) AS v(name text, token bigint)
+    WHERE l.name = v.name AND l.token = v.token AND l.holder = :me
+    RETURNING l.name
+), p AS (
+{presence_upsert}
+)
+SELECT name FROM r""",
+    presence_upsert="""INSERT INTO {n} (node_id, ip, version, seen, clock_offset, locks)
+VALUES (:me, :ip, :version, {now}, CAST(:offset AS double precision), :locks)
+ON CONFLICT (node_id) DO UPDATE SET ip = excluded.ip, version = excluded.version, seen = excluded.seen,
+    clock_offset = excluded.clock_offset, locks = excluded.locks""",
     acquire="""
 INSERT INTO {t} AS l (name, holder, active_ip, token, hb, ttl_ms, attrs, fires)
 VALUES (:name, :me, :ip, 1, {now}, :ttl_ms, '{{}}',
@@ -179,7 +303,8 @@ VALUES (:name, :me, :ip, 1, {now}, :ttl_ms, '{{}}',
 ON CONFLICT (name) DO UPDATE SET
     token = CASE WHEN l.holder IS NOT DISTINCT FROM CAST(:me AS varchar) THEN l.token ELSE l.token + 1 END,
     holder = :me, active_ip = :ip, hb = {now}, ttl_ms = :ttl_ms,
-    fires = CASE WHEN COALESCE(CAST(l.fires -> CAST(:job AS text) ->> 0 AS bigint), -1) < CAST(:ft AS bigint)
+    fires = CASE WHEN l.paused THEN l.fires
+                 WHEN COALESCE(CAST(l.fires -> CAST(:job AS text) ->> 0 AS bigint), -1) < CAST(:ft AS bigint)
                  THEN l.fires || jsonb_build_object(CAST(:job AS text),
                                                     jsonb_build_array(CAST(:ft AS bigint), CAST(:nonce AS text)))
                  ELSE l.fires END
@@ -203,12 +328,12 @@ WITH c AS (
     GROUP BY v.name, v.token
 )
 UPDATE {t} AS l SET hb = {now},
-    fires = l.fires || COALESCE((
+    fires = CASE WHEN l.paused THEN l.fires ELSE l.fires || COALESCE((
         SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(c.patch) AS e
-        WHERE COALESCE(CAST(l.fires -> e.key ->> 0 AS bigint), -1) < CAST(e.value ->> 0 AS bigint)), '{{}}'::jsonb)
+        WHERE COALESCE(CAST(l.fires -> e.key ->> 0 AS bigint), -1) < CAST(e.value ->> 0 AS bigint)), '{{}}'::jsonb) END
 FROM c
 WHERE l.name = c.name AND l.token = c.token AND l.holder = :me
-RETURNING l.name, l.holder, l.token, l.fires""",
+RETURNING l.name, l.holder, l.token, l.fires, l.paused""",
     claim_shape=_claims_json,
     claim_returns_rows=True,
 )
@@ -224,7 +349,7 @@ VALUES (:name, :me, :ip, 1, {now}, :ttl_ms, '{{}}',
         IF(:ft >= 0, JSON_OBJECT(:job, JSON_ARRAY(:ft, :nonce)), '{{}}'))
 ON DUPLICATE KEY UPDATE
     token = IF({free}, IF(holder <=> :me, token, token + 1), token),
-    fires = IF({free} AND COALESCE(CAST(JSON_EXTRACT(fires, :jpath0) AS SIGNED), -1) < :ft,
+    fires = IF({free} AND NOT paused AND COALESCE(CAST(JSON_EXTRACT(fires, :jpath0) AS SIGNED), -1) < :ft,
                JSON_MERGE_PATCH(fires, JSON_OBJECT(:job, JSON_ARRAY(:ft, :nonce))), fires),
     holder = IF({free}, :me, holder),
     active_ip = IF({free}, :ip, active_ip),
@@ -249,7 +374,7 @@ _MY_NEWER = """JSON_MERGE_PATCH({f}, COALESCE((
 _MYSQL_CLAIM_MANY = """
 UPDATE {claims}
 STRAIGHT_JOIN {t} AS l ON l.name = c.cname AND l.token = c.ctoken
-SET l.hb = {now}, l.fires = {newer}
+SET l.hb = {now}, l.fires = IF(l.paused, l.fires, {newer})
 WHERE l.holder = :me"""
 # MariaDB has RETURNING on INSERT only: the same claims as an INSERT ... SELECT of the claimed rows
 # (read FOR UPDATE, in name order, so none can vanish before its turn and no two calls lock in
@@ -263,9 +388,9 @@ SELECT c.cname, NULL, c.ctoken, NULL, 0, '{{}}', c.claims FROM {claims}
 STRAIGHT_JOIN {t} AS x ON x.name = c.cname
 FOR UPDATE
 ON DUPLICATE KEY UPDATE
-    fires = IF({t}.holder = :me AND {t}.token = VALUE({t}.token), {newer}, {t}.fires),
+    fires = IF({t}.holder = :me AND {t}.token = VALUE({t}.token) AND NOT {t}.paused, {newer}, {t}.fires),
     hb = IF({t}.holder = :me AND {t}.token = VALUE({t}.token), {now}, {t}.hb)
-RETURNING name, holder, token, fires"""
+RETURNING name, holder, token, fires, paused"""
 
 
 def _my_claim_many(template: str, fires: str, claims: str) -> str:
@@ -289,9 +414,44 @@ MYSQL = LockStatements(
     last_run_started  DATETIME(6)  NULL,
     last_run_finished DATETIME(6)  NULL,
     last_error        TEXT         NULL,
+    paused            BOOLEAN      NOT NULL DEFAULT FALSE,
+    paused_at         DATETIME(6)  NULL,
+    paused_by         VARCHAR(255) NULL,
+    resume_catch_up   BOOLEAN      NOT NULL DEFAULT FALSE,
+    history           LONGTEXT     NULL,
     INDEX {t}_holder (holder)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
     ),
+    nodes_ddl=(
+        """CREATE TABLE IF NOT EXISTS {n} (
+    node_id      VARCHAR(255) NOT NULL PRIMARY KEY,
+    ip           VARCHAR(64)  NULL,
+    version      VARCHAR(64)  NULL,
+    seen         DATETIME(6)  NOT NULL,
+    clock_offset DOUBLE       NULL,
+    locks        LONGTEXT     NOT NULL,
+    INDEX {n}_seen (seen)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
+    ),
+    added_columns=(
+        ("paused", "BOOLEAN NOT NULL DEFAULT FALSE"),
+        ("paused_at", "DATETIME(6) NULL"),
+        ("paused_by", "VARCHAR(255) NULL"),
+        ("resume_catch_up", "BOOLEAN NOT NULL DEFAULT FALSE"),
+        ("history", "LONGTEXT NULL"),
+    ),
+    history_set=_MY_HISTORY,
+    set_paused=f"""
+INSERT INTO {{t}} {_PAUSE_VALUES}
+ON DUPLICATE KEY UPDATE paused = :paused, paused_at = {{now}}, paused_by = :by, resume_catch_up = :catch_up""",
+    # One statement: the node's row joined with the renewed locks (a LEFT JOIN: the node row is
+    # updated with no lock held too). It needs the node row: the store inserts it first (once).
+    renew_presence="""
+UPDATE {n} AS n LEFT JOIN {t} AS l ON l.holder = :me AND (l.name, l.token) IN ({pairs})
+SET n.ip = :ip, n.version = :version, n.seen = {now}, n.clock_offset = :offset, n.locks = :locks, l.hb = {now}
+WHERE n.node_id = :me""",
+    presence_upsert=f"""INSERT INTO {{n}} {_PRESENCE_VALUES}
+ON DUPLICATE KEY UPDATE ip = :ip, version = :version, seen = {{now}}, clock_offset = :offset, locks = :locks""",
     acquire=_MYSQL_ACQUIRE,
     acquire_returns_row=False,  # MySQL 8 has no RETURNING
     renew_many="UPDATE {t} SET hb = {now} WHERE holder = :me AND (name, token) IN ({pairs})",
@@ -300,7 +460,7 @@ MYSQL = LockStatements(
     claim_many=_my_claim_many(_MYSQL_CLAIM_MANY, "l.fires", "c.claims"),
     claim_shape=_claims_json_with_paths,
     claim_returns_rows=False,  # MySQL 8 has no RETURNING
-    claim_read="SELECT name, holder, token, fires FROM {t} WHERE holder = :me AND (name, token) IN ({pairs})",
+    claim_read="SELECT name, holder, token, fires, paused FROM {t} WHERE holder = :me AND (name, token) IN ({pairs})",
 )
 
 #: MariaDB returns the row as updated, even from ON DUPLICATE KEY UPDATE (its UPDATE has no RETURNING).
@@ -309,6 +469,8 @@ MARIADB = dataclasses.replace(
     dialect="mariadb",
     acquire=_MYSQL_ACQUIRE + "\nRETURNING {cols}, {age}",
     acquire_returns_row=True,
+    set_paused=MYSQL.set_paused + "\nRETURNING {cols}, {age}",
+    history_set=_MARIADB_HISTORY,
     claim_many=_my_claim_many(_MARIADB_CLAIM_MANY, "{t}.fires", "VALUE({t}.fires)"),
     claim_returns_rows=True,
 )
@@ -327,10 +489,43 @@ SQLITE = LockStatements(
     fires             TEXT    NOT NULL DEFAULT '{{}}',
     last_run_started  TEXT,
     last_run_finished TEXT,
-    last_error        TEXT
+    last_error        TEXT,
+    paused            INTEGER NOT NULL DEFAULT 0,
+    paused_at         TEXT,
+    paused_by         TEXT,
+    resume_catch_up   INTEGER NOT NULL DEFAULT 0,
+    history           TEXT
 )""",
         "CREATE INDEX IF NOT EXISTS {t}_holder ON {t} (holder)",
     ),
+    nodes_ddl=(
+        """CREATE TABLE IF NOT EXISTS {n} (
+    node_id      TEXT    NOT NULL PRIMARY KEY,
+    ip           TEXT,
+    version      TEXT,
+    seen         TEXT    NOT NULL,
+    clock_offset REAL,
+    locks        TEXT    NOT NULL DEFAULT '[]'
+)""",
+        "CREATE INDEX IF NOT EXISTS {n}_seen ON {n} (seen)",
+    ),
+    added_columns=(
+        ("paused", "INTEGER NOT NULL DEFAULT 0"),
+        ("paused_at", "TEXT"),
+        ("paused_by", "TEXT"),
+        ("resume_catch_up", "INTEGER NOT NULL DEFAULT 0"),
+        ("history", "TEXT"),
+    ),
+    history_set=_SQLITE_HISTORY,
+    set_paused=f"""
+INSERT INTO {{t}} {_PAUSE_VALUES}
+ON CONFLICT (name) DO UPDATE SET paused = excluded.paused, paused_at = excluded.paused_at,
+    paused_by = excluded.paused_by, resume_catch_up = excluded.resume_catch_up
+RETURNING {{cols}}, {{age}}""",
+    # No statement writes two tables: renew_many and presence_upsert run in one BEGIN IMMEDIATE
+    # transaction (in-process, no network round trip).
+    renew_presence="",
+    begin="BEGIN IMMEDIATE",
     acquire="""
 INSERT INTO {t} (name, holder, active_ip, token, hb, ttl_ms, attrs, fires)
 VALUES (:name, :me, :ip, 1, {now}, :ttl_ms, '{{}}',
@@ -338,7 +533,8 @@ VALUES (:name, :me, :ip, 1, {now}, :ttl_ms, '{{}}',
 ON CONFLICT (name) DO UPDATE SET
     token = CASE WHEN holder IS :me THEN token ELSE token + 1 END,
     holder = :me, active_ip = :ip, hb = {now}, ttl_ms = :ttl_ms,
-    fires = CASE WHEN COALESCE((SELECT json_extract(value, '$[0]') FROM json_each(fires) WHERE key = :job), -1) < :ft
+    fires = CASE WHEN paused THEN fires
+                 WHEN COALESCE((SELECT json_extract(value, '$[0]') FROM json_each(fires) WHERE key = :job), -1) < :ft
                  THEN json_patch(fires, json_object(:job, json_array(:ft, :nonce))) ELSE fires END
 WHERE holder = :me OR holder IS NULL
    OR {stale}
@@ -360,13 +556,13 @@ WITH c AS (
     FROM json_each(:claims) GROUP BY 1, 2
 )
 UPDATE {t} AS l SET hb = {now},
-    fires = json_patch(l.fires, COALESCE((
+    fires = CASE WHEN l.paused THEN l.fires ELSE json_patch(l.fires, COALESCE((
         SELECT json_group_object(e.key, json(e.value)) FROM json_each(c.patch) AS e
         WHERE COALESCE((SELECT json_extract(f.value, '$[0]') FROM json_each(l.fires) AS f WHERE f.key = e.key), -1)
-              < json_extract(e.value, '$[0]')), '{{}}'))
+              < json_extract(e.value, '$[0]')), '{{}}')) END
 FROM c
 WHERE l.name = c.name AND l.token = c.token AND l.holder = :me
-RETURNING name, holder, token, fires""",
+RETURNING name, holder, token, fires, paused""",
     claim_shape=_claims_json,
     claim_returns_rows=True,
 )

@@ -14,6 +14,7 @@ from .base import (
     ON_CONFLICT,
     STATES,
     AddResult,
+    CodeSummary,
     Done,
     Due,
     Fail,
@@ -23,11 +24,13 @@ from .base import (
     TaskRecord,
     TaskStore,
 )
+from .wakeup import Waker
 
 __all__ = [
     "ON_CONFLICT",
     "STATES",
     "AddResult",
+    "CodeSummary",
     "Done",
     "Due",
     "Fail",
@@ -36,6 +39,7 @@ __all__ = [
     "Retry",
     "TaskRecord",
     "TaskStore",
+    "Waker",
     "task_store_from_url",
 ]
 

@@ -10,13 +10,23 @@ object ("end_promotion", "sku-123"). Rules every implementation follows (the con
 * Due times, claims and leases are judged by **the store's clock**, never the node's: a
   ``timedelta`` due is added to the store's clock when the task is written; a task is due when
   ``due <= store now``; a lease ends at ``store now + lease``.
-* States: ``queued`` (waiting for its due time), ``running`` (claimed by ``owner`` until
-  ``lease_until``), ``failed`` (out of attempts: kept with its last error until retried or
-  cancelled). A finished task is deleted; nothing else deletes a task but :meth:`TaskStore.cancel`.
-* Claims: a task is claimable when it is queued and due, or running with an expired lease (its
-  worker died: no separate rescuer, the same claim takes it). A claim sets ``running``, the owner,
-  ``token + 1``, ``attempt + 1`` (the count is kept across a rescue, so a task that kills its
-  worker still reaches its handler's ``max_attempts``) and ``lease_until``.
+* States: ``queued`` (waiting for its due time, or for a retry's time), ``running`` (claimed by
+  ``owner`` until ``lease_until``), ``failed`` (out of attempts: kept with its last error until
+  retried or cancelled). A finished task is deleted; nothing else deletes a task but
+  :meth:`TaskStore.cancel`.
+* Occurrences and claim times: ``due`` is when the occurrence is due, and it names it
+  (:attr:`TaskRecord.idempotency_key` is ``code:key:due``). Only a new occurrence sets a new
+  ``due``: an add that queues the task, a :class:`Reschedule`, a pending re-add applied. Every
+  attempt of one occurrence keeps it: a :class:`Retry` sets only ``run_at`` (when a claim may
+  take the task) to the retry's time, :meth:`TaskStore.retry` (a failed task queued again) and
+  :meth:`TaskStore.release` (a hand-back) make it claimable now. ``run_at`` is the due of a
+  freshly queued task, a retry's time, the lease's end of a running task, and None for a failed
+  one.
+* Claims: a task is claimable when ``run_at <= store now``: queued and due (or its retry's time
+  has come), or running with an expired lease (its worker died: no separate rescuer, the same
+  claim takes it). A claim sets ``running``, the owner, ``token + 1``, ``attempt + 1`` (the count
+  is kept across a rescue, so a task that kills its worker still reaches its handler's
+  ``max_attempts``), ``lease_until`` and ``run_at`` (the lease's end).
 * Fencing: :meth:`TaskStore.renew`, :meth:`TaskStore.complete` and :meth:`TaskStore.release`
   change a task only while it is running, owned by the caller, with the caller's token. A worker
   whose lease expired and whose task another worker claimed (token + 1) gets False: its write never
@@ -38,17 +48,19 @@ from __future__ import annotations
 import builtins
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Union
 
 from ..urls import mask_url
+from .wakeup import DEFAULT_POLL, PollWaker, Waker
 
 __all__ = [
     "ON_CONFLICT",
     "STATES",
     "AddResult",
+    "CodeSummary",
     "Done",
     "Due",
     "Fail",
@@ -90,13 +102,18 @@ class TaskRecord:
     Attributes:
         code: what to do (the handler's code).
         key: the business object (unique per code).
-        due: when the task is to run (for a running task: the due time of the running attempt).
+        due: when this occurrence of the task is due. Every attempt of the occurrence keeps it (a
+            :class:`Retry` waits in ``run_at``); an add, a :class:`Reschedule` or an applied
+            pending re-add starts a new occurrence with a new due.
         payload: the task's JSON data.
         state: ``queued``, ``running`` or ``failed``.
         attempt: how many times it was claimed since it was last added, rescheduled or retried by hand.
         token: fencing token; goes up by one on every claim and every hand-back, never down.
         owner: the node running it, or the last node that did.
         lease_until: when a running task's lease ends (None unless running).
+        run_at: when a claim may take the task: its due, a retry's time, or a running task's
+            lease end; None when failed (never claimed). A retried or handed-back task is
+            claimable at once (``run_at`` is the store's time of the retry or hand-back).
         last_error: the last failed attempt's error.
         pending_due / pending_payload: a re-add while running, applied when the attempt ends.
         cancel_requested: cancelled while running: dropped when the attempt ends.
@@ -112,6 +129,7 @@ class TaskRecord:
     token: int = 0
     owner: str | None = None
     lease_until: datetime | None = None
+    run_at: datetime | None = None
     last_error: str | None = None
     pending_due: datetime | None = None
     pending_payload: Any = None
@@ -121,7 +139,9 @@ class TaskRecord:
 
     @property
     def idempotency_key(self) -> str:
-        """``code:key:due``: the same for every attempt of one occurrence, new for a rescheduled one.
+        """``code:key:due``: the same for every attempt of one occurrence (a :class:`Retry`, a
+        rescue after a dead worker, a hand-back, a retry by hand keep ``due``), new for a
+        rescheduled or re-added one.
 
         A handler's own writes keyed on it (a unique constraint, an upsert) happen once even if the
         task runs twice (at-least-once delivery: a worker stalled past its lease).
@@ -132,6 +152,27 @@ class TaskRecord:
     def pending(self) -> bool:
         """True if a re-add while running waits for the running attempt to end."""
         return self.pending_due is not None
+
+
+@dataclass(frozen=True)
+class CodeSummary:
+    """The tasks of one code, counted by :meth:`TaskStore.summary` (by the store's clock).
+
+    Attributes:
+        code: the task code.
+        queued: queued tasks (due or not).
+        due_now: queued tasks whose due time has come, plus running ones whose lease ran out.
+        running: tasks running under a lease (expired or not).
+        failed: tasks out of attempts.
+        oldest_overdue: seconds since the due time of the oldest task in ``due_now``, or None.
+    """
+
+    code: str
+    queued: int = 0
+    due_now: int = 0
+    running: int = 0
+    failed: int = 0
+    oldest_overdue: float | None = None
 
 
 # -- outcomes of a run: what complete() records -------------------------------------------------
@@ -149,7 +190,11 @@ class Reschedule:
 
 @dataclass(frozen=True)
 class Retry:
-    """The attempt failed with ``error``: run it again at ``due``, attempts counted on."""
+    """The attempt failed with ``error``: run it again at ``due``, attempts counted on.
+
+    The same occurrence: the task's own ``due`` (and its idempotency key) is kept; ``due`` here is
+    when it may be claimed again (the record's ``run_at``).
+    """
 
     due: Due
     error: str
@@ -228,17 +273,19 @@ class TaskStore(ABC):
 
     @abstractmethod
     def retry(self, code: str, key: str) -> bool:
-        """Queue a failed task again, due now by the store's clock, attempts reset. False if it is not failed."""
+        """Queue a failed task again, claimable now by the store's clock (``run_at``; its ``due``, the
+        occurrence, is kept), attempts reset. False if it is not failed."""
 
     # -- workers -----------------------------------------------------------------------------
     @abstractmethod
     def claim(self, node: str, codes: Iterable[str], limit: int, lease: float) -> builtins.list[TaskRecord]:
         """Claim up to ``limit`` claimable tasks of ``codes``, earliest first, for ``node``.
 
-        Claimable: queued with ``due <= store now``, or running with ``lease_until < store now``.
-        Each claimed task is returned as left: running, owned by ``node``, token and attempt + 1,
-        ``lease_until = store now + lease``. Concurrent claims never return one task twice while
-        its lease runs. A rescued task that was cancelled is dropped, not returned.
+        Claimable: ``run_at <= store now`` (queued and due or its retry's time come, or running
+        with an expired lease), earliest ``run_at`` first. Each claimed task is returned as left:
+        running, owned by ``node``, token and attempt + 1, ``lease_until = run_at = store now +
+        lease``. Concurrent claims never return one task twice while its lease runs. A rescued task
+        that was cancelled is dropped, not returned.
         """
 
     @abstractmethod
@@ -252,25 +299,56 @@ class TaskStore(ABC):
     def complete(self, node: str, code: str, key: str, token: int, outcome: Outcome) -> bool:
         """Record how the attempt ended, if ``node`` still runs the task with ``token``.
 
-        :class:`Done` deletes the task, :class:`Reschedule` and :class:`Retry` queue it at their
-        due, :class:`Fail` keeps it as failed. A pending re-add wins over any outcome (the task is
-        queued with the pending due and payload, attempts reset); a cancel drops the task.
+        :class:`Done` deletes the task, :class:`Reschedule` queues a new occurrence at its due,
+        :class:`Retry` queues the same occurrence (``due`` kept) claimable at its time
+        (``run_at``), :class:`Fail` keeps it as failed. A pending re-add wins over any outcome (the
+        task is queued with the pending due and payload, attempts reset); a cancel drops the task.
 
         Returns:
             False, and nothing is changed, if the task was taken over (its lease expired and
             another claim raised the token), cancelled after a hand-back, or is gone.
         """
 
+    def complete_many(self, node: str, completions: Sequence[tuple[str, str, int, Outcome]]) -> builtins.list[bool]:
+        """:meth:`complete` for several ``(code, key, token, outcome)`` at once, in one round trip
+        where the store allows it; each one is fenced on its own. Returns one result per completion,
+        in order.
+
+        The default calls :meth:`complete` for each; a store that raises StoreUnavailableError
+        part-way leaves the earlier ones recorded (a retry of them is refused harmlessly: their
+        tokens no longer run).
+        """
+        return [self.complete(node, code, key, token, outcome) for code, key, token, outcome in completions]
+
     @abstractmethod
     def release(self, node: str, tasks: Iterable[tuple[str, str, int]]) -> int:
-        """Hand back tasks ``node`` claimed but did not start: queued again at once, token + 1, the
-        claim's attempt not counted. Fenced like :meth:`complete`. Returns how many were handed back
-        (or dropped, if cancelled meanwhile)."""
+        """Hand back tasks ``node`` claimed but did not start: queued again, claimable at once
+        (``run_at`` = store now, ``due`` kept), token + 1, the claim's attempt not counted (a pending
+        re-add is applied instead). Fenced like :meth:`complete`. Stores with notices send one, as
+        :meth:`add` does, so other nodes' workers take them at once. Returns how many were handed
+        back (or dropped, if cancelled meanwhile)."""
 
     @abstractmethod
     def next_due(self, codes: Iterable[str]) -> float | None:
         """Seconds until the earliest task of ``codes`` is claimable (0 if one is now), by the
         store's clock; None if none will be (no task, or only failed ones)."""
+
+    @abstractmethod
+    def summary(self, codes: Iterable[str] | None = None) -> builtins.list[CodeSummary]:
+        """Counts per code (``codes``, or every code with a task), sorted by code, in one round trip
+        where the store allows it; a code of ``codes`` without tasks is counted as all zeros.
+
+        For ``mutexcron status`` and metrics: it may read every task of the codes it counts
+        (an index-only count on the SQL stores), so it is not for a hot path.
+        """
+
+    def waker(self, codes: Iterable[str]) -> Waker:
+        """What a worker handling ``codes`` sleeps on between claims (:mod:`mutexcron.tasks.wakeup`).
+
+        The default polls every :data:`~mutexcron.tasks.wakeup.DEFAULT_POLL` seconds; stores with
+        notices override it. The caller closes it.
+        """
+        return PollWaker(DEFAULT_POLL)
 
     @abstractmethod
     def now(self) -> datetime:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import builtins
 import heapq
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
 from ..backends.memory import MemoryBackend
-from .base import AddResult, Done, Due, Fail, Outcome, Reschedule, Retry, TaskRecord, TaskStore
+from .base import AddResult, CodeSummary, Done, Due, Fail, Outcome, Reschedule, Retry, TaskRecord, TaskStore
 from .checks import (
     check_claim,
     check_codes,
@@ -34,6 +34,7 @@ from .checks import (
     load_payload,
     resolve_due,
 )
+from .wakeup import PollWaker, Waker
 
 __all__ = ["MemoryTaskStore"]
 
@@ -41,6 +42,8 @@ __all__ = ["MemoryTaskStore"]
 @dataclass
 class _Row:
     due: datetime
+    #: When a claim may take the task: its due or a retry's time (queued), its lease's end (running), never (failed).
+    run_at: datetime | None
     payload: str  # JSON text: records never share mutable state with the store
     created: datetime
     updated: datetime
@@ -54,16 +57,17 @@ class _Row:
     pending_payload: str | None = None
     cancel_requested: bool = False
 
-    @property
-    def run_at(self) -> datetime | None:
-        """When a claim may take the task: its due (queued), its lease's end (running), never (failed)."""
-        return {"queued": self.due, "running": self.lease_until}.get(self.state)
-
     def fenced(self, node: str, token: int) -> bool:
         return self.state == "running" and self.owner == node and self.token == token
 
     def queue(self, due: datetime, now: datetime) -> None:
-        self.state, self.due, self.lease_until, self.updated = "queued", due, None, now
+        """A new occurrence, due at ``due``."""
+        self.due = due
+        self.wait(due, now)
+
+    def wait(self, run_at: datetime, now: datetime) -> None:
+        """Queued, claimable from ``run_at``: the same occurrence (its due is kept)."""
+        self.state, self.run_at, self.lease_until, self.updated = "queued", run_at, None, now
 
     def apply_pending(self, now: datetime) -> None:
         """The re-add made while the attempt ran becomes the task: a new definition, attempts reset."""
@@ -92,6 +96,7 @@ class MemoryTaskStore(TaskStore):
         self.backend = backend
         # The space's tables are untyped dicts: this one is keyed by (code, key).
         self._rows = cast("dict[tuple[str, str], _Row]", backend.table("tasks"))
+        self._wakers = cast("dict[str, list[Waker]]", backend.table("tasks_wakers"))
         origin = backend.table("tasks_clock")
         with backend.mutex:
             origin.setdefault("origin", (datetime.now(timezone.utc), backend.clock()))
@@ -112,6 +117,7 @@ class MemoryTaskStore(TaskStore):
             token=row.token,
             owner=row.owner,
             lease_until=row.lease_until,
+            run_at=row.run_at,
             last_error=row.last_error,
             pending_due=row.pending_due,
             pending_payload=load_payload(row.pending_payload),
@@ -131,7 +137,8 @@ class MemoryTaskStore(TaskStore):
             new_due = resolve_due(at, delay, now)
             row = self._rows.get((code, key))
             if row is None:
-                self._rows[code, key] = _Row(due=new_due, payload=text, created=now, updated=now)
+                self._rows[code, key] = _Row(due=new_due, run_at=new_due, payload=text, created=now, updated=now)
+                self._notify(code)
                 return AddResult.INSERTED
             result = decide_add(row.state, row.due, row.pending_due, new_due, mode)
             if result is AddResult.REPLACED:
@@ -139,6 +146,8 @@ class MemoryTaskStore(TaskStore):
                 row.payload, row.attempt, row.last_error = text, 0, None
             elif result is AddResult.PENDING:
                 row.pending_due, row.pending_payload, row.cancel_requested, row.updated = new_due, text, False, now
+            if result is AddResult.REPLACED:
+                self._notify(code)
             return result
 
     def cancel(self, code: str, key: str) -> bool:
@@ -190,8 +199,9 @@ class MemoryTaskStore(TaskStore):
             if row is None or row.state != "failed":
                 return False
             now = self._now()
-            row.queue(now, now)
+            row.wait(now, now)
             row.attempt = 0
+            self._notify(code)
             return True
 
     # -- workers -----------------------------------------------------------------------------
@@ -216,6 +226,7 @@ class MemoryTaskStore(TaskStore):
                     continue
                 row.state, row.owner, row.token, row.attempt = "running", node, row.token + 1, row.attempt + 1
                 row.lease_until, row.updated = now + timedelta(seconds=lease), now
+                row.run_at = row.lease_until
                 claimed.append(self._record(key, row))
         return claimed
 
@@ -227,33 +238,49 @@ class MemoryTaskStore(TaskStore):
             for key, token in tokens.items():
                 row = self._rows.get(key)
                 if row is not None and row.fenced(node, token):
-                    row.lease_until = until
+                    row.lease_until = row.run_at = until
                     renewed.add(key)
         return renewed
 
     def complete(self, node: str, code: str, key: str, token: int, outcome: Outcome) -> bool:
         check_outcome(outcome)
         with self.backend.mutex:
-            row = self._rows.get((code, key))
-            if row is None or not row.fenced(node, token):
-                return False
-            now = self._now()
-            if row.cancel_requested or (isinstance(outcome, Done) and row.pending_due is None):
-                del self._rows[code, key]
-            elif row.pending_due is not None:
-                row.apply_pending(now)
-            elif isinstance(outcome, Fail):
-                row.state, row.lease_until, row.last_error, row.updated = "failed", None, error_text(outcome.error), now
-            elif isinstance(outcome, (Reschedule, Retry)):
-                row.queue(resolve_due(*check_due(outcome.due), now), now)
-                if isinstance(outcome, Reschedule):
-                    row.attempt, row.last_error = 0, None
-                else:
-                    row.last_error = error_text(outcome.error)
+            return self._complete(node, code, key, token, outcome)
+
+    def complete_many(self, node: str, completions: Sequence[tuple[str, str, int, Outcome]]) -> builtins.list[bool]:
+        """Every completion under the mutex once, in order (each fenced on its own)."""
+        for *_, outcome in completions:
+            check_outcome(outcome)
+        with self.backend.mutex:
+            return [self._complete(node, code, key, token, outcome) for code, key, token, outcome in completions]
+
+    def _complete(self, node: str, code: str, key: str, token: int, outcome: Outcome) -> bool:
+        """One completion, under the mutex."""
+        row = self._rows.get((code, key))
+        if row is None or not row.fenced(node, token):
+            return False
+        now = self._now()
+        if row.cancel_requested or (isinstance(outcome, Done) and row.pending_due is None):
+            del self._rows[code, key]
             return True
+        if row.pending_due is not None:
+            row.apply_pending(now)
+        elif isinstance(outcome, Fail):
+            row.state, row.run_at, row.lease_until = "failed", None, None
+            row.last_error, row.updated = error_text(outcome.error), now
+            return True
+        elif isinstance(outcome, Reschedule):
+            row.queue(resolve_due(*check_due(outcome.due), now), now)  # a new occurrence
+            row.attempt, row.last_error = 0, None
+        elif isinstance(outcome, Retry):
+            row.wait(resolve_due(*check_due(outcome.due), now), now)  # the same occurrence: due kept
+            row.last_error = error_text(outcome.error)
+        self._notify(code)  # queued again: an in-process notice costs nothing
+        return True
 
     def release(self, node: str, tasks: Iterable[tuple[str, str, int]]) -> int:
         count = 0
+        queued: set[str] = set()
         with self.backend.mutex:
             now = self._now()
             for code, key, token in tasks:
@@ -269,7 +296,10 @@ class MemoryTaskStore(TaskStore):
                     row.apply_pending(now)
                 else:
                     row.attempt -= 1  # never started: the claim does not count as an attempt
-                    row.queue(row.due, now)
+                    row.wait(now, now)  # claimable at once; the occurrence (due) is kept
+                queued.add(code)
+            for code in sorted(queued):
+                self._notify(code)
         return count
 
     def next_due(self, codes: Iterable[str]) -> float | None:
@@ -279,6 +309,46 @@ class MemoryTaskStore(TaskStore):
             if not times:
                 return None
             return max(0.0, (min(times) - self._now()).total_seconds())
+
+    def summary(self, codes: Iterable[str] | None = None) -> builtins.list[CodeSummary]:
+        wanted = None if codes is None else set(check_codes(codes))
+        counts: dict[str, dict[str, Any]] = {code: {} for code in wanted or ()}
+        with self.backend.mutex:
+            now = self._now()
+            for (code, _), row in self._rows.items():
+                if wanted is not None and code not in wanted:
+                    continue
+                seen = counts.setdefault(code, {})
+                seen[row.state] = seen.get(row.state, 0) + 1
+                run_at = row.run_at
+                if run_at is not None and run_at <= now:
+                    seen["due_now"] = seen.get("due_now", 0) + 1
+                    seen["oldest"] = min(seen.get("oldest", row.due), row.due)
+        return [
+            CodeSummary(
+                code,
+                queued=seen.get("queued", 0),
+                due_now=seen.get("due_now", 0),
+                running=seen.get("running", 0),
+                failed=seen.get("failed", 0),
+                oldest_overdue=None if "oldest" not in seen else max(0.0, (now - seen["oldest"]).total_seconds()),
+            )
+            for code, seen in sorted(counts.items())
+        ]
+
+    def waker(self, codes: Iterable[str]) -> Waker:
+        """Polls, and is woken at once when a task of ``codes`` on the same ``memory://`` space is
+        queued (an add, a retry, a hand-back, an attempt's end that queues it again)."""
+        waker = PollWaker()
+        with self.backend.mutex:
+            for code in check_codes(codes):
+                self._wakers.setdefault(code, []).append(waker)
+        return waker
+
+    def _notify(self, code: str) -> None:
+        """Wake the workers of ``code`` on this space (called under the mutex)."""
+        for waker in self._wakers.get(code, ()):
+            waker.notify()
 
     def now(self) -> datetime:
         with self.backend.mutex:

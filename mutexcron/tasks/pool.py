@@ -1,19 +1,27 @@
-"""``TaskPool``: what producers use to add, cancel, inspect and retry tasks. No scheduler needed.
+"""``TaskPool``: add, cancel, inspect and retry tasks, and register the handlers that run them.
 
-A web app, a script or a Celery task writes tasks with it; the nodes that run handlers claim
-them (the worker side comes with the scheduler integration).
+Producers (a web app, a script, a Celery task) need no scheduler: ``TaskPool(url).add(...)``.
+Workers are the nodes that run ``mutexcron run jobs.py``: the handlers registered on the
+scheduler's pool (``sched.tasks``) are run there by a :class:`~mutexcron.tasks.worker.TaskWorker`.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 from datetime import datetime
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
+from ..errors import ConfigurationError
 from ..locks import DEFAULT_LOCK_URL
+from ..urls import mask_url
 from . import task_store_from_url
 from .base import AddResult, Due, TaskRecord, TaskStore
+from .handlers import DEFAULT_MAX_ATTEMPTS, DEFAULT_TASK_LEASE, Handler, Task
+
+F = TypeVar("F", bound=Callable[[Task], Any])
 
 __all__ = ["TaskPool"]
 
@@ -37,19 +45,92 @@ class TaskPool:
     """
 
     def __init__(self, url: str | TaskStore | None = None, **options: Any) -> None:
+        self._store: TaskStore | None = None
+        self._url = ""
+        self._options = options
+        self._build_lock = threading.Lock()
+        self.handlers: dict[str, Handler] = {}
+        self._on_add: Callable[[str], None] | None = None  # wakes this process's worker
         if isinstance(url, TaskStore):
             if options:
                 raise TypeError("options belong to the store: build it with them, or pass a URL")
-            self.store = url
+            self._store = url
         else:
-            self.store = task_store_from_url(url or os.environ.get(URL_ENV) or DEFAULT_LOCK_URL, **options)
+            self._url = url or os.environ.get(URL_ENV) or DEFAULT_LOCK_URL
+            self.store  # noqa: B018 - a bad URL fails here, not at the first add
+
+    @classmethod
+    def _bound(cls, url: str) -> TaskPool:
+        """A pool whose store is built on first use (a scheduler's: its URL may still change)."""
+        pool = cls.__new__(cls)
+        pool._store, pool._url, pool._options, pool._build_lock = None, url, {}, threading.Lock()
+        pool.handlers, pool._on_add = {}, None
+        return pool
+
+    def _rebind(self, url: str) -> None:
+        if self._store is not None and self._url != url:
+            raise ConfigurationError("the task pool's store is already in use: set the store URL before using sched.tasks")
+        self._url = url
+
+    @property
+    def store(self) -> TaskStore:
+        """The task store (built from the URL on first use)."""
+        if self._store is None:
+            with self._build_lock:
+                if self._store is None:
+                    self._store = task_store_from_url(self._url, **self._options)
+        return self._store
+
+    @property
+    def masked_url(self) -> str:
+        return self._store.masked_url if self._store is not None else mask_url(self._url)
 
     def __repr__(self) -> str:
-        return f"TaskPool({self.store.masked_url!r})"
+        return f"TaskPool({self.masked_url!r})"
+
+    # -- handlers (run by the nodes' workers) ---------------------------------------------------
+    def handler(
+        self,
+        code: str,
+        *,
+        lease: float = DEFAULT_TASK_LEASE,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        backoff: float = 10.0,
+        backoff_max: float = 3600.0,
+        jitter: float = 0.5,
+    ) -> Callable[[F], F]:
+        """Register ``func(task)`` as the handler of task code ``code`` (see :class:`Handler`).
+
+        Example::
+
+            @sched.tasks.handler("end_promotion", lease=30, max_attempts=5)
+            def end_promotion(task):
+                promotions.end(task.key, pct=task.payload["pct"])
+        """
+
+        def register(func: F) -> F:
+            self.add_handler(Handler(code, func, lease, max_attempts, backoff, backoff_max, jitter))
+            return func
+
+        return register
+
+    def add_handler(self, handler: Handler) -> None:
+        """Register a ready :class:`Handler`. One handler per code."""
+        existing = self.handlers.get(handler.code)
+        if existing is not None and existing.func is not handler.func:
+            raise ConfigurationError(f"task code {handler.code!r} already has a handler ({existing.name}); one handler per code")
+        self.handlers[handler.code] = handler
+
+    def codes(self) -> list[str]:
+        """The codes with a handler in this pool."""
+        return sorted(self.handlers)
 
     def add(self, code: str, key: str, due: Due, payload: Any = None, *, on_conflict: str = "replace") -> AddResult:
         """Add the task ``(code, key)`` or update it (see :meth:`TaskStore.add`): inserted, replaced, kept or pending."""
-        return self.store.add(code, key, due, payload, on_conflict=on_conflict)
+        result = self.store.add(code, key, due, payload, on_conflict=on_conflict)
+        if self._on_add is not None and code in self.handlers:
+            self._on_add(code)
+        return result
 
     def cancel(self, code: str, key: str) -> bool:
         """Drop the task (a running one when its attempt ends). False if there is no such task."""
@@ -77,12 +158,11 @@ class TaskPool:
 
     def close(self) -> None:
         """Release the store's connections."""
-        self.store.close()
+        if self._store is not None:
+            self._store.close()
 
     def __enter__(self) -> TaskPool:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()

@@ -8,9 +8,15 @@ set (it routes the call to the slot's primary); the task hashes and due ZSETs ar
 are escaped as ``%25`` and ``%3A``: ``("a:b", "c")`` and ``("a", "b:c")`` stay two tasks) and
 ``<prefix>due:<code>``.
 
-A due ZSET per code holds every task of the code, scored by when a claim may take it: its due
-(queued), its lease's end (running: a dead worker's task is claimable again from the same ZSET),
-``+inf`` (failed: never claimed). The comment above each script gives its KEYS and ARGV.
+A due ZSET per code holds every task of the code, scored by when a claim may take it (the hash's
+``run_at``): its due or a retry's time (queued: a retry keeps the hash's ``due``, which names the
+occurrence), its lease's end (running: a dead worker's task is claimable again from the same
+ZSET), ``+inf`` (failed: never claimed). The comment above each script gives its KEYS and ARGV.
+
+Every script that queues a task (``add``, ``retry``, ``release``, and ``complete`` when it queues
+it again) publishes the code on ``<prefix>task_wake`` when the task comes before the head of its
+due ZSET (see ``wake``), at most once per code and call: the sleeping workers' notice
+(:mod:`mutexcron.tasks.wakeup_redis`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ __all__ = [
     "RELEASE_LUA",
     "RENEW_LUA",
     "RETRY_LUA",
+    "SUMMARY_LUA",
 ]
 
 #: The server's ``TIME`` in microseconds as ``now``, and helpers every script shares.
@@ -42,25 +49,48 @@ local function fenced(h, node, token)
   local f = redis.call('HMGET', h, 'state', 'owner', 'token')
   return f[1] == 'running' and f[2] == node and tonumber(f[3]) == tonumber(token)
 end
+-- Queued, claimable from run_at: the same occurrence (its due is kept).
+local function wait_at(h, code, key, run_at)
+  redis.call('HSET', h, 'state', 'queued', 'run_at', us(run_at), 'lease_until', '', 'updated', us(now))
+  redis.call('ZADD', zkey(code), run_at, key)
+end
+-- Queued as a new occurrence, due at `due`.
 local function queue(h, code, key, due)
-  redis.call('HSET', h, 'state', 'queued', 'due', us(due), 'lease_until', '', 'updated', us(now))
-  redis.call('ZADD', zkey(code), due, key)
+  redis.call('HSET', h, 'due', us(due))
+  wait_at(h, code, key, due)
 end
 local function drop(h, code, key)
   redis.call('DEL', h)
   redis.call('ZREM', zkey(code), key)
 end
+-- A task queued at `due` wakes the sleeping workers of its code (tasks.wakeup_redis) only if it
+-- is due before the head of the code's due ZSET was claimable (`before`: read before the write;
+-- nil for an empty ZSET; inf for failed tasks only): a worker already sleeps until the head's time.
+local function head(code)
+  return tonumber(redis.call('ZRANGE', zkey(code), 0, 0, 'WITHSCORES')[2])
+end
+local published = {}
+local function wake(code, due, before)
+  if (before == nil or due < before) and not published[code] then
+    published[code] = true  -- once per code and call
+    redis.call('PUBLISH', P .. 'task_wake', code)
+  end
+end
 -- The re-add made while the attempt ran becomes the task: a new definition, attempts reset.
+-- Returns its due.
 local function apply_pending(h, code, key)
   local p = redis.call('HMGET', h, 'pending_due', 'pending_payload')
-  queue(h, code, key, tonumber(p[1]))
+  local due = tonumber(p[1])
+  queue(h, code, key, due)
   redis.call('HSET', h, 'payload', p[2], 'attempt', '0', 'last_error', '', 'pending_due', '', 'pending_payload', '')
+  return due
 end
 """
 
 # add: upsert (code, key) by on_conflict (tasks.checks.decide_add, the same rule).
 # KEYS: codes set. ARGV: prefix, code, key, due_us or '', delay_us or '', payload, mode.
-# Returns 'inserted', 'replaced', 'kept' or 'pending'.
+# Returns 'inserted', 'replaced', 'kept' or 'pending'. An insert or a replace publishes the code
+# (see wake) if the task is now the first of its code to become claimable.
 ADD_LUA = (
     LUA_NOW_US
     + """
@@ -74,12 +104,14 @@ local function wins(old_due)
   if mode == 'earliest' then return due < old_due end
   return mode == 'latest' and due > old_due
 end
+local before = head(code)
 if not state then
-  redis.call('HSET', h, 'code', code, 'key', key, 'state', 'queued', 'due', us(due), 'payload', ARGV[6],
+  redis.call('HSET', h, 'code', code, 'key', key, 'state', 'queued', 'due', us(due), 'run_at', us(due), 'payload', ARGV[6],
              'attempt', '0', 'token', '0', 'owner', '', 'lease_until', '', 'last_error', '', 'pending_due', '',
              'pending_payload', '', 'cancel_requested', '0', 'created', us(now), 'updated', us(now))
   redis.call('ZADD', zkey(code), due, key)
   redis.call('SADD', KEYS[1], code)
+  wake(code, due, before)
   return 'inserted'
 end
 if mode == 'keep' then return 'kept' end
@@ -94,6 +126,7 @@ end
 if state == 'failed' or mode == 'replace' or wins(old) then
   queue(h, code, key, due)
   redis.call('HSET', h, 'payload', ARGV[6], 'attempt', '0', 'last_error', '')
+  wake(code, due, before)
   return 'replaced'
 end
 return 'kept'
@@ -117,14 +150,16 @@ return 1
 """
 )
 
-# retry: queue a failed task again, due now, attempts reset.
-# KEYS: codes set. ARGV: prefix, code, key. Returns 1, or 0 if it is not failed.
+# retry: queue a failed task again, claimable now (the same occurrence: due kept), attempts reset.
+# KEYS: codes set. ARGV: prefix, code, key. Returns 1, or 0 if it is not failed. Publishes as add does.
 RETRY_LUA = (
     LUA_NOW_US
     + """
 local h = hkey(ARGV[2], ARGV[3])
 if redis.call('HGET', h, 'state') ~= 'failed' then return 0 end
-queue(h, ARGV[2], ARGV[3], now)
+local before = head(ARGV[2])
+wait_at(h, ARGV[2], ARGV[3], now)
+wake(ARGV[2], now, before)
 redis.call('HSET', h, 'attempt', '0')
 return 1
 """
@@ -183,7 +218,8 @@ for i = 1, math.min(limit, #found) do
   elseif f[1] then
     redis.call('HINCRBY', h, 'token', 1)
     redis.call('HINCRBY', h, 'attempt', 1)
-    redis.call('HSET', h, 'state', 'running', 'owner', node, 'lease_until', us(now + lease), 'updated', us(now))
+    redis.call('HSET', h, 'state', 'running', 'owner', node, 'lease_until', us(now + lease), 'run_at', us(now + lease),
+               'updated', us(now))
     redis.call('ZADD', zkey(code), now + lease, key)
     out[#out + 1] = redis.call('HGETALL', h)
   else
@@ -205,7 +241,7 @@ for i = 4, #ARGV, 3 do
   local code, key = ARGV[i], ARGV[i + 1]
   local h = hkey(code, key)
   if fenced(h, node, ARGV[i + 2]) then
-    redis.call('HSET', h, 'lease_until', us(now + lease))
+    redis.call('HSET', h, 'lease_until', us(now + lease), 'run_at', us(now + lease))
     redis.call('ZADD', zkey(code), now + lease, key)
     out[#out + 1] = (i - 1) / 3
   end
@@ -214,40 +250,53 @@ return out
 """
 )
 
-# complete: record the attempt's outcome if node still runs the task with token.
-# KEYS: codes set. ARGV: prefix, node, code, key, token, kind (done|reschedule|retry|fail),
-# due_us or '', delay_us or '', error. Returns 1, or 0 (fenced out: nothing changed).
+# complete: record the outcome of each attempt node still runs with its token (each fenced on its own,
+# in order). KEYS: codes set. ARGV: prefix, node, then per completion: code, key, token, kind
+# (done|reschedule|retry|fail), due_us or '', delay_us or '', error. Returns 1 or 0 (fenced out:
+# nothing changed) per completion. A task queued again publishes its code as add does (see wake).
 COMPLETE_LUA = (
     LUA_NOW_US
     + """
-local node, code, key, kind = ARGV[2], ARGV[3], ARGV[4], ARGV[6]
-local h = hkey(code, key)
-if not fenced(h, node, ARGV[5]) then return 0 end
-local f = redis.call('HMGET', h, 'cancel_requested', 'pending_due')
-local pending = f[2] and f[2] ~= ''
-if f[1] == '1' or (kind == 'done' and not pending) then
-  drop(h, code, key)
-elseif pending then
-  apply_pending(h, code, key)
-elseif kind == 'fail' then
-  redis.call('HSET', h, 'state', 'failed', 'lease_until', '', 'last_error', ARGV[9], 'updated', us(now))
-  redis.call('ZADD', zkey(code), 'inf', key)
-else
-  local due
-  if ARGV[7] ~= '' then due = tonumber(ARGV[7]) else due = now + tonumber(ARGV[8]) end
-  queue(h, code, key, due)
-  if kind == 'reschedule' then
-    redis.call('HSET', h, 'attempt', '0', 'last_error', '')
-  else
-    redis.call('HSET', h, 'last_error', ARGV[9])
+local node = ARGV[2]
+local out = {}
+for i = 3, #ARGV, 7 do
+  local code, key, kind = ARGV[i], ARGV[i + 1], ARGV[i + 3]
+  local h = hkey(code, key)
+  local ok = 0
+  if fenced(h, node, ARGV[i + 2]) then
+    ok = 1
+    local before = head(code)
+    local f = redis.call('HMGET', h, 'cancel_requested', 'pending_due')
+    local pending = f[2] and f[2] ~= ''
+    if f[1] == '1' or (kind == 'done' and not pending) then
+      drop(h, code, key)
+    elseif pending then
+      wake(code, apply_pending(h, code, key), before)
+    elseif kind == 'fail' then
+      redis.call('HSET', h, 'state', 'failed', 'run_at', '', 'lease_until', '', 'last_error', ARGV[i + 6], 'updated', us(now))
+      redis.call('ZADD', zkey(code), 'inf', key)
+    else
+      local at
+      if ARGV[i + 4] ~= '' then at = tonumber(ARGV[i + 4]) else at = now + tonumber(ARGV[i + 5]) end
+      if kind == 'reschedule' then
+        queue(h, code, key, at)  -- a new occurrence
+        redis.call('HSET', h, 'attempt', '0', 'last_error', '')
+      else
+        wait_at(h, code, key, at)  -- the same occurrence: its due is kept
+        redis.call('HSET', h, 'last_error', ARGV[i + 6])
+      end
+      wake(code, at, before)
+    end
   end
+  out[#out + 1] = ok
 end
-return 1
+return out
 """
 )
 
-# release: hand back claimed, unstarted tasks: queued at once, token + 1, the claim not counted.
-# KEYS: codes set. ARGV: prefix, node, then code, key, token per task. Returns how many.
+# release: hand back claimed, unstarted tasks: claimable at once (due kept), token + 1, the claim not
+# counted. KEYS: codes set. ARGV: prefix, node, then code, key, token per task. Returns how many.
+# A task queued again publishes its code as add does (see wake).
 RELEASE_LUA = (
     LUA_NOW_US
     + """
@@ -258,16 +307,18 @@ for i = 3, #ARGV, 3 do
   local h = hkey(code, key)
   if fenced(h, node, ARGV[i + 2]) then
     count = count + 1
-    local f = redis.call('HMGET', h, 'cancel_requested', 'pending_due', 'due')
+    local f = redis.call('HMGET', h, 'cancel_requested', 'pending_due')
     if f[1] == '1' then
       drop(h, code, key)
     else
+      local before = head(code)
       redis.call('HINCRBY', h, 'token', 1)  -- a claim made with the old token can no longer write
       if f[2] and f[2] ~= '' then
-        apply_pending(h, code, key)
+        wake(code, apply_pending(h, code, key), before)
       else
         redis.call('HINCRBY', h, 'attempt', -1)  -- never started: the claim does not count
-        queue(h, code, key, tonumber(f[3]))
+        wait_at(h, code, key, now)
+        wake(code, now, before)
       end
     end
   end
@@ -288,6 +339,47 @@ for i = 2, #ARGV do
   if score and head[2] ~= 'inf' and score ~= math.huge and (best < 0 or score < best) then best = score end
 end
 return cjson.encode({us(now), us(best)})
+"""
+)
+
+# summary: counts per code. KEYS: codes set. ARGV: prefix, code... (none: every code of the codes
+# set that has a task). Returns JSON: [now, [[code, queued, due_now, running, failed, oldest due
+# or ''], ...]] (times as strings: cjson would round 16-digit microseconds).
+# The failed count and the due-now count are ZCOUNTs on the due ZSET's scores (O(log N)). Telling
+# queued from running needs each task's state, which only its hash holds (a running task's score is
+# its lease's end, a queued one's its due: both finite): one HMGET per task that is not failed, so
+# the script is O(tasks of the codes) and blocks the server that long (about 1 ms per thousand
+# tasks). For `status` and metrics, not for a hot path.
+SUMMARY_LUA = (
+    LUA_NOW_US
+    + """
+local codes = {}
+for i = 2, #ARGV do codes[#codes + 1] = ARGV[i] end
+local every = #codes == 0
+if every then codes = redis.call('SMEMBERS', KEYS[1]) end
+local out = {}
+for _, code in ipairs(codes) do
+  local z = zkey(code)
+  local total = redis.call('ZCARD', z)
+  if total > 0 or not every then
+    local failed = redis.call('ZCOUNT', z, '+inf', '+inf')
+    local due_now = redis.call('ZCOUNT', z, '-inf', now)
+    local queued, running, oldest = 0, 0, nil
+    local members = redis.call('ZRANGEBYSCORE', z, '-inf', '(+inf', 'WITHSCORES')
+    for j = 1, #members, 2 do
+      local f = redis.call('HMGET', hkey(code, members[j]), 'state', 'due')
+      if f[1] == 'queued' then queued = queued + 1 elseif f[1] == 'running' then running = running + 1 end
+      if tonumber(members[j + 1]) <= now and f[2] then
+        local due = tonumber(f[2])
+        if (not oldest) or due < oldest then oldest = due end
+      end
+    end
+    local oldest_text = ''
+    if oldest then oldest_text = us(oldest) end
+    out[#out + 1] = {code, queued, due_now, running, failed, oldest_text}
+  end
+end
+return cjson.encode({us(now), out})
 """
 )
 

@@ -13,8 +13,9 @@ Templates are filled once per store by :meth:`TaskStatements.bind`:
 list as parameters; each call fills them with its own. Every value is a bound parameter; the
 table name is checked against :data:`mutexcron.backends.sql.TABLE_RE`.
 
-``run_at`` is the one column claims look at: the due time of a queued task, the lease's end of a
-running one, NULL for a failed one. Every write keeps it so. The ``(code, run_at)`` index makes
+``run_at`` is the one column claims look at: the due time of a queued task (or its retry's time:
+a retry keeps ``due``, which names the occurrence), the lease's end of a running one, NULL for a
+failed one. Every write keeps it so. The ``(code, run_at)`` index makes
 the claim, per code it handles, an ordered range scan of that code's claimable tasks that stops
 after ``:n`` rows: never a scan of the table, and never a walk past the due tasks of codes the
 caller does not handle (a task whose code no node handles waits at no cost to the others). With
@@ -42,7 +43,18 @@ __all__ = ["STATEMENTS", "TaskStatements"]
 
 COLUMNS = (
     "code, task_key, due, payload, state, attempt, token, owner, lease_until, last_error, "
-    "pending_due, pending_payload, cancel_requested, created, updated"
+    "pending_due, pending_payload, cancel_requested, created, updated, run_at"
+)
+#: A summary's counts over one code's rows: queued, due now (``run_at`` has come: queued and due,
+#: or running with its lease run out), running, failed, and the seconds from now to the oldest due
+#: of the due ones (negative: overdue; NULL if none is due). ``run_at`` is in the (code, run_at)
+#: index; the state is not, so counting by state reads the rows of the codes counted.
+COUNTS = (
+    "COALESCE(SUM(CASE WHEN state = 'queued' THEN 1 ELSE 0 END), 0), "
+    "COALESCE(SUM(CASE WHEN run_at <= {now} THEN 1 ELSE 0 END), 0), "
+    "COALESCE(SUM(CASE WHEN state = 'running' THEN 1 ELSE 0 END), 0), "
+    "COALESCE(SUM(CASE WHEN state = 'failed' THEN 1 ELSE 0 END), 0), "
+    "{oldest}"
 )
 FENCE = "code = :code AND task_key = :key AND owner = :me AND token = :token AND state = 'running'"
 
@@ -127,7 +139,7 @@ class TaskStatements:
     time_param: Callable[[datetime], Any]
     #: ``:due`` where the database must know its type without a column to infer it from.
     due_param: str
-    #: Fills ``{each_code}`` (or binds the codes) for ``claim``, ``claim_pick`` and ``next_due``.
+    #: Fills ``{each_code}`` (or binds the codes) for ``claim``, ``claim_pick``, ``next_due`` and ``summary``.
     codes_shape: CodesShape
     #: ``task_key`` contains ``:contains`` (case-sensitive on every dialect; LIKE is not on SQLite).
     contains: str
@@ -148,11 +160,25 @@ class TaskStatements:
     renew_read: str = ""
     leases_shape: ListShape | None = None
     read_one: str = "SELECT {cols} FROM {t} WHERE code = :code AND task_key = :key"
+    #: Reads ``state, owner, token`` of one task, locking it until the transaction ends (the fence
+    #: check of a batch of completions or hand-backs, when none of an item's writes matched).
+    lock_fence: str = "SELECT state, owner, token FROM {t} WHERE code = :code AND task_key = :key FOR UPDATE"
     list_tasks: str = "SELECT {cols} FROM {t} WHERE {where} ORDER BY due, code, task_key LIMIT :limit"
     select_now: str = "SELECT {now}"
     #: Seconds until the earliest ``run_at`` of the codes: one index seek per code (``next_due_part``).
     next_due: str = "SELECT {until_min} FROM ({each_code}) AS m"
     next_due_part: str = ""
+    #: The earliest ``run_at`` of the codes (SQLite's waker, on its own connection: text order is time order).
+    head: str = "SELECT MIN(m.run_at) FROM ({each_code}) AS m"
+    #: Run in the add's transaction after a replace, and once per code in a hand-back's: the task
+    #: notice (PostgreSQL's ``NOTIFY``), or "".
+    notify: str = ""
+    #: Counts per code of every code with a task (``{counts}``: see :data:`COUNTS`), one GROUP BY.
+    summary_all: str = "SELECT code, {counts} FROM {t} GROUP BY code"
+    #: Counts of the listed codes, one row each (zeros for a code without tasks): ``summary_part``
+    #: once per code (``{each_code}``), or PostgreSQL's LATERAL join over the codes.
+    summary: str = "{each_code}"
+    summary_part: str = "SELECT :pcode, {counts} FROM {t} WHERE code = :pcode"
     replace: str = (
         "UPDATE {t} SET due = :due, run_at = :due, payload = :payload, state = 'queued', attempt = 0, lease_until = NULL, "
         "last_error = NULL, pending_due = NULL, pending_payload = NULL, cancel_requested = 0, updated = {now} "
@@ -167,8 +193,9 @@ class TaskStatements:
         "UPDATE {t} SET cancel_requested = 1, pending_due = NULL, pending_payload = NULL, updated = {now} "
         "WHERE code = :code AND task_key = :key AND state = 'running'"
     )
+    # A failed task queued again by hand: claimable now, the same occurrence (due kept), attempts reset.
     retry: str = (
-        "UPDATE {t} SET state = 'queued', due = {now}, run_at = {now}, attempt = 0, updated = {now} "
+        "UPDATE {t} SET state = 'queued', run_at = {now}, attempt = 0, updated = {now} "
         "WHERE code = :code AND task_key = :key AND state = 'failed'"
     )
     # The ends of an attempt. The three cases of a fenced row exclude each other (cancelled; a
@@ -185,8 +212,9 @@ class TaskStatements:
         "UPDATE {t} SET state = 'queued', due = {due}, run_at = {due}, attempt = 0, last_error = NULL, "
         "lease_until = NULL, updated = {now} WHERE {fence} AND cancel_requested = 0 AND pending_due IS NULL"
     )
+    # The same occurrence again: due (and so the idempotency key) kept, claimable from the retry's time.
     retry_later: str = (
-        "UPDATE {t} SET state = 'queued', due = {due}, run_at = {due}, last_error = :err, "
+        "UPDATE {t} SET state = 'queued', run_at = {due}, last_error = :err, "
         "lease_until = NULL, updated = {now} WHERE {fence} AND cancel_requested = 0 AND pending_due IS NULL"
     )
     fail: str = (
@@ -194,9 +222,10 @@ class TaskStatements:
         "WHERE {fence} AND cancel_requested = 0 AND pending_due IS NULL"
     )
     # A hand-back raises the token (the claim that handed it back can no longer write) and does not
-    # count the attempt that never started; a pending re-add is applied as at the end of a run.
+    # count the attempt that never started; it is claimable at once (it was: it was claimed), its
+    # due kept. A pending re-add is applied as at the end of a run.
     release: str = (
-        "UPDATE {t} SET state = 'queued', token = token + 1, attempt = attempt - 1, run_at = due, lease_until = NULL, "
+        "UPDATE {t} SET state = 'queued', token = token + 1, attempt = attempt - 1, run_at = {now}, lease_until = NULL, "
         "updated = {now} WHERE {fence} AND cancel_requested = 0 AND pending_due IS NULL"
     )
     release_pending: str = (
@@ -208,7 +237,9 @@ class TaskStatements:
     def bind(self, table: str) -> TaskStatements:
         """This row with every template filled for ``table`` (``{codes}``, ``{pairs}``, ``{triples}``, ``{where}`` kept)."""
         due = f"COALESCE({self.due_param}, {self.plus.replace('{p}', 'delay')})"
+        oldest = self.until.replace("{m}", "MIN(CASE WHEN run_at <= {now} THEN due END)")
         fill = {
+            "{counts}": COUNTS.replace("{oldest}", oldest),
             "{fence}": FENCE,
             "{cols}": COLUMNS,
             "{x_cols}": ", ".join(f"x.{c}" for c in COLUMNS.split(", ")),
@@ -268,10 +299,18 @@ POSTGRESQL = TaskStatements(
     codes_shape=_pg_codes,
     contains="strpos(task_key, :contains) > 0",
     insert="""
-INSERT INTO {t} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated)
-VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, 0, 0, {now}, {now})
-ON CONFLICT (code, task_key) DO NOTHING""",
+WITH ins AS (
+    INSERT INTO {t} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated)
+    VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, 0, 0, {now}, {now})
+    ON CONFLICT (code, task_key) DO NOTHING
+    RETURNING code
+)
+SELECT pg_notify('{t}', code) FROM ins""",
     lock_row="SELECT state, due, pending_due, {now} FROM {t} WHERE code = :code AND task_key = :key FOR UPDATE",
+    # The task notice (tasks.wakeup_postgresql) on the channel named after the table, sent when the
+    # insert, the replace, the retry or the hand-back commits. The insert returns one row if it inserted.
+    notify="SELECT pg_notify('{t}', :code)",
+    retry=TaskStatements.retry + " RETURNING pg_notify('{t}', code)",
     # SKIP LOCKED: concurrent claimers walk past each other's rows instead of queueing on them, so
     # each takes a different batch in one statement. A row changed and committed meanwhile is
     # re-checked against the WHERE before it is locked. Rows a code's pick locked but the outer
@@ -302,6 +341,10 @@ SELECT {until_min} FROM unnest(CAST(:codes AS text[])) AS k(code)
 CROSS JOIN LATERAL (
     SELECT s.run_at FROM {t} AS s WHERE s.code = k.code AND s.run_at IS NOT NULL ORDER BY s.run_at LIMIT 1
 ) AS m""",
+    summary="""
+SELECT k.code, s.* FROM unnest(CAST(:codes AS text[])) AS k(code)
+CROSS JOIN LATERAL (SELECT {counts} FROM {t} WHERE {t}.code = k.code) AS s""",
+    summary_part="",
 )
 
 MYSQL = TaskStatements(
@@ -408,6 +451,7 @@ INSERT INTO {t} (code, task_key, due, run_at, payload, state, attempt, token, ca
 VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, 0, 0, {now}, {now})
 ON CONFLICT (code, task_key) DO NOTHING""",
     lock_row="SELECT state, due, pending_due, {now} FROM {t} WHERE code = :code AND task_key = :key",
+    lock_fence="SELECT state, owner, token FROM {t} WHERE code = :code AND task_key = :key",
     # One writer at a time: the subquery picks and the UPDATE takes under the database's write lock.
     claim="""
 UPDATE {t} SET state = 'running', owner = :me, token = token + 1, attempt = attempt + 1,

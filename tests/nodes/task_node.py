@@ -1,0 +1,36 @@
+"""A `mutexcron run` jobs file for the task cluster tests: one handler that records its runs.
+
+Each start and end is one JSON line in ``$TASK_NODE_LOG`` (node, key, token, attempt, wall
+time). The payload steers the handler: ``sleep`` seconds, and ``reschedule_hours_per_token``
+returns ``timedelta(hours=token * n)`` (so the store's final due shows which attempt counted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+from mutexcron import MutexScheduler
+from mutexcron.tasks.handlers import Task
+
+sched = MutexScheduler()
+LOG = open(os.environ["TASK_NODE_LOG"], "a", buffering=1)
+NODE = os.environ.get("MUTEXCRON_NODE_ID", str(os.getpid()))
+
+
+def record(event: str, task: Task) -> None:
+    line = {"event": event, "node": NODE, "key": task.key, "token": task.token, "attempt": task.attempt}
+    LOG.write(json.dumps({**line, "t": time.time(), "due": task.due.timestamp()}) + "\n")
+
+
+@sched.tasks.handler("work", lease=float(os.environ.get("TASK_LEASE", "3")), max_attempts=10, backoff=0.5)
+def work(task: Task) -> Any:
+    record("start", task)
+    payload = task.payload or {}
+    time.sleep(float(payload.get("sleep", 0)))
+    record("end", task)
+    hours = payload.get("reschedule_hours_per_token")
+    return timedelta(hours=task.token * hours) if hours else None

@@ -1,0 +1,250 @@
+"""Run history, the pause flag and node presence beyond the contract suite.
+
+``tests/test_contract.py`` checks them on every backend; here: MySQL 8's code path (no RETURNING)
+run on the MariaDB server, the ``?history=N`` option, SQL tables created before these columns
+existed, and the record types' parsing.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+import sqlalchemy
+
+from mutexcron.errors import ConfigurationError
+from mutexcron.handoff import AttrsHandOff
+from mutexcron.locks import LockStore, Node, Presence, RunInfo, RunRecord, lock_store_from_url
+from mutexcron.locks.base import DEFAULT_HISTORY, history_option
+from mutexcron.locks.sql import SQLLockStore
+from mutexcron.record import NodePresence, newest_first
+from tests import test_contract as contract
+from tests.backends import StoreCtx, cleanup_sql, require_server
+from tests.mongomock_support import open_mongomock
+
+A = Node("node-a:1:aaaa", "10.0.0.1")
+MYSQL8 = pytest.mark.parametrize("kind", [pytest.param("mysql8", marks=pytest.mark.mysql, id="mysql8")])
+
+
+# -- MySQL 8's path: the contract tests of tests/test_contract.py ---------------------------------------
+@MYSQL8
+def test_mysql8_history(ctx: StoreCtx, monkeypatch: pytest.MonkeyPatch) -> None:
+    contract.test_history_keeps_the_last_20_runs_per_job_newest_first(ctx)
+    contract.test_history_length_caps_each_job_on_every_write(ctx)
+    contract.test_hand_off_with_history_is_one_round_trip(ctx, monkeypatch)
+
+
+@MYSQL8
+def test_mysql8_refused_hand_off(ctx: StoreCtx) -> None:
+    contract.test_refused_hand_off_writes_no_history(ctx)
+
+
+@MYSQL8
+def test_mysql8_pause(ctx: StoreCtx) -> None:
+    contract.test_pause_is_an_operators_write_that_every_write_and_read_keeps(ctx)
+
+
+@MYSQL8
+def test_mysql8_pause_before_any_node(ctx: StoreCtx) -> None:
+    contract.test_a_lock_can_be_paused_before_any_node_ran_it_and_stays_paused_across_takeovers(ctx)
+
+
+@MYSQL8
+def test_mysql8_presence(ctx: StoreCtx) -> None:
+    contract.test_presence_is_published_with_the_renewals(ctx)
+
+
+@MYSQL8
+def test_mysql8_presence_round_trip(ctx: StoreCtx, monkeypatch: pytest.MonkeyPatch) -> None:
+    contract.test_renewal_with_a_presence_is_one_round_trip(ctx, monkeypatch)
+
+
+@MYSQL8
+def test_mysql8_presence_pruned(ctx: StoreCtx, monkeypatch: pytest.MonkeyPatch) -> None:
+    contract.test_presence_older_than_its_ttl_is_pruned(ctx, monkeypatch)
+
+
+# -- ?history=N ---------------------------------------------------------------------------------------
+@pytest.mark.sqlite
+def test_history_option_is_read_from_the_url_and_kept_from_the_driver(tmp_path: Path) -> None:
+    store = lock_store_from_url(f"sqlite:///{tmp_path}/h.db?history=3")
+    try:
+        assert store.history_length == 3 and "history=" not in store.url
+        token = store.acquire_or_renew("l", A, ttl=60).token
+        for minute in range(5):
+            run = RunInfo(0.1, None, fire_time=datetime(2030, 1, 1, 0, minute, tzinfo=timezone.utc))
+            store.hand_off("l", A, token, None, run)
+        assert [r.fire_time.minute for r in store.history("l") if r.fire_time] == [4, 3, 2]
+        assert {r.job for r in store.history("l")} == {"l"}, "a run without a job is the lock's"
+    finally:
+        store.close()
+    keyword = lock_store_from_url(f"sqlite:///{tmp_path}/h.db?history=3", history=50)
+    assert keyword.history_length == 50, "the keyword wins over the URL"
+    keyword.close()
+
+
+@pytest.mark.memory
+def test_history_option_on_memory_and_mongomock() -> None:
+    assert lock_store_from_url("memory://hist-opt?history=7").history_length == 7
+    assert lock_store_from_url("memory://").history_length == DEFAULT_HISTORY
+    factory, _ = open_mongomock(secrets.token_hex(3))
+    assert factory().history_length == DEFAULT_HISTORY
+    import mongomock
+
+    from mutexcron.locks.mongodb import MongoDBLockStore
+
+    store = MongoDBLockStore("mongodb://mongomock.invalid/db?collection=c&history=9", client=mongomock.MongoClient())
+    assert store.history_length == 9 and "history=" not in store.url
+
+
+@pytest.mark.redis
+def test_history_option_on_redis() -> None:
+    url = require_server("redis")
+    store = lock_store_from_url(f"{url}{'&' if '?' in url else '?'}namespace=h-{secrets.token_hex(3)}&history=1000")
+    try:
+        assert store.history_length == 1000 and "history=" not in store.url
+    finally:
+        store.close()
+
+
+@pytest.mark.memory
+@pytest.mark.parametrize("bad", ["0", "1001", "-1", "x", "2.5", ""])
+def test_bad_history_lengths_are_configuration_errors(bad: str) -> None:
+    with pytest.raises(ConfigurationError, match=r"history.*from 1 to 1000"):
+        history_option(f"sqlite:///x.db?history={bad}")
+    with pytest.raises(ConfigurationError):
+        lock_store_from_url(f"memory://bad?history={bad}")
+
+
+@pytest.mark.memory
+def test_history_option_leaves_other_options() -> None:
+    assert history_option("postgresql://u:p@h/db?table=t&history=5&sslmode=require") == (
+        "postgresql://u:p@h/db?table=t&sslmode=require",
+        5,
+    )
+    assert history_option("redis://h:6379/0") == ("redis://h:6379/0", DEFAULT_HISTORY)
+
+
+# -- SQL tables created before these columns ----------------------------------------------------------
+#: The lock table as mutexcron created it before the run history and the pause flag.
+OLD_TABLES = {
+    "sqlite": """CREATE TABLE {t} (
+    name TEXT NOT NULL PRIMARY KEY, holder TEXT, active_ip TEXT, token INTEGER NOT NULL DEFAULT 0, hb TEXT,
+    ttl_ms INTEGER NOT NULL DEFAULT 0, attrs TEXT NOT NULL DEFAULT '{{}}', fires TEXT NOT NULL DEFAULT '{{}}',
+    last_run_started TEXT, last_run_finished TEXT, last_error TEXT)""",
+    "mysql": """CREATE TABLE {t} (
+    name VARCHAR(191) NOT NULL PRIMARY KEY, holder VARCHAR(255) NULL, active_ip VARCHAR(64) NULL,
+    token BIGINT NOT NULL DEFAULT 0, hb DATETIME(6) NULL, ttl_ms BIGINT NOT NULL DEFAULT 0, attrs LONGTEXT NOT NULL,
+    fires LONGTEXT NOT NULL, last_run_started DATETIME(6) NULL, last_run_finished DATETIME(6) NULL, last_error TEXT NULL,
+    INDEX {t}_holder (holder)) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
+    "postgresql": """CREATE TABLE {t} (
+    name varchar(191) PRIMARY KEY, holder varchar(255), active_ip varchar(64), token bigint NOT NULL DEFAULT 0,
+    hb timestamptz, ttl_ms bigint NOT NULL DEFAULT 0, attrs text NOT NULL DEFAULT '{{}}', fires jsonb NOT NULL DEFAULT '{{}}',
+    last_run_started timestamptz, last_run_finished timestamptz, last_error text)""",
+}
+
+
+@pytest.fixture
+def old_table_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """(kind, URL) of a lock table created by an earlier mutexcron, holding one released lock."""
+    kind: str = request.param
+    table = f"mc_old_{secrets.token_hex(4)}"
+    base = f"sqlite:///{tmp_path}/old.db" if kind == "sqlite" else require_server(kind)
+    url = f"{base}{'&' if '?' in base else '?'}table={table}"
+    engine = sqlalchemy.create_engine(SQLLockStore(url).backend.engine.url)
+    with engine.begin() as conn:
+        conn.execute(sqlalchemy.text(OLD_TABLES[kind].format(t=table)))
+        insert = f"INSERT INTO {table} (name, token, ttl_ms, attrs, fires) VALUES ('old', 3, 1000, :attrs, '{{}}')"
+        conn.execute(sqlalchemy.text(insert), {"attrs": '{"k": 1}'})
+    engine.dispose()
+    try:
+        yield kind, url
+    finally:
+        if kind != "sqlite":
+            cleanup_sql(url)
+            cleanup_sql(url.replace(f"table={table}", f"table={table}_nodes"))
+
+
+@pytest.mark.parametrize(
+    "old_table_url",
+    [
+        pytest.param("sqlite", marks=pytest.mark.sqlite, id="sqlite"),
+        pytest.param("mysql", marks=pytest.mark.mysql, id="mysql"),
+        pytest.param("postgresql", marks=pytest.mark.postgresql, id="postgresql"),
+    ],
+    indirect=True,
+)
+def test_an_older_table_gets_the_new_columns_and_keeps_its_rows(old_table_url: tuple[str, str]) -> None:
+    _, url = old_table_url
+    stores: list[LockStore] = [lock_store_from_url(url), lock_store_from_url(url)]
+    try:
+        first, second = stores
+        old = first.read("old")  # the first operation adds the columns (and creates the presence table)
+        assert old is not None and old.token == 3 and dict(old.attrs) == {"k": 1} and not old.paused
+        assert second.history("old") == [], "the other store object finds the columns there"
+        got = second.acquire_or_renew("old", A, ttl=60)
+        assert got.acquired and got.token == 4
+        assert second.hand_off("old", A, 4, None, RunInfo(0.1, "boom", job="j"))
+        assert [r.error for r in first.history("old")] == ["boom"]
+        assert first.set_paused("old", True, "ops").paused
+        assert second.renew_many(A, {"old": 4}, presence=Presence("x")) == {"old"}
+        assert [n.locks for n in first.nodes()] == [("old",)]
+    finally:
+        for store in stores:
+            store.close()
+
+
+@pytest.mark.sqlite
+def test_ddl_has_the_presence_table_and_the_upgrade(tmp_path: Path) -> None:
+    store = lock_store_from_url(f"sqlite:///{tmp_path}/d.db?table=my_locks")
+    assert isinstance(store, SQLLockStore)
+    ddl = store.ddl()
+    assert "paused            INTEGER NOT NULL DEFAULT 0" in ddl[0] and "history           TEXT" in ddl[0]
+    assert any("CREATE TABLE IF NOT EXISTS my_locks_nodes" in s for s in ddl)
+    assert ddl[-1].startswith("--") and "--   ALTER TABLE my_locks ADD COLUMN history TEXT;" in ddl[-1].splitlines()
+    assert all(line.startswith("--") for line in ddl[-1].splitlines())
+    store.close()
+
+
+# -- the record types -----------------------------------------------------------------------------------
+@pytest.mark.memory
+def test_run_records_from_every_stored_form() -> None:
+    when = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    stored = {
+        "j": [
+            {
+                "node": "n",
+                "token": 2,
+                "fire_us": 1_893_456_000_000_000,
+                "outcome": "success",
+                "error": None,
+                "started": "2030-01-01 00:00:00.250",
+                "ended": "2030-01-01 00:00:01.000",
+            },  # SQLite text
+            {"node": "n", "token": 2, "error": "boom", "started": 1_893_456_001_000, "ended": 1_893_456_002_000},  # Redis ms
+            "not a run",
+        ],
+        "k": [{"node": "m", "started": when, "ended": datetime(2030, 1, 1, 0, 0, 3, tzinfo=timezone.utc)}],  # MongoDB dates
+    }
+    runs = newest_first("l", stored)
+    assert [(r.job, r.outcome) for r in runs] == [("k", "success"), ("j", "error"), ("j", "success")]
+    assert runs[1].error == "boom" and runs[1].duration == 1.0 and runs[1].fire_time is None
+    assert runs[2].fire_time == when and runs[2].duration == pytest.approx(0.75)
+    assert newest_first("l", stored, job="j", limit=1) == [runs[1]]
+    assert RunRecord.from_stored("l", "j", {"ended": "not a time"}).ended is None
+    presence = NodePresence("n", locks=("a",))
+    assert presence.to_json()["locks"] == ["a"]
+
+
+@pytest.mark.memory
+def test_the_hand_off_names_the_job_of_a_run() -> None:
+    store = lock_store_from_url("memory://")
+    handoff = AttrsHandOff(store, A, None)
+    token = store.acquire_or_renew("group", A, ttl=60).token
+    assert handoff.write("group", token, set(), {"x": 1}, RunInfo(0.1, None), "jobs.a")
+    assert handoff.write("group", token, set(), None, RunInfo(0.1, None, job="explicit"), "jobs.b")
+    assert handoff.write("group", token, set(), {"x": 2}, None, "jobs.c"), "a checkpoint writes no history"
+    assert [r.job for r in store.history("group")] == ["explicit", "jobs.a"]

@@ -1,0 +1,389 @@
+"""The task worker (mutexcron/tasks/worker.py): handlers, outcomes, retries, leases, fencing, stop.
+
+Worker-level tests run on the memory store with two injected clocks: the store's (due times,
+leases) and the worker's monotonic one (its own deadlines), so a lease runs out without sleeping.
+Scheduler-level tests run real schedulers on one SQLite file.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mutexcron import MutexScheduler
+from mutexcron.errors import ConfigurationError
+from mutexcron.tasks import TaskRecord, TaskStore
+from mutexcron.tasks.handlers import Handler, Task
+from mutexcron.tasks.memory import MemoryTaskStore
+from mutexcron.tasks.wakeup import PollWaker, Waker
+from mutexcron.tasks.worker import TaskWorker
+from tests.backends import FakeClock
+
+NOW = timedelta(seconds=-1)  # already due by the store's clock
+NODE, OTHER = "node-a:1:aaaa", "node-b:2:bbbb"
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+class Harness:
+    """A memory task store with a fake store clock, and workers with a fake monotonic clock."""
+
+    def __init__(self, name: str) -> None:
+        self.store_clock = FakeClock()
+        self.node_clock = FakeClock()
+        self.store = MemoryTaskStore(f"memory://{name}", clock=self.store_clock)
+        self.workers: list[TaskWorker] = []
+
+    def worker(self, *handlers: Handler, store: TaskStore | None = None, **options: Any) -> TaskWorker:
+        worker = TaskWorker(
+            store or self.store, {h.code: h for h in handlers}, NODE, clock=self.node_clock, backstop=0.05, **options
+        )
+        self.workers.append(worker)
+        worker.start()
+        return worker
+
+    def pass_time(self, seconds: float) -> None:
+        """Both clocks move: the store's lease and the node's deadline run out together."""
+        self.store_clock.advance(seconds)
+        self.node_clock.advance(seconds)
+
+
+@pytest.fixture
+def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
+    h = Harness(f"worker-{request.node.name}")
+    yield h
+    for worker in h.workers:
+        worker.stop(2)
+    h.store.close()
+
+
+# -- outcomes --------------------------------------------------------------------------------------
+def test_none_means_done_and_the_task_is_gone(harness: Harness) -> None:
+    ran: list[Task] = []
+    harness.store.add("c", "k", NOW, {"n": 1})
+    worker = harness.worker(Handler("c", ran.append))
+    assert wait_for(lambda: worker.stats.done == 1)
+    assert harness.store.get("c", "k") is None
+    [task] = ran
+    assert (task.code, task.key, task.payload, task.attempt, task.token) == ("c", "k", {"n": 1}, 1, 1)
+    assert task.idempotency_key.startswith("c:k:") and not task.lost
+
+
+@pytest.mark.parametrize("relative", [True, False], ids=["timedelta", "aware-datetime"])
+def test_returning_a_time_runs_the_task_again_then(harness: Harness, relative: bool) -> None:
+    runs: list[int] = []
+
+    def again(task: Task) -> Any:
+        runs.append(task.attempt)
+        later = timedelta(hours=1)
+        return later if relative else harness.store.now() + later
+
+    harness.store.add("c", "k", NOW)
+    worker = harness.worker(Handler("c", again))
+    assert wait_for(lambda: worker.stats.rescheduled == 1)
+    task = harness.store.get("c", "k")
+    assert task is not None and task.state == "queued" and task.attempt == 0
+    assert abs((task.due - harness.store.now()).total_seconds() - 3600) < 5
+    assert runs == [1]
+
+
+@pytest.mark.parametrize(
+    ("result", "words"),
+    [
+        (datetime(2030, 1, 1), "naive datetime"),
+        (42, "returned int 42"),
+        ("tomorrow", "returned str 'tomorrow'"),
+    ],
+    ids=["naive", "int", "str"],
+)
+def test_a_bad_return_value_fails_the_task_with_the_fix(harness: Harness, result: Any, words: str) -> None:
+    harness.store.add("c", "k", NOW)
+    worker = harness.worker(Handler("c", lambda task: result))
+    assert wait_for(lambda: worker.stats.failed == 1)
+    task = harness.store.get("c", "k")
+    assert task is not None and task.state == "failed"
+    assert task.last_error is not None and words in task.last_error and "return None" in task.last_error
+
+
+def test_a_coroutine_handler_runs_to_completion(harness: Harness) -> None:
+    seen: list[str] = []
+
+    async def handle(task: Task) -> None:
+        seen.append(task.key)
+
+    harness.store.add("c", "k", NOW)
+    worker = harness.worker(Handler("c", handle))
+    assert wait_for(lambda: worker.stats.done == 1) and seen == ["k"]
+
+
+# -- retries ---------------------------------------------------------------------------------------
+def test_exceptions_are_retried_with_backoff_then_kept_as_failed_and_retryable(harness: Harness) -> None:
+    attempts: list[int] = []
+
+    def boom(task: Task) -> None:
+        attempts.append(task.attempt)
+        raise ValueError(f"boom {task.attempt}")
+
+    harness.store.add("c", "k", NOW)
+    worker = harness.worker(Handler("c", boom, max_attempts=3, backoff=10, jitter=0))
+    assert wait_for(lambda: worker.stats.retried == 1)
+    task = harness.store.get("c", "k")
+    assert task is not None and task.state == "queued" and task.attempt == 1
+    assert task.last_error is not None and "ValueError: boom 1" in task.last_error and "test_task_worker.py" in task.last_error
+    assert task.run_at is not None and abs((task.run_at - harness.store.now()).total_seconds() - 10) < 1  # by the store's clock
+    first_key = task.idempotency_key
+    harness.pass_time(10.5)
+    worker.notify()
+    assert wait_for(lambda: worker.stats.retried == 2)
+    task = harness.store.get("c", "k")
+    assert task is not None and task.run_at is not None
+    assert abs((task.run_at - harness.store.now()).total_seconds() - 20) < 1  # doubled
+    assert task.idempotency_key == first_key  # one occurrence: the same key for every attempt
+    harness.pass_time(20.5)
+    worker.notify()
+    assert wait_for(lambda: worker.stats.failed == 1)
+    failed = harness.store.get("c", "k")
+    assert failed is not None and failed.state == "failed" and failed.attempt == 3
+    assert failed.last_error is not None and failed.last_error.startswith("attempt 3 of 3: ValueError: boom 3")
+    assert attempts == [1, 2, 3]
+    assert harness.store.retry("c", "k")  # kept, queryable, retryable: nothing silently deleted
+    worker.notify()
+    assert wait_for(lambda: attempts == [1, 2, 3, 1])
+
+
+def test_retry_delays_grow_exponentially_with_bounded_jitter() -> None:
+    handler = Handler("c", print, backoff=2, backoff_max=30, jitter=0.5)
+    assert [handler.retry_delay(n, rng=lambda: 0.0) for n in (1, 2, 3, 4, 5, 6)] == [2, 4, 8, 16, 30, 30]
+    assert [handler.retry_delay(n, rng=lambda: 1.0) for n in (1, 2, 5)] == [1, 2, 15]
+
+
+def test_a_task_claimed_beyond_max_attempts_fails_without_running(harness: Harness) -> None:
+    """Its earlier workers died mid-run (each rescue counted an attempt): it is not run again."""
+    harness.store.add("c", "k", NOW)
+    for _ in range(2):  # two workers that died holding it
+        harness.store.claim(OTHER, ["c"], 1, 5)
+        harness.pass_time(6)
+    ran: list[Task] = []
+    worker = harness.worker(Handler("c", ran.append, max_attempts=2))
+    assert wait_for(lambda: worker.stats.failed == 1)
+    task = harness.store.get("c", "k")
+    assert task is not None and task.state == "failed" and "beyond max_attempts=2" in (task.last_error or "")
+    assert ran == []
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"lease": 0}, "lease=0"),
+        ({"max_attempts": 0}, "max_attempts=0"),
+        ({"backoff": -1}, "backoff=-1"),
+        ({"jitter": 2}, "jitter=2"),
+    ],
+)
+def test_bad_handler_settings_are_refused(options: dict[str, Any], words: str) -> None:
+    sched = MutexScheduler(lock_url="memory://")
+    with pytest.raises(ConfigurationError, match=words):
+        sched.tasks.handler("c", **options)(print)
+
+
+def test_one_handler_per_code() -> None:
+    sched = MutexScheduler(lock_url="memory://")
+    sched.tasks.handler("c")(print)
+    with pytest.raises(ConfigurationError, match="already has a handler"):
+        sched.tasks.handler("c")(repr)
+    with pytest.raises(ConfigurationError, match="task code"):
+        sched.tasks.handler("")(print)
+
+
+# -- leases and fencing ------------------------------------------------------------------------------
+def test_a_stale_worker_is_told_lost_and_its_completion_is_refused(harness: Harness) -> None:
+    release = threading.Event()
+    seen: list[Task] = []
+
+    def slow(task: Task) -> None:
+        seen.append(task)
+        release.wait(10)
+
+    harness.store.add("c", "k", NOW, {"v": 1})
+    worker = harness.worker(Handler("c", slow, lease=3))
+    assert wait_for(lambda: bool(seen))
+    harness.pass_time(4)  # the node froze past its lease: no renewal ran
+    [taken] = harness.store.claim(OTHER, ["c"], 1, 30)  # another node rescues the task
+    assert taken.token == 2 and taken.attempt == 2
+    assert seen[0].lost  # by this node's own clock, before any store call
+    worker.renew_round()
+    assert worker.stats.lost == 1
+    release.set()
+    assert wait_for(lambda: worker.stats.refused == 1)
+    task = harness.store.get("c", "k")
+    assert task is not None and (task.state, task.owner, task.token) == ("running", OTHER, 2)  # the new attempt's
+    assert worker.stats.done == 0
+
+
+def test_a_long_handler_keeps_its_lease_through_renewals(harness: Harness) -> None:
+    release = threading.Event()
+    seen: list[Task] = []
+    harness.store.add("c", "k", NOW)
+    worker = harness.worker(Handler("c", lambda t: (seen.append(t), release.wait(10))[-1] and None, lease=3))
+    assert wait_for(lambda: bool(seen))
+    for _ in range(6):  # 6 s of a 3 s lease, renewed every second
+        harness.pass_time(1)
+        worker.renew_round()
+        assert harness.store.claim(OTHER, ["c"], 1, 30) == []
+    assert not seen[0].lost
+    release.set()
+    assert wait_for(lambda: worker.stats.done == 1)
+    assert worker.stats.lost == 0 and worker.stats.refused == 0
+
+
+class SlowReplies(MemoryTaskStore):
+    """A memory store whose claim replies arrive late: after ``delay`` of the node's clock."""
+
+    def __init__(self, base: MemoryTaskStore, node_clock: FakeClock, delay: float) -> None:
+        super().__init__(base.backend)
+        self.node_clock, self.delay = node_clock, delay
+        self.replied = threading.Event()
+        self.hold = threading.Event()
+        self.hold.set()
+
+    def claim(self, node: str, codes: Iterable[str], limit: int, lease: float) -> list[TaskRecord]:
+        tasks = super().claim(node, codes, limit, lease)
+        if tasks:
+            self.node_clock.advance(self.delay)
+            self.replied.set()
+            self.hold.wait(10)
+        return tasks
+
+
+def test_a_claim_whose_reply_comes_after_its_lease_is_never_run(harness: Harness) -> None:
+    ran: list[Task] = []
+    slow = SlowReplies(harness.store, harness.node_clock, delay=5)
+    harness.store.add("c", "k", NOW)
+    worker = harness.worker(Handler("c", ran.append, lease=3), store=slow)
+    assert wait_for(lambda: worker.stats.expired_before_start == 1)
+    time.sleep(0.1)
+    assert ran == [] and worker.stats.done == 0
+
+
+def test_stop_hands_back_a_claim_that_arrives_while_stopping(harness: Harness) -> None:
+    ran: list[Task] = []
+    slow = SlowReplies(harness.store, harness.node_clock, delay=0)
+    slow.hold.clear()
+    harness.store.add("c", "k", NOW)
+    worker = harness.worker(Handler("c", ran.append, lease=30), store=slow)
+    assert slow.replied.wait(5)
+    stopper = threading.Thread(target=worker.stop, args=(5,))
+    stopper.start()
+    assert wait_for(lambda: worker.stopping)
+    slow.hold.set()  # the claim's reply lands after the stop began
+    stopper.join(10)
+    assert ran == [] and worker.stats.released == 1
+    task = harness.store.get("c", "k")
+    assert task is not None and (task.state, task.attempt, task.token) == ("queued", 0, 2)  # at once, token + 1
+    assert harness.store.claim(OTHER, ["c"], 1, 30)[0].token == 3
+
+
+def test_stop_lets_running_handlers_finish(harness: Harness) -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def handle(task: Task) -> None:
+        started.set()
+        release.wait(10)
+
+    harness.store.add("c", "k", NOW)
+    worker = harness.worker(Handler("c", handle))
+    assert started.wait(5)
+    threading.Timer(0.3, release.set).start()
+    began = time.monotonic()
+    worker.stop(5)
+    assert 0.2 < time.monotonic() - began < 4
+    assert worker.stats.done == 1 and harness.store.get("c", "k") is None
+
+
+class QuietStore(MemoryTaskStore):
+    """A memory store without store notices or a useful poll: only an in-process wake-up helps."""
+
+    def waker(self, codes: Iterable[str]) -> Waker:
+        return PollWaker(interval=60)
+
+
+def test_an_add_in_this_process_wakes_the_worker_at_once(tmp_path: Path) -> None:
+    sched = MutexScheduler(lock_url="memory://wake-local")
+    seen: list[float] = []
+    sched.tasks.handler("c")(lambda task: seen.append(time.monotonic()))
+    sched.tasks._store = QuietStore("memory://wake-local")  # the scheduler's pool, without notices
+    sched.start()
+    try:
+        assert sched._tasks.worker is not None
+        sched._tasks.worker.backstop = 60
+        time.sleep(0.3)  # the worker sleeps: nothing is due
+        added = time.monotonic()
+        sched.tasks.add("c", "k", NOW)
+        assert wait_for(lambda: bool(seen), timeout=5)
+        assert seen[0] - added < 1.0
+    finally:
+        sched.shutdown()
+
+
+# -- schedulers on one SQLite file -------------------------------------------------------------------
+def _node(url: str, ran: list[tuple[str, int]], lock: threading.Lock, lease: float = 30.0, sleep: float = 0.0) -> MutexScheduler:
+    sched = MutexScheduler(lock_url=url, task_concurrency=4)
+
+    @sched.tasks.handler("job", lease=lease)
+    def handle(task: Task) -> None:
+        if sleep:
+            time.sleep(sleep)
+        with lock:
+            ran.append((task.key, task.token))
+        assert not task.lost
+
+    return sched
+
+
+def test_two_schedulers_run_each_task_exactly_once(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/tasks.db"
+    ran: list[tuple[str, int]] = []
+    lock = threading.Lock()
+    nodes = [_node(url, ran, lock), _node(url, ran, lock)]
+    for node in nodes:
+        node.start()
+    try:
+        for i in range(300):
+            nodes[i % 2].tasks.add("job", f"k{i}", timedelta(milliseconds=i))
+        assert wait_for(lambda: len(ran) >= 300, timeout=30)
+        time.sleep(0.3)
+    finally:
+        for node in nodes:
+            node.shutdown()
+    assert sorted(k for k, _ in ran) == sorted(f"k{i}" for i in range(300))
+    assert all(token == 1 for _, token in ran)  # never rescued, never run twice
+
+
+def test_a_handler_longer_than_its_lease_is_renewed_and_runs_once(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/tasks.db"
+    ran: list[tuple[str, int]] = []
+    lock = threading.Lock()
+    nodes = [_node(url, ran, lock, lease=1.0, sleep=2.5), _node(url, ran, lock, lease=1.0, sleep=2.5)]
+    for node in nodes:
+        node.start()
+    try:
+        nodes[0].tasks.add("job", "long", NOW)
+        assert wait_for(lambda: len(ran) >= 1, timeout=10)
+        time.sleep(1.5)  # a second run would have started by now if the lease had lapsed
+    finally:
+        for node in nodes:
+            node.shutdown()
+    assert ran == [("long", 1)]
