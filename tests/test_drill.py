@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -56,8 +57,18 @@ def assert_cleaned_up(stderr: str) -> None:
     assert workdir[1] not in ps, f"drill nodes still running:\n{ps}"
 
 
+def drill_summary(report: dict[str, Any], tail: int = 60) -> str:
+    """The JSON report, and, when the drill kept its node logs (it did not pass), each log's last lines."""
+    parts = [json.dumps(report, indent=1)]
+    if report.get("logs"):
+        for log in sorted(Path(report["logs"]).glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()[-tail:]
+            parts.append(f"--- {log.name} (last {len(lines)} lines)\n" + "\n".join(lines))
+    return "\n".join(parts)
+
+
 def assert_drill_passed(report: dict) -> None:
-    summary = json.dumps(report, indent=1)
+    summary = drill_summary(report)
     assert report["verdict"] == "PASS", summary
     assert report["ticks"]["duplicated"] == 0, summary
     assert report["attrs"]["repeats"] == 0, summary
@@ -186,3 +197,45 @@ def test_ctrl_c_stops_nodes_removes_files_and_releases_the_lock(tmp_path: Path) 
     lock = re.search(r"on lock (mutexcron-drill-[0-9a-f]+)", stderr)
     assert lock, stderr
     assert_lock_released(url, lock[1])
+
+
+_WRITER = """
+import sqlite3, sys, time
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("CREATE TABLE IF NOT EXISTS t (x)")
+conn.execute("BEGIN IMMEDIATE")
+conn.execute("INSERT INTO t VALUES (1)")
+print("in a write", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.sqlite
+def test_sqlite_write_lock_probe_sees_a_stopped_writer(tmp_path: Path) -> None:
+    """The drill's SIGSTOP must not land inside a SQLite write (the file would stall for every
+    node): the probe it uses sees a stopped process holding the write lock, and its release."""
+    from mutexcron.drill.cluster import Cluster, sqlite_write_lock_held
+
+    db = tmp_path / "probe.db"
+    url = f"sqlite:///{db}?table=mc_probe"
+    assert not sqlite_write_lock_held(url, wait=0.1)  # no file yet: nothing holds it
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(db)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "in a write"
+        writer.send_signal(signal.SIGSTOP)
+        assert sqlite_write_lock_held(url, wait=0.2)
+        # The drill's freeze resumes a node stopped inside a write and stops it again (this one
+        # never leaves its write, so every attempt finds it so, and the last stop stays).
+        said: list[str] = []
+        cluster = Cluster(url, nodes=1, progress=said.append, procs={"writer": writer})  # type: ignore[dict-item]
+        try:
+            cluster.freeze("writer", attempts=3)
+        finally:
+            cluster.discard()
+        assert len([m for m in said if "stopped inside a SQLite write" in m]) == 2, said
+        assert open(f"/proc/{writer.pid}/stat").read().split()[2] == "T"  # stopped
+    finally:
+        writer.kill()
+        writer.wait()
+    assert not sqlite_write_lock_held(url, wait=0.2)  # a dead process's lock is gone
+    assert not sqlite_write_lock_held("postgresql://u@h/db", wait=0.1)  # only SQLite files are probed

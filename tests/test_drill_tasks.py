@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ from mutexcron.drill.task_analysis import analyse_tasks
 from mutexcron.drill.task_report import TaskDrillReport, TaskPhase, format_task_report
 from mutexcron.tasks import task_store_from_url
 from tests.backends import cleanup_redis, cleanup_sql, require_server
-from tests.test_drill import assert_cleaned_up
+from tests.test_drill import assert_cleaned_up, drill_summary
 
 LEASE = 2.0
 
@@ -50,7 +51,7 @@ def run_task_drill_cli(url: str, *extra: str, cwd: Path, timeout: float = 120) -
 
 
 def assert_task_drill_passed(report: dict[str, Any], url: str) -> None:
-    summary = json.dumps(report, indent=1)
+    summary = drill_summary(report)
     assert report["verdict"] == "PASS" and report["failures"] == [], summary
     tasks = report["tasks"]
     assert tasks["added"] >= 40 and tasks["completed"] == tasks["added"] and tasks["lost"] == 0, summary
@@ -171,6 +172,14 @@ def test_task_drill_reports_fail_when_a_task_is_lost(tmp_path: Path) -> None:
     assert text.splitlines()[-1].startswith("FAIL: 2 task(s) added and never completed")
     assert f"lost       {', '.join(sorted(cancelled))}" in text
     assert time.monotonic() - started < 45, "the drain ends once the missing tasks are gone from the store"
+    # A drill that did not pass keeps the nodes' logs as its evidence, and says where.
+    logs = Path(report.logs)
+    try:
+        assert len(list(logs.glob("drill-*.log"))) == 2, report.logs
+        assert f"logs       the nodes' logs and records are kept in {logs}" in text
+        assert report.to_json()["logs"] == str(logs)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 def _cancel_two_queued(url: str, code: str, cancelled: list[str]) -> None:

@@ -2,15 +2,18 @@
 
 Each node runs in a session of its own, logs to ``<workdir>/<node>.log`` and dies with the drill
 (``PR_SET_PDEATHSIG``). :meth:`Cluster.stop` (also on Ctrl-C, through the context manager) stops
-every node, releases the drill's locks and removes the temporary directory.
+every node and releases the drill's locks; the temporary directory is removed when the drill
+passed (or was interrupted), and kept, as the evidence, when it did not.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -132,6 +135,24 @@ class Cluster:
         self.procs[node].send_signal(sig)
         return at
 
+    def freeze(self, node: str, attempts: int = 5) -> float:
+        """SIGSTOP ``node``, on SQLite outside a write of its own; return when (``time.monotonic()``).
+
+        A process stopped inside a SQLite write keeps the file's write lock, so every node stalls
+        until it resumes or dies: no lease can be taken over meanwhile (the limit is documented in
+        the guarantees). The drill is after the lease path, so if the stopped node holds the lock,
+        it is resumed at once and stopped again a moment later (and the progress says so).
+        """
+        at = self.signal(node, signal.SIGSTOP)
+        for _ in range(attempts - 1):
+            if not sqlite_write_lock_held(self.lock_url):
+                break
+            self._say(f"freeze: {node} stopped inside a SQLite write (holding the file's write lock): resumed, to stop again")
+            self.signal(node, signal.SIGCONT)
+            time.sleep(random.uniform(0.05, 0.25))
+            at = self.signal(node, signal.SIGSTOP)
+        return at
+
     def check_nodes(self) -> None:
         """Raise MutexcronError, with the node's log, if a node crashed."""
         for node, proc in self.procs.items():
@@ -171,18 +192,30 @@ class Cluster:
 
     # -- cleanup ------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Stop every node (SIGCONT, SIGTERM, then SIGKILL after 15 s), release the lock, remove the temp dir.
+        """Stop every node (SIGCONT, SIGTERM, then SIGKILL after 15 s) and release the lock.
 
-        SIGINT and SIGTERM are ignored meanwhile (when called from the main thread), so a second
-        Ctrl-C cannot leave half the cleanup undone.
+        The temp dir (the nodes' logs and records) stays until :meth:`discard`: a drill that did
+        not pass keeps it as the evidence. SIGINT and SIGTERM are ignored meanwhile (when called
+        from the main thread), so a second Ctrl-C cannot leave half the cleanup undone.
         """
         with _signals_ignored():
             self._say(f"cleanup: stopping {len(self.alive())} node(s)")
             self._stop_nodes()
             self.lock_left = self._release_lock()
             self._say(f"cleanup: {self.lock_left}")
-            shutil.rmtree(self.workdir, ignore_errors=True)
-            self._say(f"cleanup: removed {self.workdir}")
+
+    def discard(self) -> None:
+        """Remove the temp dir with the nodes' logs and records."""
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        self._say(f"cleanup: removed {self.workdir}")
+
+    def keep_or_discard(self, passed: bool) -> str:
+        """Remove the temp dir if the drill ``passed``; else keep it and return its path ("" if removed)."""
+        if passed:
+            self.discard()
+            return ""
+        self._say(f"cleanup: the nodes' logs and records are kept in {self.workdir}")
+        return str(self.workdir)
 
     def _stop_nodes(self) -> None:
         for proc in self.procs.values():
@@ -237,13 +270,40 @@ class Cluster:
     def __enter__(self) -> Cluster:
         try:
             self.start()
-        except BaseException:
-            self.stop()
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, None)
             raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        """Stop the nodes; on Ctrl-C also remove the temp dir, on an error keep it (the drill's
+        caller decides after a normal end: :meth:`keep_or_discard`)."""
         self.stop()
+        if exc_type is not None:
+            self.keep_or_discard(passed=issubclass(exc_type, KeyboardInterrupt))
+
+
+def sqlite_write_lock_held(url: str, wait: float = 1.5) -> bool:
+    """True if ``url`` is a SQLite file whose write lock nobody released within ``wait`` seconds
+    (False for every other store)."""
+    if not url.startswith("sqlite"):
+        return False
+    from sqlalchemy.engine import make_url
+
+    path = make_url(url).database
+    if not path or path == ":memory:":
+        return False
+    conn = sqlite3.connect(path, timeout=wait, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("ROLLBACK")
+        return False
+    except sqlite3.OperationalError as exc:
+        if "locked" in str(exc) or "busy" in str(exc):
+            return True
+        raise
+    finally:
+        conn.close()
 
 
 @contextmanager

@@ -35,6 +35,8 @@ class DrillReport:
     store: str = ""
     lock: str = ""
     lock_left: str = ""
+    #: Where the nodes' logs and records were kept because the drill did not pass ("" if removed).
+    logs: str = ""
     skew: float = 0.0
     seconds: float = 0.0
     takeover: dict[str, float | None] = field(default_factory=dict)
@@ -61,6 +63,7 @@ class DrillReport:
             "store": self.store,
             "lock": self.lock,
             "lock_left": self.lock_left,
+            "logs": self.logs,
             "nodes": self.nodes,
             "unactive_interval": self.unactive_interval,
             "skew": self.skew,
@@ -105,6 +108,8 @@ def format_report(report: DrillReport) -> str:
         lines.append("clocks     " + "  ".join(f"{n} {round(o, 2) + 0.0:+.2f}s" for n, o in report.clock_offsets.items()))
     if report.lock_left:
         lines.append(f"lock       {report.lock_left}")
+    if report.logs:
+        lines.append(f"logs       the nodes' logs and records are kept in {report.logs}")
     lines.append("PASS" if report.passed else "FAIL: " + "; ".join(report.failures))
     return "\n".join(lines)
 

@@ -55,7 +55,8 @@ def run_drill(
     """Play warm-up, SIGKILL, SIGSTOP/SIGCONT, SIGTERM, cool-down; return the report.
 
     Everything is cleaned up on the way out, including on KeyboardInterrupt: the nodes are
-    stopped, the drill lock is released and the temporary directory is removed.
+    stopped and the drill lock is released. The temporary directory with the nodes' logs is
+    removed if the drill passed (or was interrupted); else it is kept and ``report.logs`` names it.
 
     Raises:
         ConfigurationError: a bad URL, too few nodes, an unknown phase, ``--skew`` without libfaketime.
@@ -80,7 +81,9 @@ def run_drill(
         finished = time.monotonic()
     report.lock_left = cluster.lock_left
     report.seconds = finished - started
-    return analyse(ticks, report, ops, mono_range=(started, finished), wall_minus_mono=wall_minus_mono)
+    analyse(ticks, report, ops, mono_range=(started, finished), wall_minus_mono=wall_minus_mono)
+    report.logs = cluster.keep_or_discard(report.passed)
+    return report
 
 
 def _preflight(lock_url: str, nodes: int, skew: float, phases: tuple[str, ...]) -> str:
@@ -132,7 +135,7 @@ def _strike(cluster: Cluster, phase: str, holder: str, timeout: float, progress:
         mark = PhaseMark(phase, holder, cluster.signal(holder, signal.SIGKILL))
     elif phase == "freeze":
         progress(f"freeze: SIGSTOP the holder {holder} for {2 * ui + 1:.0f}s (the lease is {ui:g}s), then SIGCONT")
-        mark = PhaseMark(phase, holder, cluster.signal(holder, signal.SIGSTOP))
+        mark = PhaseMark(phase, holder, cluster.freeze(holder))
     else:
         progress(f"term: SIGTERM the holder {holder}")
         mark = PhaseMark(phase, holder, cluster.signal(holder, signal.SIGTERM))

@@ -94,6 +94,8 @@ class TaskDrillReport:
     latency: dict[str, Any] = field(default_factory=dict)
     left_in_store: dict[str, int] = field(default_factory=dict)
     cleanup: str = ""
+    #: Where the nodes' logs and records were kept because the drill did not pass ("" if removed).
+    logs: str = ""
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -159,6 +161,7 @@ class TaskDrillReport:
             },
             "store_latency_ms": self.latency,
             "cleanup": self.cleanup,
+            "logs": self.logs,
         }
 
 
@@ -199,6 +202,8 @@ def format_task_report(report: TaskDrillReport) -> str:
         )
     if report.cleanup:
         lines.append(f"cleanup    {report.cleanup}")
+    if report.logs:
+        lines.append(f"logs       the nodes' logs and records are kept in {report.logs}")
     lines.append("PASS" if report.passed else "FAIL: " + "; ".join(report.failures))
     return "\n".join(lines)
 

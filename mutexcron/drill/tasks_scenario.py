@@ -202,9 +202,9 @@ def run_task_drill(
     report.cleanup = cluster.lock_left
     report.seconds = finished - started
     report.add_errors = len(adder.errors)
-    return analyse_tasks(
-        report, events, adder.added, ops=ops, refused_lines=refused, left_in_store=left, measure_from=measure_from
-    )
+    analyse_tasks(report, events, adder.added, ops=ops, refused_lines=refused, left_in_store=left, measure_from=measure_from)
+    report.logs = cluster.keep_or_discard(report.passed)
+    return report
 
 
 def _preflight(lock_url: str, nodes: int, phases: tuple[str, ...], rate: float) -> tuple[TaskStore, str]:
@@ -291,7 +291,7 @@ def _strike(cluster: TaskCluster, phase: str, down: set[str], progress: Progress
         deadline = mark.at + 3 * lease + 10
     else:
         progress(f"freeze: SIGSTOP {node} mid-handler for {2 * lease + 1:g}s (the lease is {lease:g}s), then SIGCONT")
-        mark = TaskPhase(phase, node, cluster.signal(node, signal.SIGSTOP))
+        mark = TaskPhase(phase, node, cluster.freeze(node))
         deadline = mark.at + 2 * lease + 1
     in_flight, gap, where = _wait_restart(cluster, node, mark.at, deadline)
     if phase == "freeze":
