@@ -18,9 +18,11 @@ and counts the round trips each operation makes: SQL statements (a ``before_curs
 listener on ``store.engine``) plus the pool's pre-ping on checkout (``dialect.do_ping``), Redis
 packets written (``Connection.send_packed_command``; a pipeline or a script is one).
 
-With ``--ticks`` it also times whole guarded runs on started schedulers, without and with metrics
-(``metrics_port``), interleaved in one run: the holder's run (claim, events, hand-off) and a
-standby's tick (skipped: not the holder), wall time and this process's CPU per run.
+With ``--ticks`` it also times whole guarded runs on started schedulers, interleaved in one run,
+in three set-ups: neither run history nor metrics (``?history=0``, no ``metrics_port``), run
+history only (the default 20 runs per job), and history with metrics: the holder's run (claim,
+events, hand-off) and a standby's tick (skipped: not the holder), wall time and this process's
+CPU per run.
 
 Every store gets its own table / namespace (SQLite: a file in a temp dir), dropped at the end.
 Server URLs: ``MUTEXCRON_TEST_<KIND>_URL`` or the local defaults below; MongoDB only when
@@ -363,8 +365,16 @@ def bench_mysql8_claim_many(url: str, holder: Node, iterations: int) -> list[Row
         store.close()
 
 
+#: The --ticks set-ups: (label, run history kept, metrics port).
+TICK_SETUPS: tuple[tuple[str, bool, int | None], ...] = (
+    ("neither", False, None),
+    ("history", True, None),
+    ("history + metrics", True, 0),
+)
+
+
 def bench_ticks(kind: str, iterations: int) -> list[Row]:
-    """Guarded runs end to end on started (paused) schedulers, without and with metrics, interleaved.
+    """Guarded runs end to end on started (paused) schedulers, without and with history and metrics, interleaved.
 
     Per variant: a holder and a standby on an isolated store of their own. Each call runs the job's
     next fire time by hand, as mutexcron's executor would: on the holder, the claim, the run's
@@ -383,12 +393,13 @@ def bench_ticks(kind: str, iterations: int) -> list[Row]:
     variants: dict[str, list[MutexScheduler]] = {}
     isos: list[Isolated] = []
     try:
-        for label, port in (("without metrics", None), ("with metrics", 0)):
+        for label, history, port in TICK_SETUPS:
             iso = isolated(kind)
             isos.append(iso)
+            url = iso.url if history else f"{iso.url}{'&' if '?' in iso.url else '?'}history=0"
             pair = []
             for role in ("holder", "standby"):
-                sched = MutexScheduler(lock_url=iso.url, node_id=f"bench-{role}", unactive_interval=60,
+                sched = MutexScheduler(lock_url=url, node_id=f"bench-{role}", unactive_interval=60,
                                        metrics_port=port, metrics_host="127.0.0.1")  # fmt: skip
                 sched.add_job(lambda: None, "interval", hours=24, id="bench", mutex="bench")
                 sched.start(paused=True)
@@ -427,11 +438,13 @@ def render_ticks(kind: str, rows: list[Row]) -> str:
     by = {r.operation: r for r in rows}
     notes = []
     for role in ("holder run", "standby tick"):
-        off, on = by[f"{role}, without metrics"], by[f"{role}, with metrics"]
-        notes.append(f"{role}: metrics add {(on.p50_ms - off.p50_ms) * 1000:+.1f} µs p50, "
-                     f"{(on.cpu - off.cpu) * 1e6:+.1f} µs CPU")  # fmt: skip
+        off = by[f"{role}, neither"]
+        for label in ("history", "history + metrics"):
+            on = by[f"{role}, {label}"]
+            notes.append(f"{role} with {label}: {(on.p50_ms - off.p50_ms) * 1000:+.1f} µs p50 "
+                         f"({(on.p50_ms / off.p50_ms - 1) * 100:+.1f} %), {(on.cpu - off.cpu) * 1e6:+.1f} µs CPU")  # fmt: skip
     table = md_table(["guarded run (" + kind + ")", "p50 ms", "p99 ms", "client CPU ms", "n"], out)
-    return f"{table}\n\n" + "; ".join(notes) + "\n"
+    return f"{table}\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
 
 def render(kind: str, version: str, rows: list[Row]) -> str:
@@ -459,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stores", default="memory,sqlite,mysql,postgresql,redis,mongodb", help="comma-separated")
     parser.add_argument("--iterations", type=int, default=1000, help="timed calls per operation [1000]")
     parser.add_argument("--big", type=int, default=BIG, help=f"held locks in the largest renew_many [{BIG}]")
-    parser.add_argument("--ticks", action="store_true", help="also time guarded runs without and with metrics")
+    parser.add_argument("--ticks", action="store_true", help="also time guarded runs without history or metrics, with history, and with both")
     parser.add_argument("--ticks-only", action="store_true", help="only the guarded runs (implies --ticks)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

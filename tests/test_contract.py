@@ -330,6 +330,19 @@ def test_history_length_caps_each_job_on_every_write(ctx: StoreCtx) -> None:
     assert [r.fire_time for r in store.history("cap", job="b")] == [at(9)], "each job has its own list"
 
 
+def test_history_zero_writes_no_history_and_keeps_what_is_there(ctx: StoreCtx) -> None:
+    """``?history=0``: a hand-off still records the last run, and appends nothing to the history."""
+    store = ctx.make()
+    token = store.acquire_or_renew("h0", A, ttl=60).token
+    assert store.hand_off("h0", A, token, None, RunInfo(0.1, None, job="a", fire_time=at(1)))
+    store.history_length = 0  # what ?history=0 sets
+    assert store.hand_off("h0", A, token, {"n": 2}, RunInfo(0.2, "boom", job="a", fire_time=at(2)))
+    assert store.hand_off("h0", A, token, None, RunInfo(0.2, None, job="b", fire_time=at(3)))
+    assert [r.fire_time for r in store.history("h0")] == [at(1)], "runs from before stay; none is added"
+    rec = store.read("h0")
+    assert rec is not None and rec.last_run_finished is not None and rec.last_error is None and dict(rec.attrs) == {"n": 2}
+
+
 def test_refused_hand_off_writes_no_history(ctx: StoreCtx) -> None:
     a, b = ctx.make(), ctx.make()
     assert a.acquire_or_renew("r", A, ttl=TTL).token == 1

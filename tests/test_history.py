@@ -89,6 +89,7 @@ def test_history_option_is_read_from_the_url_and_kept_from_the_driver(tmp_path: 
 @pytest.mark.memory
 def test_history_option_on_memory_and_mongomock() -> None:
     assert lock_store_from_url("memory://hist-opt?history=7").history_length == 7
+    assert lock_store_from_url("memory://hist-opt?history=0").history_length == 0  # no history written
     assert lock_store_from_url("memory://").history_length == DEFAULT_HISTORY
     factory, _ = open_mongomock(secrets.token_hex(3))
     assert factory().history_length == DEFAULT_HISTORY
@@ -111,9 +112,9 @@ def test_history_option_on_redis() -> None:
 
 
 @pytest.mark.memory
-@pytest.mark.parametrize("bad", ["0", "1001", "-1", "x", "2.5", ""])
+@pytest.mark.parametrize("bad", ["1001", "-1", "x", "2.5", ""])
 def test_bad_history_lengths_are_configuration_errors(bad: str) -> None:
-    with pytest.raises(ConfigurationError, match=r"history.*from 1 to 1000"):
+    with pytest.raises(ConfigurationError, match=r"history.*from 0 to 1000 \(runs kept per job, 0 for none"):
         history_option(f"sqlite:///x.db?history={bad}")
     with pytest.raises(ConfigurationError):
         lock_store_from_url(f"memory://bad?history={bad}")

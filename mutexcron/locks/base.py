@@ -103,8 +103,8 @@ class RunInfo:
         return json.dumps(self.history_entry(node, token), ensure_ascii=False, separators=(",", ":"))
 
 
-#: The default number of runs kept per job (``?history=N`` / ``history=N``), and its bounds.
-DEFAULT_HISTORY, MIN_HISTORY, MAX_HISTORY = 20, 1, 1000
+#: The default number of runs kept per job (``?history=N`` / ``history=N``), and its bounds (0: no history is written).
+DEFAULT_HISTORY, MIN_HISTORY, MAX_HISTORY = 20, 0, 1000
 #: The longest error text a history entry keeps (``last_error`` keeps the whole text).
 HISTORY_ERROR_LIMIT = 500
 #: A node's presence is dropped once it is older than this many seconds (store clock).
@@ -125,7 +125,7 @@ def history_option(url: str, history: int | str | None = None) -> tuple[str, int
     if isinstance(value, bool) or not text.isdecimal() or not MIN_HISTORY <= int(text) <= MAX_HISTORY:
         raise ConfigurationError(
             f"bad history length {value!r} for {mask_url(url)}: use ?history=N with N from {MIN_HISTORY} to {MAX_HISTORY} "
-            f"(runs kept per job; default {DEFAULT_HISTORY})"
+            f"(runs kept per job, 0 for none; default {DEFAULT_HISTORY})"
         )
     return rest, int(text)
 

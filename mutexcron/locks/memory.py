@@ -156,7 +156,8 @@ class MemoryLockStore(LockStore):
                 row.last_run_finished = now
                 row.last_run_started = now - run.duration
                 row.last_error = run.error
-                self._append_run(row, name, node, token, run, now)
+                if self.history_length:
+                    self._append_run(row, name, node, token, run, now)
             return True
 
     def _append_run(self, row: _Row, name: str, node: Node, token: int, run: RunInfo, now: float) -> None:

@@ -270,7 +270,8 @@ class MongoDBLockStore(LockStore):
             fields["last_run_finished"] = now
             fields["last_run_started"] = {"$subtract": [now, _ms(run.duration)]}
             fields["last_error"] = {"$literal": run.error}
-            fields["history"] = self._history_expr(name, node, token, run, now)
+            if self.history_length:
+                fields["history"] = self._history_expr(name, node, token, run, now)
         query = {"_id": name, "holder": node.node_id, "token": token}
         try:
             with self.backend.errors("hand_off", write=True):

@@ -224,7 +224,7 @@ class RedisLockStore(LockStore):
             args += ["0", 0, "0", ""]
         else:
             args += ["1", max(0, round(run.duration * 1000)), "0" if run.error is None else "1", run.error or ""]
-            args += [run.job or name, run.history_text(node, token), self.history_length]
+            args += [run.job or name, run.history_text(node, token) if self.history_length else "", self.history_length]
         keys = [self._lock_key(name), self._history_key(name)]
         with self.backend.errors("hand_off"):
             return bool(self._hand_off(keys=keys, args=args, client=self.backend.client))

@@ -82,7 +82,7 @@ return cjson.encode({acquired, string.format('%d', now), redis.call('HGETALL', K
 # hand_off: refresh the lease if ARGV[1] still holds it with token ARGV[2]; optionally store
 # attrs (ARGV[3]=='1', text ARGV[4]) and the last run (ARGV[5]=='1', duration_ms ARGV[6], error ARGV[7..8]),
 # appending the run to its job's history: field ARGV[9] of the history hash, a JSON array of entry
-# texts (strings: cjson never re-encodes their numbers), oldest first, cut to the last ARGV[11].
+# texts (strings: cjson never re-encodes their numbers), oldest first, cut to the last ARGV[11] (0: none).
 # ARGV[10] is the entry's JSON object without its times; the script adds started and ended (ms).
 # KEYS: hash, history hash. ARGV: node_id, token, has_attrs, attrs, has_run, duration_ms, has_error,
 # error, job, entry, keep. Returns 1 or 0.
@@ -98,13 +98,15 @@ if ARGV[5] == '1' then
              'last_run_started', string.format('%d', now - tonumber(ARGV[6])))
   if ARGV[7] == '1' then redis.call('HSET', KEYS[1], 'last_error', ARGV[8])
   else redis.call('HDEL', KEYS[1], 'last_error') end
-  local ok, runs = pcall(cjson.decode, redis.call('HGET', KEYS[2], ARGV[9]) or '[]')
-  if not ok or type(runs) ~= 'table' then runs = {} end
-  runs[#runs + 1] = string.sub(ARGV[10], 1, -2) .. ',"started":' .. string.format('%d', now - tonumber(ARGV[6]))
-                    .. ',"ended":' .. string.format('%d', now) .. '}'
-  local kept = {}
-  for i = math.max(1, #runs - tonumber(ARGV[11]) + 1), #runs do kept[#kept + 1] = runs[i] end
-  redis.call('HSET', KEYS[2], ARGV[9], cjson.encode(kept))
+  if tonumber(ARGV[11]) > 0 then
+    local ok, runs = pcall(cjson.decode, redis.call('HGET', KEYS[2], ARGV[9]) or '[]')
+    if not ok or type(runs) ~= 'table' then runs = {} end
+    runs[#runs + 1] = string.sub(ARGV[10], 1, -2) .. ',"started":' .. string.format('%d', now - tonumber(ARGV[6]))
+                      .. ',"ended":' .. string.format('%d', now) .. '}'
+    local kept = {}
+    for i = math.max(1, #runs - tonumber(ARGV[11]) + 1), #runs do kept[#kept + 1] = runs[i] end
+    redis.call('HSET', KEYS[2], ARGV[9], cjson.encode(kept))
+  end
 end
 return 1
 """

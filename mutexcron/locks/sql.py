@@ -283,10 +283,12 @@ class SQLLockStore(LockStore):
         params: dict[str, Any] = {"name": name, "me": node.node_id, "token": token}
         if attrs is not None:
             params["attrs"] = dump_attrs(attrs, job=name)
+        history = run is not None and self.history_length > 0  # ?history=0: no history written
         if run is not None:
             params.update(dur=max(0.0, run.duration), dur_us=int(max(0.0, run.duration) * 1e6), err=run.error)
-            params.update(self._history_params(name, node, token, run))
-        _, count = self._write(self._sql.hand_off[attrs is not None, run is not None], params, "hand_off")
+            if history:
+                params.update(self._history_params(name, node, token, run))
+        _, count = self._write(self._sql.hand_off[attrs is not None, run is not None, history], params, "hand_off")
         return bool(count == 1)
 
     def _history_params(self, name: str, node: Node, token: int, run: RunInfo) -> dict[str, Any]:

@@ -89,15 +89,23 @@ def _claims_json_with_paths(groups: Mapping[str, LockClaims]) -> dict[str, Any]:
     return {"claims": _claim_rows(groups, paths=True)}
 
 
-#: ``hand_off`` by (stores attrs, stores the last run): the same on every dialect but for the clock
-#: and ``{history}``, the dialect's append of the run to its job's history (``LockStatements.history_set``).
-_HAND_OFFS: Mapping[tuple[bool, bool], str] = {
-    (False, False): "UPDATE {t} SET hb = {now} WHERE name = :name AND holder = :me AND token = :token",
-    (True, False): "UPDATE {t} SET hb = {now}, attrs = :attrs WHERE name = :name AND holder = :me AND token = :token",
-    (False, True): "UPDATE {t} SET hb = {now}, last_run_started = {run_started}, last_run_finished = {now}, "
-    "last_error = :err, history = {history} WHERE name = :name AND holder = :me AND token = :token",
-    (True, True): "UPDATE {t} SET hb = {now}, attrs = :attrs, last_run_started = {run_started}, last_run_finished = {now}, "
-    "last_error = :err, history = {history} WHERE name = :name AND holder = :me AND token = :token",
+def _hand_off(attrs: bool, run: bool, history: bool) -> str:
+    """The fenced ``hand_off`` UPDATE that stores attrs, the last run, and appends the run to its history."""
+    sets = ["hb = {now}"] + ["attrs = :attrs"] * attrs
+    sets += ["last_run_started = {run_started}", "last_run_finished = {now}", "last_error = :err"] * run
+    sets += ["history = {history}"] * history
+    return f"UPDATE {{t}} SET {', '.join(sets)} WHERE name = :name AND holder = :me AND token = :token"  # noqa: S608 - fixed fragments
+
+
+#: ``hand_off`` by (stores attrs, stores the last run, appends it to the history: not with
+#: ``?history=0``): the same on every dialect but for the clock and ``{history}``, the dialect's
+#: append of the run to its job's history (``LockStatements.history_set``).
+_HAND_OFFS: Mapping[tuple[bool, bool, bool], str] = {
+    (attrs, run, history): _hand_off(attrs, run, history)
+    for attrs in (False, True)
+    for run in (False, True)
+    for history in (False, True)
+    if run or not history
 }
 
 # Run history: one JSON object per lock row, ``{job: [entry, ...]}``, each list oldest first and cut
@@ -193,7 +201,7 @@ class LockStatements:
     history_read: str = "SELECT name, history FROM {t} WHERE name IN ({names})"
     begin: str = "START TRANSACTION"
     claim_read: str = ""
-    hand_off: Mapping[tuple[bool, bool], str] = field(default_factory=lambda: dict(_HAND_OFFS))
+    hand_off: Mapping[tuple[bool, bool, bool], str] = field(default_factory=lambda: dict(_HAND_OFFS))
     release: str = "UPDATE {t} SET holder = NULL WHERE name = :name AND holder = :me AND token = :token"
     read_one: str = "SELECT {cols}, {age} AS age FROM {t} WHERE name = :name"
     read_many: str = "SELECT {cols}, {age} AS age FROM {t} WHERE name IN ({names})"
