@@ -326,7 +326,7 @@ def _or_error(call: Callable[[], Any]) -> Any:
 # -- the race -----------------------------------------------------------------------------------------
 @KINDS
 def test_one_winner_per_fire_time_racing_claim_many_and_acquire(ctx: StoreCtx) -> None:
-    """4 racers x 1,000 rounds: two racers share one node (same holder), two are nodes of their own.
+    """4 racers x 500 rounds: two racers share one node (same holder), two are nodes of their own.
 
     Every round each racer claims every job of 3 locks at that round's fire time: ``acquire_or_renew``
     with a claim on the locks it does not hold, then one ``claim_many`` on those it holds (with
@@ -334,7 +334,7 @@ def test_one_winner_per_fire_time_racing_claim_many_and_acquire(ctx: StoreCtx) -
     hands across nodes while the old holder's claim_many is in flight. Real processes on server
     stores; threads (and the injected clock) on the in-process ones.
     """
-    rounds, prefix = 1000, secrets.token_hex(3)
+    rounds, prefix = 500, secrets.token_hex(3)
     node_ids = ["same-node:1:aaaa", "same-node:1:aaaa", "node-y:2:bbbb", "node-z:3:cccc"]
     if ctx.in_process:
         ttl = 1.0

@@ -337,7 +337,7 @@ def test_gunicorn_one_run_per_tick_and_reload_hands_over_within_the_lease(
     with Gunicorn(tmp_path, store_url, preload=preload) as server:
         # 1. Steady state: four workers, four nodes, one run per fire time.
         first = server.wait("the first run", lambda: server.runs(), timeout=30)[0]
-        server.wait("10 s of runs", lambda: any(r.fire >= first.fire + 10 for r in server.runs()), timeout=30)
+        server.wait("6 s of runs", lambda: any(r.fire >= first.fire + 6 for r in server.runs()), timeout=30)
         status = server.get("/scheduler")
         steady = server.runs()
         result["steady"] = analyse(steady)
@@ -360,7 +360,7 @@ def test_gunicorn_one_run_per_tick_and_reload_hands_over_within_the_lease(
             holder_gone_at = server.wait("the old holder's exit", lambda: not pid_alive(holder) and time.time(), 30, 0.01)
             server.wait("the old workers' exit", lambda: not any(pid_alive(pid) for pid in old), timeout=30)
             old_gone_at = time.time()
-            server.wait("6 s of runs after the reload", lambda: any(r.wall >= old_gone_at + 6 for r in server.runs()), 30)
+            server.wait("4 s of runs after the reload", lambda: any(r.wall >= old_gone_at + 4 for r in server.runs()), 30)
         runs = server.runs()
         new = server.booted()[WORKERS:]
         starts = scheduler_starts(server.log_path.read_text(errors="replace"))
