@@ -138,13 +138,20 @@ _MARIADB_HISTORY = """JSON_SET(COALESCE(history, '{{}}'), :hpath, CASE
           FROM JSON_TABLE({arr}, '$[*]' COLUMNS (i FOR ORDINALITY, v JSON PATH '$')) AS e
           WHERE e.i > JSON_LENGTH({arr}) - :hn) END)""".replace("{arr}", _MY_HISTORY_ARRAY)
 # SQLite: no JSON path for the job (its paths cannot quote every key): the job's list is found by
-# key (json_each) and written back by a merge patch (json_patch replaces an array whole).
-_SQLITE_HISTORY_ARRAY = """json_insert(
-        COALESCE((SELECT h.value FROM json_each(COALESCE(history, '{{}}')) AS h WHERE h.key = :hjob), '[]'),
-        '$[#]', json_patch(:hentry, json_object('started', {run_started}, 'ended', {now})))"""
-_SQLITE_HISTORY = """json_patch(COALESCE(history, '{{}}'), json_object(:hjob, json((
-    SELECT json_group_array(json(e.value)) FROM json_each({arr}) AS e
-    WHERE e.key >= json_array_length({arr}) - :hn))))""".replace("{arr}", _SQLITE_HISTORY_ARRAY)
+# key (json_each) and written back by a merge patch (json_patch replaces an array whole). The list
+# and the entry are computed once (a derived row; LIMIT keeps SQLite from inlining them into each
+# use). The usual write appends (the list shorter than :hn) or drops the oldest and appends (at
+# :hn); only a list longer than :hn (the length lowered meanwhile) is rebuilt element by element.
+_SQLITE_OLD_RUNS = "COALESCE((SELECT h.value FROM json_each(COALESCE(history, '{{}}')) AS h WHERE h.key = :hjob), '[]')"
+_SQLITE_ENTRY = "json_patch(:hentry, json_object('started', {run_started}, 'ended', {now}))"
+_SQLITE_HISTORY = """json_patch(COALESCE(history, '{{}}'), json_object(:hjob, json((SELECT CASE
+        WHEN r.n < :hn THEN json_insert(r.o, '$[#]', json(r.e))
+        WHEN r.n = :hn THEN json_insert(json_remove(r.o, '$[0]'), '$[#]', json(r.e))
+        ELSE (SELECT json_group_array(json(x.value)) FROM json_each(json_insert(r.o, '$[#]', json(r.e))) AS x
+              WHERE x.key >= r.n + 1 - :hn) END
+    FROM (SELECT o, json_array_length(o) AS n, e FROM (SELECT {old} AS o, {entry} AS e LIMIT 1) LIMIT 1) AS r))))""".replace(
+    "{old}", _SQLITE_OLD_RUNS
+).replace("{entry}", _SQLITE_ENTRY)
 
 #: The presence of nodes (``{n}``: the lock table's name + ``_nodes``), upserted with a renewal.
 #: Parameters: me, ip, version, offset, locks (JSON text).
