@@ -82,6 +82,9 @@ class Cluster:
     progress: Callable[[str], None] | None = None
     release_locks: tuple[str, ...] | None = None
     lock_left: str = ""
+    #: True: the temp dir outlives a normal end, for the caller's :meth:`keep_or_discard` (a drill
+    #: keeps it when its verdict is FAIL).
+    verdict_pending: bool = False
 
     @property
     def out(self) -> Path:
@@ -276,11 +279,13 @@ class Cluster:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        """Stop the nodes; on Ctrl-C also remove the temp dir, on an error keep it (the drill's
-        caller decides after a normal end: :meth:`keep_or_discard`)."""
+        """Stop the nodes; remove the temp dir after a normal end (unless ``verdict_pending``: the
+        caller then decides, :meth:`keep_or_discard`) and on Ctrl-C; keep it after an error."""
         self.stop()
         if exc_type is not None:
             self.keep_or_discard(passed=issubclass(exc_type, KeyboardInterrupt))
+        elif not self.verdict_pending:
+            self.discard()
 
 
 def sqlite_write_lock_held(url: str, wait: float = 1.5) -> bool:

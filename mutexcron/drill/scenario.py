@@ -69,6 +69,7 @@ def run_drill(
     started = time.monotonic()
     wall_minus_mono = time.time() - time.monotonic()
     cluster = Cluster(lock_url, nodes=nodes, unactive_interval=unactive_interval, skew=skew, progress=progress)
+    cluster.verdict_pending = True
     report.lock = cluster.lock
     with cluster:
         _warm_up(cluster, spread, progress)

@@ -178,6 +178,7 @@ def run_task_drill(
     """
     store, masked = _preflight(lock_url, nodes, phases, rate)
     cluster = TaskCluster(lock_url, nodes=nodes, unactive_interval=max(lease, 1.0), task_lease=lease, progress=progress)
+    cluster.verdict_pending = True
     report = TaskDrillReport(nodes=nodes, lease=lease, rate=rate, store=masked, code=cluster.code)
     adder = Adder(store, cluster.code, rate)
     started = time.monotonic()
