@@ -18,6 +18,10 @@ and are cleaned up the same way) run the same J jobs guarded. Each run warms up,
   of each job exactly once across the nodes); plain, per node (each node runs each fire time once);
 * APScheduler's warnings in the node logs: runs skipped by ``max_instances``, misfires.
 
+With ``--operations`` each store's row runs twice, back to back: without run history or metrics
+(``?history=0``, no port) and with both (the default 20 runs per job, ``/metrics`` served on a
+free port by each node), to show what they cost in the same run.
+
 Every guarded figure is also printed as a ratio to the plain baseline of the same row set. Prints one
 markdown table per row set; ``--json`` prints JSON instead (or, with a file name, writes it there as
 well). The store URLs are those of ``overhead.py``.
@@ -74,6 +78,7 @@ class Settings:
     workers: int
     pool_size: int | None
     metrics: bool = False  # the guarded nodes serve /metrics (mutexcron run --metrics-port, a free port each)
+    history: bool = True  # False: the nodes keep no run history (?history=0 on their URL)
 
 
 @dataclass(frozen=True)
@@ -283,7 +288,7 @@ def run_guarded(kind: str, name: str, url: str, rs: RowSet, settings: Settings) 
     )
     if settings.metrics:
         cluster.env.update(MUTEXCRON_METRICS_PORT="0", MUTEXCRON_METRICS_HOST="127.0.0.1")
-        name += " + metrics"
+    name += {(False, False): " (no history)", (True, True): " + history + metrics"}.get((settings.history, settings.metrics), "")
     with cluster:
         window = observe(cluster.check_nodes, [p.pid for p in cluster.procs.values()], settings)
         runs = read_runs(cluster.workdir)
@@ -318,7 +323,8 @@ def guarded_row(kind: str, rs: RowSet, settings: Settings, notes: list[str]) -> 
         finally:
             store.close()
         print(f"{name}: {rs.title}...", file=sys.stderr, flush=True)
-        return run_guarded(kind, name, iso.url, rs, settings)
+        url = iso.url if settings.history else f"{iso.url}{'&' if '?' in iso.url else '?'}history=0"
+        return run_guarded(kind, name, url, rs, settings)
     except MutexcronError as exc:
         notes.append(f"{kind}: failed ({exc})")
         return None
@@ -441,8 +447,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="SQL stores: SQLAlchemy pool_size for the nodes' engines [the store's default]",
     )
     parser.add_argument(
-        "--with-metrics", action="store_true",
-        help="run each guarded row again with the nodes serving /metrics, to compare in the same run",
+        "--operations", action="store_true",
+        help="run each store's guarded row twice, without run history or metrics (?history=0) and with both "
+        "(history kept, /metrics served), to compare them in the same run",
     )
     parser.add_argument(
         "--json", nargs="?", const="-", metavar="FILE", help="print JSON instead of the tables; with FILE, write it there too"
@@ -482,10 +489,10 @@ def main(argv: list[str] | None = None) -> int:
                 plain_by_jobs[rs.jobs] = None
                 notes.append(f"plain baseline: failed ({exc})")
         plain = plain_by_jobs[rs.jobs]
-        guarded = [r for kind in args.kinds if (r := guarded_row(kind, rs, settings, notes)) is not None]
-        if args.with_metrics:  # the same rows again with metrics served, in the same run
-            metered = dataclasses.replace(settings, metrics=True)
-            guarded += [r for kind in args.kinds if (r := guarded_row(kind, rs, metered, notes)) is not None]
+        setups = [settings]
+        if args.operations:  # each store without run history or metrics, then with both, in the same run
+            setups = [dataclasses.replace(settings, history=False), dataclasses.replace(settings, metrics=True)]
+        guarded = [r for kind in args.kinds for st in setups if (r := guarded_row(kind, rs, st, notes)) is not None]
         if tables:
             print(render(rs, plain, guarded, notes), flush=True)
         doc["row_sets"].append(to_json(rs, plain, guarded, notes))
