@@ -119,24 +119,26 @@ _PG_HISTORY = """jsonb_set(COALESCE(history, '{{}}'::jsonb), ARRAY[CAST(:hjob AS
         CAST(:hslice AS jsonpath)))"""
 # MySQL 8: a range path always returns an array (a match of one is wrapped); its start is
 # computed, never negative. The times as text: MySQL would store a DATETIME as a JSON date.
-_MY_HISTORY_ARRAY = """JSON_ARRAY_APPEND(COALESCE(JSON_EXTRACT(history, :hpath), '[]'), '$',
-        JSON_MERGE_PATCH(:hentry, JSON_OBJECT('started', CAST({run_started} AS CHAR), 'ended', CAST({now} AS CHAR))))"""
+_MY_OLD_RUNS = "COALESCE(JSON_EXTRACT(history, :hpath), '[]')"
+_MY_ENTRY = "JSON_MERGE_PATCH(:hentry, JSON_OBJECT('started', CAST({run_started} AS CHAR), 'ended', CAST({now} AS CHAR)))"
+_MY_HISTORY_ARRAY = "JSON_ARRAY_APPEND(" + _MY_OLD_RUNS + ", '$', " + _MY_ENTRY + ")"
 _MY_HISTORY = """JSON_SET(COALESCE(history, '{{}}'), :hpath,
     JSON_EXTRACT({arr}, CONCAT('$[', GREATEST(JSON_LENGTH({arr}) - :hn, 0), ' to last]')))""".replace(
     "{arr}", _MY_HISTORY_ARRAY
 )
-# MariaDB (range paths only from 10.9; JSON_TABLE from 10.6, as claim_many): the appended list
-# through JSON_TABLE, its last :hn elements aggregated in order (JSON_EXTRACT keeps each one an
-# object, not a string).
-# The usual write (the list one over its length after the append) only drops the oldest entry
-# (JSON_REMOVE, cheap); JSON_TABLE (several times slower per write) runs only when the length was
-# lowered meanwhile.
+# MariaDB (range paths only from 10.9; JSON_TABLE from 10.6, as claim_many). Its JSON functions
+# re-parse their text arguments on every call, so the usual writes touch the stored list as few
+# times as they can: append (the list shorter than :hn), or drop the oldest entry and append (the
+# list at :hn). Only a list longer than :hn (the length lowered meanwhile) is rebuilt through
+# JSON_TABLE, its last :hn elements aggregated in order (JSON_EXTRACT keeps each one an object).
 _MARIADB_HISTORY = """JSON_SET(COALESCE(history, '{{}}'), :hpath, CASE
-    WHEN JSON_LENGTH({arr}) <= :hn THEN {arr}
-    WHEN JSON_LENGTH({arr}) = :hn + 1 THEN JSON_REMOVE({arr}, '$[0]')
+    WHEN JSON_LENGTH({old}) < :hn THEN JSON_ARRAY_APPEND({old}, '$', {entry})
+    WHEN JSON_LENGTH({old}) = :hn THEN JSON_ARRAY_APPEND(JSON_REMOVE({old}, '$[0]'), '$', {entry})
     ELSE (SELECT JSON_ARRAYAGG(JSON_EXTRACT(e.v, '$') ORDER BY e.i)
           FROM JSON_TABLE({arr}, '$[*]' COLUMNS (i FOR ORDINALITY, v JSON PATH '$')) AS e
-          WHERE e.i > JSON_LENGTH({arr}) - :hn) END)""".replace("{arr}", _MY_HISTORY_ARRAY)
+          WHERE e.i > JSON_LENGTH({arr}) - :hn) END)""".replace("{arr}", _MY_HISTORY_ARRAY).replace(
+    "{old}", _MY_OLD_RUNS
+).replace("{entry}", _MY_ENTRY)
 # SQLite: no JSON path for the job (its paths cannot quote every key): the job's list is found by
 # key (json_each) and written back by a merge patch (json_patch replaces an array whole). The list
 # and the entry are computed once (a derived row; LIMIT keeps SQLite from inlining them into each
