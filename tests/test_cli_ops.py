@@ -146,7 +146,7 @@ def test_status_watch_redraws_on_a_terminal_until_ctrl_c(url: str, monkeypatch: 
 def test_store_errors_exit_1_without_a_traceback(tmp_path: Path) -> None:
     result = invoke("pause", "x", "--lock-url", "postgresql://bob:hunter2@127.0.0.1:1/x")
     assert result.exit_code == 1 and "hunter2" not in result.output and "pause" in result.output
-    bad = invoke("history", "--lock-url", f"sqlite:///{tmp_path}/x.db?history=0")
+    bad = invoke("history", "--lock-url", f"sqlite:///{tmp_path}/x.db?history=1001")
     assert bad.exit_code == 2 and "history" in bad.output
 
 
