@@ -472,7 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stores", default="memory,sqlite,mysql,postgresql,redis,mongodb", help="comma-separated")
     parser.add_argument("--iterations", type=int, default=1000, help="timed calls per operation [1000]")
     parser.add_argument("--big", type=int, default=BIG, help=f"held locks in the largest renew_many [{BIG}]")
-    parser.add_argument("--ticks", action="store_true", help="also time guarded runs without history or metrics, with history, and with both")
+    parser.add_argument(
+        "--ticks", action="store_true",
+        help="also time guarded runs without history or metrics, with history, and with both",
+    )  # fmt: skip
     parser.add_argument("--ticks-only", action="store_true", help="only the guarded runs (implies --ticks)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
