@@ -121,6 +121,19 @@ def cleanup_sql(url: str) -> None:
         store.close()
 
 
+def drop_tasks_table(url: str) -> None:
+    """Drop the task table of a SQL URL (``?tasks_table=`` or the default one)."""
+    from mutexcron.tasks.sql import SQLTaskStore
+
+    store = SQLTaskStore(url)
+    try:
+        with store.backend.engine.connect() as conn:
+            conn.exec_driver_sql(f"DROP TABLE IF EXISTS {store.table}")
+            conn.commit()
+    finally:
+        store.close()
+
+
 def cleanup_redis(url: str) -> None:
     from mutexcron.locks.redis import RedisLockStore
 

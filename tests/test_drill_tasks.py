@@ -28,7 +28,7 @@ from mutexcron.drill.records import NodeOps
 from mutexcron.drill.task_analysis import analyse_tasks
 from mutexcron.drill.task_report import TaskDrillReport, TaskPhase, format_task_report
 from mutexcron.tasks import task_store_from_url
-from tests.backends import cleanup_redis, cleanup_sql, require_server
+from tests.backends import cleanup_redis, cleanup_sql, drop_tasks_table, require_server
 from tests.test_drill import assert_cleaned_up, drill_summary
 
 LEASE = 2.0
@@ -88,19 +88,6 @@ def assert_task_drill_passed(report: dict[str, Any], url: str) -> None:
         store.close()
 
 
-def _drop_tasks_table(url: str) -> None:
-    import sqlalchemy
-
-    from mutexcron.tasks.sql import SQLTaskStore
-
-    store = SQLTaskStore(url)
-    try:
-        with store.backend.engine.connect() as conn:
-            conn.execute(sqlalchemy.text(f"DROP TABLE IF EXISTS {store.table}"))
-            conn.commit()
-    finally:
-        store.close()
-
 
 @pytest.fixture
 def server_url(request: pytest.FixtureRequest) -> Iterator[str]:
@@ -116,7 +103,7 @@ def server_url(request: pytest.FixtureRequest) -> Iterator[str]:
         url = f"{base}{sep}table=mc_drill_{tag}&tasks_table=mc_drill_tasks_{tag}"
         yield url
         cleanup_sql(url)
-        _drop_tasks_table(url)
+        drop_tasks_table(url)
 
 
 @pytest.mark.cluster

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from mutexcron import TaskPool
-from tests.backends import backend_params, cleanup_redis, require_server
+from tests.backends import backend_params, cleanup_redis, drop_tasks_table, require_server
 from tests.redis_servers import REDIS_SERVER, PrivateRedis, wait_for_port
 
 pytestmark = pytest.mark.cluster
@@ -120,21 +120,8 @@ def _url(kind: str, tmp_path: Path) -> tuple[str, Callable[[], None] | None]:
         url = f"{base}{sep}namespace=taskcluster-{tag}"
         return url, lambda: cleanup_redis(url)
     url = f"{base}{sep}tasks_table=mc_tc_{tag}"
-    return url, lambda: _drop(url)
+    return url, lambda: drop_tasks_table(url)
 
-
-def _drop(url: str) -> None:
-    import sqlalchemy
-
-    from mutexcron.tasks.sql import SQLTaskStore
-
-    store = SQLTaskStore(url)
-    try:
-        with store.backend.engine.connect() as conn:
-            conn.execute(sqlalchemy.text(f"DROP TABLE IF EXISTS {store.table}"))
-            conn.commit()
-    finally:
-        store.close()
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from mutexcron.errors import AttrsError, ConfigurationError
 from mutexcron.tasks import AddResult, Done, Fail, Outcome, Reschedule, Retry, TaskStore, task_store_from_url
 from mutexcron.tasks.memory import MemoryTaskStore
 from tests import task_workers
-from tests.backends import FakeClock, backend_params, cleanup_redis, require_server
+from tests.backends import FakeClock, backend_params, cleanup_redis, drop_tasks_table, require_server
 
 TASK_BACKENDS = ("memory", "sqlite", "mysql", "postgresql", "redis", "redis-cluster", "mongomock", "mongodb")
 every_backend = pytest.mark.parametrize("kind", backend_params(*TASK_BACKENDS))
@@ -56,19 +56,6 @@ class TaskCtx:
         else:
             time.sleep(seconds)
 
-
-def _drop_table(url: str) -> None:
-    import sqlalchemy
-
-    from mutexcron.tasks.sql import SQLTaskStore
-
-    store = SQLTaskStore(url)
-    try:
-        with store.backend.engine.connect() as conn:
-            conn.execute(sqlalchemy.text(f"DROP TABLE IF EXISTS {store.table}"))
-            conn.commit()
-    finally:
-        store.close()
 
 
 @pytest.fixture
@@ -120,7 +107,7 @@ def tasks_ctx(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iter
         base = require_server(kind)
         url = f"{base}{'&' if '?' in base else '?'}tasks_table=mc_tasks_{tag}"
         ctx = TaskCtx(kind, url, lambda: task_store_from_url(url))
-        cleanup = lambda: _drop_table(url)  # noqa: E731
+        cleanup = lambda: drop_tasks_table(url)  # noqa: E731
     try:
         yield ctx
     finally:

@@ -23,7 +23,7 @@ import pytest
 
 from mutexcron.tasks import TaskStore, task_store_from_url
 from mutexcron.tasks.wakeup import DEFAULT_POLL, Waker
-from tests.backends import backend_params, cleanup_redis, require_server
+from tests.backends import backend_params, cleanup_redis, drop_tasks_table, require_server
 
 #: The loose bound on a wake-up's latency.
 WAKE_BOUND = 1.0
@@ -98,7 +98,7 @@ def wake_ctx(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Itera
     else:
         base = require_server(kind)
         url = f"{base}{'&' if '?' in base else '?'}tasks_table=mc_wake_{tag}"
-        cleanup = lambda: _drop_table(url)  # noqa: E731
+        cleanup = lambda: drop_tasks_table(url)  # noqa: E731
     ctx = WakeCtx(kind, url)
     try:
         yield ctx
@@ -110,17 +110,6 @@ def wake_ctx(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Itera
         if cleanup is not None:
             cleanup()
 
-
-def _drop_table(url: str) -> None:
-    from mutexcron.tasks.sql import SQLTaskStore
-
-    store = SQLTaskStore(url)
-    try:
-        with store.backend.engine.connect() as conn:
-            conn.exec_driver_sql(f"DROP TABLE IF EXISTS {store.table}")
-            conn.commit()
-    finally:
-        store.close()
 
 
 class Sleeper:
