@@ -68,7 +68,8 @@ def assert_task_drill_passed(report: dict[str, Any], url: str) -> None:
         # Not before the lease ran out (renewed every lease/3, so at least 2/3 of it was left),
         # and within lease + 1 s + slack.
         assert 0.5 * LEASE <= recovery[phase] <= report["limits_seconds"][phase] == LEASE + 1.5, summary
-        assert report["recovery_lease_multiple"][phase] == round(recovery[phase] / LEASE, 2), summary
+        # The multiple comes from the unrounded seconds: equal to the rounded ones' within rounding.
+        assert abs(report["recovery_lease_multiple"][phase] - recovery[phase] / LEASE) <= 0.0051, summary
         assert report["phases"][phase]["in_flight"] and report["phases"][phase]["restarted_on"], summary
     term = report["phases"]["term"]
     assert recovery["term"] <= 1.5 and term["in_flight"] and term["handed_back"] == len(term["in_flight"]), summary
