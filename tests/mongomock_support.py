@@ -183,3 +183,20 @@ def _bulk_update_takes_sort() -> None:
 
 
 _bulk_update_takes_sort()
+
+
+def assert_each_unavailable_quickly(operations: dict[str, Callable[[], Any]]) -> None:
+    """Each operation on a store pointed at ``mongodb://user:s3cret@127.0.0.1:1/...`` raises
+    StoreUnavailableError within 5 s, with the URL masked."""
+    import time
+
+    import pytest
+
+    from mutexcron.errors import StoreUnavailableError
+
+    for name, operation in operations.items():
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailableError) as info:
+            operation()
+        assert time.monotonic() - started < 5, f"{name} hung"
+        assert "s3cret" not in str(info.value) and "user:***@127.0.0.1:1" in str(info.value), name

@@ -7,20 +7,18 @@ trips are measured in the nodes without touching the library's code or its hot p
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
 import signal
-import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import ConfigurationError, StoreError
 from ..locks import AcquireResult, BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, Presence, RunInfo, lock_store_from_url
 from ..record import LockRecord, NodePresence, RunRecord
+from .records import OpTimings
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +57,10 @@ class TimedLockStore(LockStore):
         self.inner = inner
         self.node_id = node_id
         self._fd = os.open(os.fspath(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._mutex = threading.Lock()
-        self._samples: list[tuple[str, float, float]] = []
         self._tokens: dict[str, int] = {}
-        self._stop = threading.Event()
         self._write({"event": "start", "node": node_id, "pid": os.getpid(), "wall": time.time(), "mono": time.monotonic()})
-        self._flusher = threading.Thread(target=self._flush_loop, name="mutexcron-drill-timing", daemon=True)
-        self._flusher.start()
-        atexit.register(self.flush)
+        self._timings = OpTimings(self._write)
+        self._timed = self._timings.timed
 
     # -- recording ----------------------------------------------------------------------------
     def _write(self, obj: Mapping[str, Any]) -> None:
@@ -75,26 +69,9 @@ class TimedLockStore(LockStore):
         except OSError:  # the drill removed its directory: nothing left to report to
             pass
 
-    def _flush_loop(self) -> None:
-        while not self._stop.wait(1.0):
-            self.flush()
-
     def flush(self) -> None:
         """Append the buffered samples to the file."""
-        with self._mutex:
-            samples, self._samples = self._samples, []
-        if samples:
-            self._write({"ops": [[op, round(t, 6), round(s, 7)] for op, t, s in samples]})
-
-    @contextmanager
-    def _timed(self, op: str) -> Iterator[None]:
-        start = time.monotonic()
-        try:
-            yield
-        finally:
-            elapsed = time.monotonic() - start
-            with self._mutex:
-                self._samples.append((op, start, elapsed))
+        self._timings.flush()
 
     # -- LockStore ----------------------------------------------------------------------------
     def acquire_or_renew(self, name: str, node: Node, ttl: float, claim: FireClaim | None = None) -> AcquireResult:
@@ -153,8 +130,7 @@ class TimedLockStore(LockStore):
             self.inner.ping()
 
     def close(self) -> None:
-        self._stop.set()
-        self.flush()
+        self._timings.close()
         self.inner.close()
 
 

@@ -1,11 +1,57 @@
-"""What the drill's nodes write, read back: the shared ticks file and each node's timing file."""
+"""What the drill's nodes write, and read back: the shared ticks file and each node's timing file."""
 
 from __future__ import annotations
 
+import atexit
 import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+
+class OpTimings:
+    """A node's store-call timings: ``[op, start, seconds]`` samples (monotonic) buffered in memory
+    and handed to ``write`` as one ``{"ops": [...]}`` line a second by a daemon thread (and at exit
+    and :meth:`close`), so timing adds no file I/O to a call."""
+
+    def __init__(self, write: Callable[[Mapping[str, Any]], None]) -> None:
+        self._write = write
+        self._mutex = threading.Lock()
+        self._samples: list[tuple[str, float, float]] = []
+        self._stop = threading.Event()
+        threading.Thread(target=self._flush_loop, name="mutexcron-drill-timing", daemon=True).start()
+        atexit.register(self.flush)
+
+    @contextmanager
+    def timed(self, op: str) -> Iterator[None]:
+        """Time the block as one ``op`` sample (also when it raises)."""
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            elapsed = time.monotonic() - start
+            with self._mutex:
+                self._samples.append((op, start, elapsed))
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(1.0):
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered samples."""
+        with self._mutex:
+            samples, self._samples = self._samples, []
+        if samples:
+            self._write({"ops": [[op, round(t, 6), round(s, 7)] for op, t, s in samples]})
+
+    def close(self) -> None:
+        """Stop the flushing thread and write what is left."""
+        self._stop.set()
+        self.flush()
 
 
 @dataclass

@@ -24,20 +24,18 @@ calls so lines from several threads never interleave):
 
 from __future__ import annotations
 
-import atexit
 import builtins
 import json
 import os
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from ..tasks.base import AddResult, CodeSummary, Due, Outcome, TaskRecord, TaskStore
 from ..tasks.wakeup import Waker
+from .records import OpTimings
 
 __all__ = ["EventLog", "RecordingTaskStore", "measure_offset"]
 
@@ -94,34 +92,12 @@ class RecordingTaskStore(TaskStore):
         self.stopping: Callable[[], bool] = lambda: False
         # TaskRunner sizes a SQL store's connection pool through ``store.backend``.
         self.backend = getattr(inner, "backend", None)
-        self._mutex = threading.Lock()
-        self._samples: list[tuple[str, float, float]] = []
-        self._stop = threading.Event()
-        self._flusher = threading.Thread(target=self._flush_loop, name="mutexcron-drill-timing", daemon=True)
-        self._flusher.start()
-        atexit.register(self.flush)
-
-    # -- timing -------------------------------------------------------------------------------
-    @contextmanager
-    def _timed(self, op: str) -> Iterator[None]:
-        start = time.monotonic()
-        try:
-            yield
-        finally:
-            elapsed = time.monotonic() - start
-            with self._mutex:
-                self._samples.append((op, start, elapsed))
-
-    def _flush_loop(self) -> None:
-        while not self._stop.wait(1.0):
-            self.flush()
+        self._timings = OpTimings(timing.write)
+        self._timed = self._timings.timed
 
     def flush(self) -> None:
         """Append the buffered timings to the timing file."""
-        with self._mutex:
-            samples, self._samples = self._samples, []
-        if samples:
-            self.timing.write({"ops": [[op, round(t, 6), round(s, 7)] for op, t, s in samples]})
+        self._timings.flush()
 
     # -- what the worker calls: recorded ---------------------------------------------------------
     def claim(self, node: str, codes: Iterable[str], limit: int, lease: float) -> builtins.list[TaskRecord]:
@@ -255,6 +231,5 @@ class RecordingTaskStore(TaskStore):
         self.inner.ping()
 
     def close(self) -> None:
-        self._stop.set()
-        self.flush()
+        self._timings.close()
         self.inner.close()
