@@ -7,6 +7,7 @@ checked on every backend by ``tests/test_contract.py``.
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ def url(tmp_path: Path) -> str:
     store.hand_off("billing", WEB1, token, {"cursor": 1}, RunInfo(0.5, None, job="jobs.charge", fire_time=at(1)))
     store.hand_off("billing", WEB1, token, None, RunInfo(1.5, "ValueError: bad row", job="jobs.charge", fire_time=at(2)))
     store.hand_off("billing", WEB1, token, None, RunInfo(0.2, None, job="jobs.invoice", fire_time=at(2)))
+    time.sleep(0.003)  # SQLite's clock stamps runs to the millisecond: the report must end last
     reports = store.acquire_or_renew("reports", WEB1, ttl=30).token
     store.hand_off("reports", WEB1, reports, None, RunInfo(3.0, None, job="jobs.report", fire_time=at(3)))
     store.renew_many(WEB1, {"billing": token, "reports": reports}, presence=Presence("1.2.3", 0.012))
