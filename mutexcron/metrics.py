@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import fields
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,7 @@ from .events import (
     EVENT_RUN_STARTED,
     MutexEvent,
 )
+from .instruments import Counter, Gauge, Histogram, Instruments
 from .locks import AcquireResult, BatchClaimResult, LockStore
 from .record import LockRecord
 
@@ -97,56 +99,57 @@ def _port(value: int | str | None, what: str) -> int | None:
 
 # -- the metrics --------------------------------------------------------------------------------
 class Metrics:
-    """The instruments of one scheduler, in a registry of their own, fed by its events.
+    """The instruments of one scheduler, fed by its events, in a registry of their own.
 
-    A job is labelled ``job_id``, not ``job``: Prometheus gives every scraped series the label
-    ``job`` (the scrape job), and would rename a ``job`` of ours to ``exported_job``.
+    The counts are kept by :mod:`mutexcron.instruments` (a dict update under one lock per event)
+    and exported by prometheus_client only when scraped. A job is labelled ``job_id``, not
+    ``job``: Prometheus gives every scraped series the label ``job`` (the scrape job), and would
+    rename a ``job`` of ours to ``exported_job``.
     """
 
     def __init__(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import CollectorRegistry
 
         self.registry: CollectorRegistry = CollectorRegistry()
-        r = self.registry
+        i = self.instruments = Instruments()
         self.runs = Counter(
-            "mutexcron_runs", "Fire times of guarded jobs on this node, by outcome: success, error, or skipped_<reason>.",
-            ["job_id", "lock", "outcome"], registry=r,
+            i, "mutexcron_runs", "Fire times of guarded jobs on this node, by outcome: success, error, or skipped_<reason>.",
+            ["job_id", "lock", "outcome"],
         )  # fmt: skip
         self.run_duration = Histogram(
-            "mutexcron_run_duration_seconds", "How long guarded runs took on this node.", ["job_id", "lock"],
-            buckets=RUN_BUCKETS, registry=r,
-        )  # fmt: skip
+            i, "mutexcron_run_duration_seconds", "How long guarded runs took on this node.", RUN_BUCKETS, ["job_id", "lock"]
+        )
         self.start_lag = Histogram(
-            "mutexcron_run_start_lag_seconds", "Seconds from a guarded run's fire time to its first line.", ["job_id", "lock"],
-            buckets=LAG_BUCKETS, registry=r,
+            i, "mutexcron_run_start_lag_seconds", "Seconds from a guarded run's fire time to its first line.", LAG_BUCKETS,
+            ["job_id", "lock"],
         )  # fmt: skip
         self.last_success = Gauge(
-            "mutexcron_last_success_timestamp_seconds", "When a run of the job last succeeded on this node (Unix time).",
-            ["job_id"], registry=r,
+            i, "mutexcron_last_success_timestamp_seconds", "When a run of the job last succeeded on this node (Unix time).",
+            ["job_id"],
         )  # fmt: skip
         self.missed = Counter(
-            "mutexcron_missed_runs", "Fire times that ran on no node (older than their misfire grace time).",
-            ["job_id", "lock"], registry=r,
+            i, "mutexcron_missed_runs", "Fire times that ran on no node (older than their misfire grace time).",
+            ["job_id", "lock"],
         )  # fmt: skip
         self.takeovers = Counter(
-            "mutexcron_takeovers", "Locks this node took over from a node whose lease ran out.", ["lock"], registry=r
+            i, "mutexcron_takeovers", "Locks this node took over from a node whose lease ran out.", ["lock"]
         )
         self.leases_lost = Counter(
-            "mutexcron_leases_lost", "Leases this node lost (taken over, or not renewed within the lease).", ["lock"],
-            registry=r,
-        )  # fmt: skip
+            i, "mutexcron_leases_lost", "Leases this node lost (taken over, or not renewed within the lease).", ["lock"]
+        )
         self.store_seconds = Histogram(
-            "mutexcron_store_operation_seconds", "Lock store calls of this node, by operation (failed ones included).",
-            ["operation"], buckets=STORE_BUCKETS, registry=r,
+            i, "mutexcron_store_operation_seconds", "Lock store calls of this node, by operation (failed ones included).",
+            STORE_BUCKETS, ["operation"],
         )  # fmt: skip
         self.renew_seconds = Histogram(
-            "mutexcron_lease_renew_seconds", "Heartbeat renewals of this node's leases (one renew_many call each).",
-            buckets=STORE_BUCKETS, registry=r,
+            i, "mutexcron_lease_renew_seconds", "Heartbeat renewals of this node's leases (one renew_many call each).",
+            STORE_BUCKETS,
         )  # fmt: skip
         self.renew_failures = Counter(
-            "mutexcron_lease_renew_failures", "Heartbeat renewals that failed (the store did not answer).", registry=r
+            i, "mutexcron_lease_renew_failures", "Heartbeat renewals that failed (the store did not answer)."
         )
-        self._children: dict[tuple[Any, ...], Any] = {}  # labelled children: a dict read per event
+        self.registry.register(i)
+        self._skip_outcomes: dict[object, str] = {}
         self._on: dict[int, Callable[[MutexEvent], None]] = {
             EVENT_RUN_FINISHED: self._finished,
             EVENT_RUN_SKIPPED: self._skipped,
@@ -156,13 +159,6 @@ class Metrics:
             EVENT_LOCK_LOST: self._lost,
         }
 
-    def _child(self, metric: Any, *labels: str) -> Any:
-        key = (id(metric), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
-
     def on_event(self, event: MutexEvent) -> None:
         """The scheduler listener (:data:`~mutexcron.events.EVENT_MUTEX_ALL`)."""
         handler = self._on.get(event.code)
@@ -171,34 +167,37 @@ class Metrics:
 
     def _finished(self, e: MutexEvent) -> None:
         job, lock, outcome = e.job_id or "", e.lock or "", e.details.get("outcome") or "error"
-        self._child(self.runs, job, lock, outcome).inc()
+        self.runs.inc((job, lock, outcome))
         duration = e.details.get("duration")
         if duration is not None:
-            self._child(self.run_duration, job, lock).observe(max(0.0, float(duration)))
+            self.run_duration.observe((job, lock), max(0.0, float(duration)))
         if outcome == "success":
-            self._child(self.last_success, job).set(time.time())
+            self.last_success.set((job,), time.time())
 
     def _skipped(self, e: MutexEvent) -> None:
-        reason = str(e.details.get("reason") or "unknown").replace("-", "_")
-        self._child(self.runs, e.job_id or "", e.lock or "", f"skipped_{reason}").inc()
+        reason = e.details.get("reason")
+        outcome = self._skip_outcomes.get(reason)
+        if outcome is None:  # once per reason: "not-holder" -> "skipped_not_holder"
+            outcome = self._skip_outcomes[reason] = "skipped_" + str(reason or "unknown").replace("-", "_")
+        self.runs.inc((e.job_id or "", e.lock or "", outcome))
 
     def _started(self, e: MutexEvent) -> None:
         lag = e.details.get("lag")
         if lag is not None:  # a wall clock stepped back gives a negative lag: counted as none
-            self._child(self.start_lag, e.job_id or "", e.lock or "").observe(max(0.0, float(lag)))
+            self.start_lag.observe((e.job_id or "", e.lock or ""), max(0.0, float(lag)))
 
     def _missed(self, e: MutexEvent) -> None:
-        self._child(self.missed, e.job_id or "", e.lock or "").inc()
+        self.missed.inc((e.job_id or "", e.lock or ""))
 
     def _taken_over(self, e: MutexEvent) -> None:
-        self._child(self.takeovers, e.lock or "").inc()
+        self.takeovers.inc((e.lock or "",))
 
     def _lost(self, e: MutexEvent) -> None:
-        self._child(self.leases_lost, e.lock or "").inc()
+        self.leases_lost.inc((e.lock or "",))
 
     def observer(self, operation: str) -> Callable[[float], None]:
         """The ``observe`` of one operation's store timing."""
-        return self._child(self.store_seconds, operation).observe  # type: ignore[no-any-return]
+        return partial(self.store_seconds.observe, (operation,))
 
 
 # -- the timed lock store -------------------------------------------------------------------------
@@ -216,8 +215,8 @@ class MeteredLockStore(LockStore):
         super().__init__(inner.url)
         self.inner = inner
         self._observe = {op: metrics.observer(op) for op in STORE_OPERATIONS}
-        self._renew = metrics.renew_seconds.observe
-        self._renew_failed = metrics.renew_failures.inc
+        self._renew = partial(metrics.renew_seconds.observe, ())
+        self._renew_failed = partial(metrics.renew_failures.inc, ())
 
     def __getattr__(self, name: str) -> Any:  # backend, engine, table...: the wrapped store's
         inner = self.__dict__.get("inner")

@@ -1,0 +1,145 @@
+"""Counters, histograms and gauges kept in plain Python, exported to Prometheus at scrape time.
+
+The scheduler's hot path (a standby's skipped tick, a holder's run, each store call) updates
+them; prometheus_client only reads them when ``/metrics`` is scraped (:class:`Instruments` is a
+collector). An update is a dict lookup, a ``bisect`` for a histogram, and a few additions under
+one uncontended lock: about a tenth of what a prometheus_client ``labels(...).inc()`` or
+``observe()`` costs, which measurably added to every tick (docs/benchmarks.md#operations).
+
+Families are exported in the text format prometheus_client would give the same metrics: a
+counter ``name`` as ``name_total``, a histogram as ``name_bucket{le=...}``, ``name_count`` and
+``name_sum`` with cumulative buckets. A family without labels is exported from the start (at 0);
+a labelled one from its first update.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+__all__ = ["Counter", "Gauge", "Histogram", "Instruments"]
+
+Labels = tuple[str, ...]
+
+
+class _Family:
+    """One metric's name, help text and label names; its values by label values."""
+
+    def __init__(self, instruments: Instruments, name: str, documentation: str, labels: Sequence[str]) -> None:
+        self.name, self.documentation, self.label_names = name, documentation, list(labels)
+        self._lock = instruments.lock
+        instruments.families.append(self)
+
+    def export(self) -> Metric:  # pragma: no cover - every family overrides it
+        raise NotImplementedError
+
+
+class Counter(_Family):
+    """A count that only goes up, by label values."""
+
+    def __init__(self, instruments: Instruments, name: str, documentation: str, labels: Sequence[str] = ()) -> None:
+        super().__init__(instruments, name, documentation, labels)
+        self._values: dict[Labels, float] = {} if labels else {(): 0.0}
+
+    def inc(self, labels: Labels = (), amount: float = 1.0) -> None:
+        with self._lock:
+            self._values[labels] = self._values.get(labels, 0.0) + amount
+
+    def export(self) -> Metric:
+        from prometheus_client.core import CounterMetricFamily
+
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.label_names)
+        with self._lock:
+            values = list(self._values.items())
+        for labels, value in sorted(values):
+            family.add_metric(list(labels), value)
+        return family
+
+
+class Gauge(_Family):
+    """A value that is set, by label values."""
+
+    def __init__(self, instruments: Instruments, name: str, documentation: str, labels: Sequence[str] = ()) -> None:
+        super().__init__(instruments, name, documentation, labels)
+        self._values: dict[Labels, float] = {}
+
+    def set(self, labels: Labels, value: float) -> None:
+        with self._lock:
+            self._values[labels] = value
+
+    def export(self) -> Metric:
+        from prometheus_client.core import GaugeMetricFamily
+
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.label_names)
+        with self._lock:
+            values = list(self._values.items())
+        for labels, value in sorted(values):
+            family.add_metric(list(labels), value)
+        return family
+
+
+class _Cells:
+    """One label set's histogram: a count per bucket (the last one: above every bound) and the sum."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self, buckets: int) -> None:
+        self.counts = [0] * (buckets + 1)
+        self.total = 0.0
+
+
+class Histogram(_Family):
+    """Observations counted into buckets (upper bounds, inclusive, as Prometheus's ``le``)."""
+
+    def __init__(
+        self, instruments: Instruments, name: str, documentation: str, buckets: Sequence[float], labels: Sequence[str] = ()
+    ) -> None:
+        super().__init__(instruments, name, documentation, labels)
+        self.bounds = tuple(sorted(float(b) for b in buckets))
+        self._cells: dict[Labels, _Cells] = {} if labels else {(): _Cells(len(self.bounds))}
+
+    def observe(self, labels: Labels, value: float) -> None:
+        index = bisect_left(self.bounds, value)
+        with self._lock:
+            cells = self._cells.get(labels)
+            if cells is None:
+                cells = self._cells[labels] = _Cells(len(self.bounds))
+            cells.counts[index] += 1
+            cells.total += value
+
+    def export(self) -> Metric:
+        from prometheus_client.core import HistogramMetricFamily
+        from prometheus_client.utils import floatToGoString
+
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.label_names)
+        with self._lock:
+            values = [(labels, list(cells.counts), cells.total) for labels, cells in self._cells.items()]
+        bounds = [*map(floatToGoString, self.bounds), "+Inf"]
+        for labels, counts, total in sorted(values):
+            cumulative, buckets = 0, []
+            for bound, count in zip(bounds, counts, strict=True):
+                cumulative += count
+                buckets.append((bound, float(cumulative)))
+            family.add_metric(list(labels), buckets, sum_value=total)
+        return family
+
+
+class Instruments:
+    """The families of one scheduler, one lock for all their updates, and a prometheus_client
+    collector (``registry.register(instruments)``) that exports them when scraped."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.families: list[_Family] = []
+
+    def describe(self) -> list[Metric]:
+        return []  # no names checked at registration; collect() is not called then
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.families:
+            yield family.export()
