@@ -374,6 +374,30 @@ def test_run_info_and_error_round_trip(shared_url: str) -> None:
     finally:
         store.close()
 
+def test_history_field_is_lines_and_an_earlier_json_array_field_is_carried_over(shared_url: str) -> None:
+    """A job's history field holds its entries one per line; a field in the earlier form (a JSON
+    array of entry texts) is read as it is and turned into lines, runs kept, by the next run."""
+    store = RedisLockStore(shared_url)
+    store.history_length = 3
+    try:
+        token = store.acquire_or_renew("old", A, ttl=60).token
+        earlier = [json.dumps({"job": "j", "node": "n0", "token": 1, "outcome": "success",
+                               "fire_time": f"2030-01-01T00:0{i}:00+00:00",
+                               "started": 1_000 + i, "ended": 1_001 + i}) for i in range(3)]  # fmt: skip
+        client, key = store.backend.client, store._history_key("old")
+        client.hset(key, "j", json.dumps(earlier))
+        assert [r.node for r in store.history("old", job="j")] == ["n0"] * 3
+        assert store.hand_off("old", A, token, None, RunInfo(0.1, "boom\nline two", job="j"))
+        field = client.hget(key, "j")
+        text = field.decode() if isinstance(field, bytes) else field
+        assert len(text.split("\n")) == 3 and not text.startswith("["), "lines now, cut to the last 3"
+        runs = store.history("old", job="j")
+        assert [r.outcome for r in runs] == ["error", "success", "success"]
+        assert runs[0].error == "boom\nline two" and runs[0].node == A.node_id
+    finally:
+        store.close()
+
+
 
 # -- the client-side token floor -----------------------------------------------------------------
 def test_token_floor_survives_a_wiped_namespace(shared_url: str) -> None:

@@ -100,8 +100,12 @@ class RunInfo:
 
     def history_text(self, node: Node, token: int) -> str:
         """:meth:`history_entry` as compact JSON text (what the SQL and Redis stores send)."""
-        return json.dumps(self.history_entry(node, token), ensure_ascii=False, separators=(",", ":"))
+        return _COMPACT_JSON.encode(self.history_entry(node, token))
 
+
+#: Compact JSON, non-ASCII kept as is: one encoder for every history entry (json.dumps with
+#: options builds a new encoder per call).
+_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 #: The default number of runs kept per job (``?history=N`` / ``history=N``), and its bounds (0: no history is written).
 DEFAULT_HISTORY, MIN_HISTORY, MAX_HISTORY = 20, 0, 1000

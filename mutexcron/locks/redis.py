@@ -351,6 +351,9 @@ class RedisLockStore(LockStore):
 
 
 def _entries(text: str) -> list[Any]:
-    """A history field: a JSON array of entry texts (cjson writes an empty one as ``{}``)."""
-    texts = json.loads(text)
-    return [json.loads(entry) for entry in texts] if isinstance(texts, list) else []
+    """A history field: the entries' JSON texts, one per line (in the earlier form: a JSON array of them,
+    which cjson wrote as ``{}`` when empty)."""
+    if text.startswith(("[", "{}")):
+        texts = json.loads(text)
+        return [json.loads(entry) for entry in texts] if isinstance(texts, list) else []
+    return [json.loads(line) for line in text.split("\n") if line]

@@ -81,8 +81,10 @@ return cjson.encode({acquired, string.format('%d', now), redis.call('HGETALL', K
 
 # hand_off: refresh the lease if ARGV[1] still holds it with token ARGV[2]; optionally store
 # attrs (ARGV[3]=='1', text ARGV[4]) and the last run (ARGV[5]=='1', duration_ms ARGV[6], error ARGV[7..8]),
-# appending the run to its job's history: field ARGV[9] of the history hash, a JSON array of entry
-# texts (strings: cjson never re-encodes their numbers), oldest first, cut to the last ARGV[11] (0: none).
+# appending the run to its job's history: field ARGV[9] of the history hash, the entries' JSON texts
+# one per line (JSON text never holds a raw newline), oldest first, cut to the last ARGV[11] (0: no
+# history written). Appending and cutting are string operations: the entries are never decoded. A
+# field in the earlier form, a JSON array of entry texts, is turned into lines on its next write.
 # ARGV[10] is the entry's JSON object without its times; the script adds started and ended (ms).
 # KEYS: hash, history hash. ARGV: node_id, token, has_attrs, attrs, has_run, duration_ms, has_error,
 # error, job, entry, keep. Returns 1 or 0.
@@ -98,14 +100,24 @@ if ARGV[5] == '1' then
              'last_run_started', string.format('%d', now - tonumber(ARGV[6])))
   if ARGV[7] == '1' then redis.call('HSET', KEYS[1], 'last_error', ARGV[8])
   else redis.call('HDEL', KEYS[1], 'last_error') end
-  if tonumber(ARGV[11]) > 0 then
-    local ok, runs = pcall(cjson.decode, redis.call('HGET', KEYS[2], ARGV[9]) or '[]')
-    if not ok or type(runs) ~= 'table' then runs = {} end
-    runs[#runs + 1] = string.sub(ARGV[10], 1, -2) .. ',"started":' .. string.format('%d', now - tonumber(ARGV[6]))
-                      .. ',"ended":' .. string.format('%d', now) .. '}'
-    local kept = {}
-    for i = math.max(1, #runs - tonumber(ARGV[11]) + 1), #runs do kept[#kept + 1] = runs[i] end
-    redis.call('HSET', KEYS[2], ARGV[9], cjson.encode(kept))
+  local keep = tonumber(ARGV[11])
+  if keep > 0 then
+    local entry = string.sub(ARGV[10], 1, -2) .. ',"started":' .. string.format('%d', now - tonumber(ARGV[6]))
+                  .. ',"ended":' .. string.format('%d', now) .. '}'
+    local old = redis.call('HGET', KEYS[2], ARGV[9])
+    if old and string.byte(old, 1) == 91 then
+      local ok, runs = pcall(cjson.decode, old)
+      old = (ok and type(runs) == 'table' and #runs > 0) and table.concat(runs, '\\n') or false
+    end
+    local text = entry
+    if old and old ~= '' then  -- old's line breaks found by plain search (a pattern is much slower)
+      local breaks, at = {}, string.find(old, '\\n', 1, true)
+      while at do breaks[#breaks + 1] = at; at = string.find(old, '\\n', at + 1, true) end
+      local drop = #breaks + 2 - keep  -- old lines to drop: old has #breaks + 1, one is appended
+      if drop <= 0 then text = old .. '\\n' .. entry
+      elseif drop <= #breaks then text = string.sub(old, breaks[drop] + 1) .. '\\n' .. entry end
+    end
+    redis.call('HSET', KEYS[2], ARGV[9], text)
   end
 end
 return 1
@@ -173,8 +185,9 @@ return cjson.encode({string.format('%d', now), redis.call('HGETALL', KEYS[1])})
 """
 )
 
-# history: for each lock, whether its hash exists and its history hash (job -> JSON array of entry
-# texts). KEYS: lock hash, history hash, for each lock. Returns JSON [[exists, fields], ...].
+# history: for each lock, whether its hash exists and its history hash (job -> entry texts, one per
+# line; or, in the earlier form, a JSON array of them). KEYS: lock hash, history hash, for each lock.
+# Returns JSON [[exists, fields], ...].
 HISTORY_LUA = """
 local out = {}
 for i = 1, #KEYS, 2 do
