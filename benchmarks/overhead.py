@@ -19,7 +19,8 @@ listener on ``store.engine``) plus the pool's pre-ping on checkout (``dialect.do
 packets written (``Connection.send_packed_command``; a pipeline or a script is one).
 
 With ``--ticks`` it also times whole guarded runs on started schedulers, interleaved in one run,
-in three set-ups: neither run history nor metrics (``?history=0``, no ``metrics_port``), run
+in four set-ups: neither run history nor metrics (``?history=0``, no ``metrics_port``), the same again
+(how far two identical set-ups differ: the noise floor of the comparison), run
 history only (the default 20 runs per job), and history with metrics: the holder's run (claim,
 events, hand-off) and a standby's tick (skipped: not the holder), wall time and this process's
 CPU per run.
@@ -365,9 +366,11 @@ def bench_mysql8_claim_many(url: str, holder: Node, iterations: int) -> list[Row
         store.close()
 
 
-#: The --ticks set-ups: (label, run history kept, metrics port).
+#: The --ticks set-ups: (label, run history kept, metrics port). "neither, again" is the baseline
+#: measured twice (a store and schedulers of its own): how far two identical set-ups differ.
 TICK_SETUPS: tuple[tuple[str, bool, int | None], ...] = (
     ("neither", False, None),
+    ("neither, again", False, None),
     ("history", True, None),
     ("history + metrics", True, 0),
 )
@@ -439,7 +442,7 @@ def render_ticks(kind: str, rows: list[Row]) -> str:
     notes = []
     for role in ("holder run", "standby tick"):
         off = by[f"{role}, neither"]
-        for label in ("history", "history + metrics"):
+        for label in ("neither, again", "history", "history + metrics"):
             on = by[f"{role}, {label}"]
             notes.append(f"{role} with {label}: {(on.p50_ms - off.p50_ms) * 1000:+.1f} µs p50 "
                          f"({(on.p50_ms / off.p50_ms - 1) * 100:+.1f} %), {(on.cpu - off.cpu) * 1e6:+.1f} µs CPU")  # fmt: skip
