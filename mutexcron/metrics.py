@@ -37,7 +37,6 @@ from .errors import ConfigurationError
 from .events import (
     EVENT_LOCK_LOST,
     EVENT_LOCK_TAKEN_OVER,
-    EVENT_MUTEX_ALL,
     EVENT_RUN_FINISHED,
     EVENT_RUN_MISSED,
     EVENT_RUN_SKIPPED,
@@ -160,10 +159,15 @@ class Metrics:
         }
 
     def on_event(self, event: MutexEvent) -> None:
-        """The scheduler listener (:data:`~mutexcron.events.EVENT_MUTEX_ALL`)."""
+        """Count one event (any code; :meth:`listeners` are the same handlers, one per code)."""
         handler = self._on.get(event.code)
         if handler is not None:
             handler(event)
+
+    def listeners(self) -> list[tuple[Callable[[MutexEvent], None], int]]:
+        """``(handler, event code)`` pairs for ``scheduler.add_listener``: APScheduler calls each
+        handler only for its code, one call less per event than :meth:`on_event`."""
+        return [(handler, code) for code, handler in self._on.items()]
 
     def _finished(self, e: MutexEvent) -> None:
         job, lock, outcome = e.job_id or "", e.lock or "", e.details.get("outcome") or "error"
@@ -537,7 +541,8 @@ class Observability:
         with self._mutex:
             self.scheduler = scheduler
             if not self._listening:
-                scheduler.add_listener(self.metrics.on_event, EVENT_MUTEX_ALL)
+                for handler, code in self.metrics.listeners():
+                    scheduler.add_listener(handler, code)
                 self._listening = True
             if self._server is None:
                 self._serve()

@@ -7,6 +7,7 @@ existed, and the record types' parsing.
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -35,6 +36,44 @@ def test_mysql8_history(ctx: StoreCtx, monkeypatch: pytest.MonkeyPatch) -> None:
     contract.test_history_keeps_the_last_20_runs_per_job_newest_first(ctx)
     contract.test_history_length_caps_each_job_on_every_write(ctx)
     contract.test_hand_off_with_history_is_one_round_trip(ctx, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param("sqlite", marks=pytest.mark.sqlite, id="sqlite"),
+        pytest.param("mysql", marks=pytest.mark.mysql, id="mysql"),
+        pytest.param("mysql8", marks=pytest.mark.mysql, id="mysql8"),
+        pytest.param("postgresql", marks=pytest.mark.postgresql, id="postgresql"),
+    ],
+)
+def test_sql_history_is_lines_and_an_earlier_json_array_is_carried_over(ctx: StoreCtx) -> None:
+    """A job's runs are one entry per line in the lock row's ``history`` object; a job's value in
+    the earlier form (a JSON array of entries) is read as it is, and the job's next run turns it
+    into lines, cut to ``?history=N`` (PostgreSQL, SQLite) or replaces it (MySQL, MariaDB)."""
+    store = ctx.make()
+    assert isinstance(store, SQLLockStore)
+    store.history_length = 3
+    token = store.acquire_or_renew("old", A, ttl=60).token
+    earlier = [{"node": "n0", "ip": None, "token": 1, "fire_us": i * 60_000_000, "outcome": "success",
+                "error": None, "started": f"2020-01-01T00:0{i}:00+00:00", "ended": f"2020-01-01T00:0{i}:01+00:00"}
+               for i in range(3)]  # fmt: skip
+    cast = "CAST(:h AS jsonb)" if ctx.kind == "postgresql" else ":h"
+    with store.engine.begin() as conn:
+        conn.execute(sqlalchemy.text(f"UPDATE {store.table} SET history = {cast} WHERE name = 'old'"),
+                     {"h": json.dumps({"j": earlier, "k": earlier[:1]})})  # fmt: skip
+    assert [r.node for r in store.history("old", job="j")] == ["n0"] * 3
+    assert store.hand_off("old", A, token, None, RunInfo(0.1, "boom\nline two", job="j"))
+    runs = store.history("old", job="j")
+    carried = ctx.kind in ("sqlite", "postgresql")
+    assert [(r.node, r.error) for r in runs] == [(A.node_id, "boom\nline two")] + [("n0", None)] * (2 * carried)
+    assert [r.fire_time for r in runs[1:]] == [datetime(1970, 1, 1, 0, m, tzinfo=timezone.utc) for m in (2, 1)][: 2 * carried]
+    assert [r.node for r in store.history("old", job="k")] == ["n0"], "a job with no new run keeps its earlier form"
+    with store.engine.connect() as conn:
+        stored = conn.execute(sqlalchemy.text(f"SELECT history FROM {store.table} WHERE name = 'old'")).scalar()
+    jobs = stored if isinstance(stored, dict) else json.loads(stored)
+    assert isinstance(jobs["j"], str) and len(jobs["j"].split("\n")) == (3 if carried else 1), "lines now"
+    assert isinstance(jobs["k"], list)
 
 
 @MYSQL8

@@ -10,8 +10,8 @@ run in autocommit (READ COMMITTED) by a :class:`~mutexcron.backends.sql.SQLBacke
   ``RETURNING``; MySQL (no ``RETURNING``) reads it back in the same short transaction, whose row
   lock keeps other writers out until the read is done.
 * hand_off, renew_many and release are conditional UPDATEs on holder **and** token.
-* hand_off with a run also appends it to the job's history (a JSON column of the row, cut to the
-  last ``?history=N`` runs per job) in the same UPDATE.
+* hand_off with a run also appends it to the job's history (a JSON column of the row, ``{job:
+  runs}`` with a job's runs one entry per line, cut to the last ``?history=N``) in the same UPDATE.
 * set_paused is one upsert of the operator's flag (MySQL 8: upsert and read-back in one transaction).
 * renew_many with a presence also upserts the node's row of ``<table>_nodes``: in the same
   statement on PostgreSQL (data-modifying CTEs) and MySQL/MariaDB (an UPDATE joining the node's
@@ -72,6 +72,18 @@ __all__ = ["SQLLockStore"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+
+
+def _history_lists(history: Any) -> dict[str, list[Any]]:
+    """The ``history`` column as ``{job: [entry, ...]}``: each job's runs are one entry per line (in
+    the earlier form, a JSON array of entries)."""
+    return {job: _entries(runs) for job, runs in _load_fires(history).items()}
+
+
+def _entries(runs: Any) -> list[Any]:
+    if isinstance(runs, list):
+        return runs
+    return [json.loads(line) for line in str(runs or "").split("\n") if line]
 
 
 def _load_fires(fires: Any) -> dict[str, Any]:
@@ -293,14 +305,8 @@ class SQLLockStore(LockStore):
 
     def _history_params(self, name: str, node: Node, token: int, run: RunInfo) -> dict[str, Any]:
         job = run.job or name
-        keep = self.history_length
-        return {
-            "hjob": job,
-            "hpath": _json_path(job),
-            "hentry": run.history_text(node, token),
-            "hn": keep,
-            "hslice": f"$[last - {keep - 1} to last]",
-        }
+        entry = run.history_text(node, token)
+        return {"hjob": job, "hpath": _json_path(job), "hopen": entry[:-1] + ",", "hn": self.history_length}
 
     def renew_many(self, node: Node, leases: Mapping[str, int], presence: Presence | None = None) -> set[str]:
         if presence is not None:
@@ -409,7 +415,7 @@ class SQLLockStore(LockStore):
         params = {f"n{i}": n for i, n in enumerate(locks)}
         sql = self._sql.history_read.replace("{names}", ", ".join(f":n{i}" for i in range(len(locks))))
         rows, _ = self._execute(sql, params, "history")
-        return {name: _load_fires(history) for name, history in rows}
+        return {name: _history_lists(history) for name, history in rows}
 
     def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
         groups = group_claims(claims)

@@ -108,50 +108,61 @@ _HAND_OFFS: Mapping[tuple[bool, bool, bool], str] = {
     if run or not history
 }
 
-# Run history: one JSON object per lock row, ``{job: [entry, ...]}``, each list oldest first and cut
-# to the newest :hn entries in the same UPDATE. Parameters: :hjob (the job), :hpath (its JSON path),
-# :hentry (the entry's JSON without its times), :hn (runs kept), :hslice (PostgreSQL: the jsonpath
-# of the last :hn elements). ``started``/``ended`` are the database clock, as last_run_* are.
-# PostgreSQL addresses the job as a key (``ARRAY[:hjob]``), never as a path.
-_PG_HISTORY = """jsonb_set(COALESCE(history, '{{}}'::jsonb), ARRAY[CAST(:hjob AS text)], jsonb_path_query_array(
-        COALESCE(history -> CAST(:hjob AS text), '[]'::jsonb)
-        || jsonb_build_array(CAST(:hentry AS jsonb) || jsonb_build_object('started', {run_started}, 'ended', {now})),
-        CAST(:hslice AS jsonpath)))"""
-# MySQL 8: a range path always returns an array (a match of one is wrapped); its start is
-# computed, never negative. The times as text: MySQL would store a DATETIME as a JSON date.
-_MY_OLD_RUNS = "COALESCE(JSON_EXTRACT(history, :hpath), '[]')"
-_MY_ENTRY = "JSON_MERGE_PATCH(:hentry, JSON_OBJECT('started', CAST({run_started} AS CHAR), 'ended', CAST({now} AS CHAR)))"
-_MY_HISTORY_ARRAY = "JSON_ARRAY_APPEND(" + _MY_OLD_RUNS + ", '$', " + _MY_ENTRY + ")"
-_MY_HISTORY = """JSON_SET(COALESCE(history, '{{}}'), :hpath,
-    JSON_EXTRACT({arr}, CONCAT('$[', GREATEST(JSON_LENGTH({arr}) - :hn, 0), ' to last]')))""".replace(
-    "{arr}", _MY_HISTORY_ARRAY
-)
-# MariaDB (range paths only from 10.9; JSON_TABLE from 10.6, as claim_many). Its JSON functions
-# re-parse their text arguments on every call, so the usual writes touch the stored list as few
-# times as they can: append (the list shorter than :hn), or drop the oldest entry and append (the
-# list at :hn). Only a list longer than :hn (the length lowered meanwhile) is rebuilt through
-# JSON_TABLE, its last :hn elements aggregated in order (JSON_EXTRACT keeps each one an object).
-_MARIADB_HISTORY = """JSON_SET(COALESCE(history, '{{}}'), :hpath, CASE
-    WHEN JSON_LENGTH({old}) < :hn THEN JSON_ARRAY_APPEND({old}, '$', {entry})
-    WHEN JSON_LENGTH({old}) = :hn THEN JSON_ARRAY_APPEND(JSON_REMOVE({old}, '$[0]'), '$', {entry})
-    ELSE (SELECT JSON_ARRAYAGG(JSON_EXTRACT(e.v, '$') ORDER BY e.i)
-          FROM JSON_TABLE({arr}, '$[*]' COLUMNS (i FOR ORDINALITY, v JSON PATH '$')) AS e
-          WHERE e.i > JSON_LENGTH({arr}) - :hn) END)""".replace("{arr}", _MY_HISTORY_ARRAY).replace(
-    "{old}", _MY_OLD_RUNS
-).replace("{entry}", _MY_ENTRY)
-# SQLite: no JSON path for the job (its paths cannot quote every key): the job's list is found by
-# key (json_each) and written back by a merge patch (json_patch replaces an array whole). The list
-# and the entry are computed once (a derived row; LIMIT keeps SQLite from inlining them into each
-# use). The usual write appends (the list shorter than :hn) or drops the oldest and appends (at
-# :hn); only a list longer than :hn (the length lowered meanwhile) is rebuilt element by element.
-_SQLITE_OLD_RUNS = "COALESCE((SELECT h.value FROM json_each(COALESCE(history, '{{}}')) AS h WHERE h.key = :hjob), '[]')"
-_SQLITE_ENTRY = "json_patch(:hentry, json_object('started', {run_started}, 'ended', {now}))"
-_SQLITE_HISTORY = """json_patch(COALESCE(history, '{{}}'), json_object(:hjob, json((SELECT CASE
-        WHEN r.n < :hn THEN json_insert(r.o, '$[#]', json(r.e))
-        WHEN r.n = :hn THEN json_insert(json_remove(r.o, '$[0]'), '$[#]', json(r.e))
-        ELSE (SELECT json_group_array(json(x.value)) FROM json_each(json_insert(r.o, '$[#]', json(r.e))) AS x
-              WHERE x.key >= r.n + 1 - :hn) END
-    FROM (SELECT o, json_array_length(o) AS n, e FROM (SELECT {old} AS o, {entry} AS e LIMIT 1) LIMIT 1) AS r))))""".replace(
+# Run history: one JSON object per lock row, ``{job: runs}``, where a job's runs are its entries'
+# JSON texts one per line (JSON text never holds a raw newline), oldest first, cut to the newest
+# :hn in the same UPDATE. Appending and cutting are string operations: only the row's object is
+# parsed (to find the job's text and to write it back), never the entries. Parameters: :hjob (the
+# job), :hpath (its JSON path), :hopen (the entry's JSON text without its closing brace, then a
+# comma: ``started`` and ``ended`` follow, from the database clock as last_run_* are), :hn (runs
+# kept). A job's value in the earlier form, a JSON array of entries (written by development builds),
+# is turned into lines by its next write on PostgreSQL and SQLite, replaced by it on MySQL
+# and MariaDB; it is read until then. PostgreSQL addresses the job as a key (``ARRAY[:hjob]``).
+_PG_ENTRY = "CAST(:hopen AS text) || substr(CAST(jsonb_build_object('started', {run_started}, 'ended', {now}) AS text), 2)"
+_PG_OLD_RUNS = """CASE jsonb_typeof(history -> CAST(:hjob AS text))
+        WHEN 'array' THEN (SELECT string_agg(CAST(a.e AS text), chr(10) ORDER BY a.i)
+                           FROM jsonb_array_elements(history -> CAST(:hjob AS text)) WITH ORDINALITY AS a(e, i))
+        ELSE NULLIF(history ->> CAST(:hjob AS text), '') END"""
+_PG_HISTORY = """jsonb_set(COALESCE(history, '{{}}'::jsonb), ARRAY[CAST(:hjob AS text)], to_jsonb((
+    SELECT array_to_string(r.lines[greatest(1, cardinality(r.lines) - CAST(:hn AS int) + 1):], chr(10))
+    FROM (SELECT string_to_array(concat_ws(chr(10), {old}, {entry}), chr(10)) AS lines) AS r)))""".replace(
+    "{old}", _PG_OLD_RUNS
+).replace("{entry}", _PG_ENTRY)
+# MySQL/MariaDB: SUBSTRING_INDEX keeps the last :hn lines. No subquery: MariaDB runs an UPDATE with
+# one (even one never evaluated) much more slowly, so a job's runs in the earlier form (an array)
+# are not carried over here but replaced by its next run's line (they are read until then).
+_MY_NEWLINE = "CHAR(10 USING utf8mb4)"
+_MY_ENTRY = "CONCAT(:hopen, SUBSTRING(JSON_OBJECT('started', CAST({run_started} AS CHAR), 'ended', CAST({now} AS CHAR)), 2))"
+_MY_LAST_RUNS = f"SUBSTRING_INDEX(CONCAT_WS({_MY_NEWLINE}, {{old}}, {_MY_ENTRY}), {_MY_NEWLINE}, -:hn)"
+# MySQL 8: JSON_VALUE returns at most 512 characters unless told a type: the job's text is
+# JSON_UNQUOTE(JSON_EXTRACT()) of a string value.
+_MY_HISTORY = "JSON_SET(COALESCE(history, '{{}}'), :hpath, " + _MY_LAST_RUNS.replace(
+    "{old}",
+    """CASE WHEN JSON_TYPE(JSON_EXTRACT(history, :hpath)) = 'STRING'
+         THEN NULLIF(JSON_UNQUOTE(JSON_EXTRACT(history, :hpath)), '') END""",
+) + ")"
+# MariaDB: JSON_VALUE gives a string value of any length, unescaped (NULL for an array or no value):
+# the usual write parses the row's object twice (JSON_VALUE, JSON_SET).
+_MARIADB_HISTORY = "JSON_SET(COALESCE(history, '{{}}'), :hpath, " + _MY_LAST_RUNS.replace(
+    "{old}", "NULLIF(JSON_VALUE(history, :hpath), '')"
+) + ")"
+# SQLite: no JSON path for the job (its paths cannot quote every key): the job's text is found by
+# key (json_each) and written back by a merge patch (json_patch replaces a value whole). The text
+# and the entry are computed once (derived rows; LIMIT keeps SQLite from inlining them into each
+# use). The usual write appends (fewer than :hn lines) or drops the first line and appends (:hn);
+# only a longer text (the length lowered meanwhile) is cut through json_each (lines joined by
+# commas are a JSON array of the entries).
+_SQLITE_OLD_RUNS = """(SELECT CASE h.type WHEN 'array' THEN (SELECT group_concat(x.value, char(10)) FROM json_each(h.value) AS x)
+                         ELSE NULLIF(h.value, '') END
+        FROM json_each(COALESCE(history, '{{}}')) AS h WHERE h.key = :hjob)"""
+_SQLITE_ENTRY = "(:hopen || substr(json_object('started', {run_started}, 'ended', {now}), 2))"
+_SQLITE_HISTORY = """json_patch(COALESCE(history, '{{}}'), json_object(:hjob, (SELECT CASE
+        WHEN r.k < :hn THEN r.x
+        WHEN r.k = :hn THEN substr(r.x, instr(r.x, char(10)) + 1)
+        ELSE (SELECT group_concat(e.value, char(10)) FROM json_each('[' || replace(r.x, char(10), ',') || ']') AS e
+              WHERE e.key > r.k - :hn) END
+    FROM (SELECT x, length(x) - length(replace(x, char(10), '')) AS k FROM (
+          SELECT CASE WHEN o IS NULL THEN e ELSE o || char(10) || e END AS x
+          FROM (SELECT {old} AS o, {entry} AS e LIMIT 1) LIMIT 1) LIMIT 1) AS r)))""".replace(
     "{old}", _SQLITE_OLD_RUNS
 ).replace("{entry}", _SQLITE_ENTRY)
 
