@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextvars
 import inspect
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -167,6 +168,10 @@ class GuardedJob:
         self._accepts_kwargs = _accepts_var_kwargs(func)
         self._params = _param_names(func)
         self._warned_return = False
+        #: Fire times this node skipped, by reason (a standby's every tick: counted here, where it
+        #: happens, and read by the metrics at scrape time rather than through a listener).
+        self.skips: dict[str, int] = {}
+        self._skips_lock = threading.Lock()
 
     @property
     def ttl(self) -> float:
@@ -239,6 +244,8 @@ class GuardedJob:
 
     def _skipped(self, manager: LeaseKeeper | None, fire_time: datetime, reason: str, token: int | None = None) -> None:
         """A fire time this node does not run (:data:`~mutexcron.events.EVENT_RUN_SKIPPED`)."""
+        with self._skips_lock:
+            self.skips[reason] = self.skips.get(reason, 0) + 1
         emit = manager.emit if manager is not None else log_event
         node = manager.node.node_id if manager is not None else None
         event = MutexEvent(EVENT_RUN_SKIPPED, lock=self.lock, job_id=self.job_id, node=node, token=token,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -40,11 +40,13 @@ class _Family:
 
 
 class Counter(_Family):
-    """A count that only goes up, by label values."""
+    """A count that only goes up, by label values; ``counted_elsewhere`` adds counts kept by the
+    code that counts them (read at export)."""
 
     def __init__(self, instruments: Instruments, name: str, documentation: str, labels: Sequence[str] = ()) -> None:
         super().__init__(instruments, name, documentation, labels)
         self._values: dict[Labels, float] = {} if labels else {(): 0.0}
+        self.counted_elsewhere: Callable[[], Mapping[Labels, float]] | None = None
 
     def inc(self, labels: Labels = (), amount: float = 1.0) -> None:
         with self._lock:
@@ -55,8 +57,11 @@ class Counter(_Family):
 
         family = CounterMetricFamily(self.name, self.documentation, labels=self.label_names)
         with self._lock:
-            values = list(self._values.items())
-        for labels, value in sorted(values):
+            values = dict(self._values)
+        if self.counted_elsewhere is not None:
+            for labels, count in self.counted_elsewhere().items():
+                values[labels] = values.get(labels, 0.0) + count
+        for labels, value in sorted(values.items()):
             family.add_metric(list(labels), value)
         return family
 

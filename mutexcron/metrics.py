@@ -39,7 +39,6 @@ from .events import (
     EVENT_LOCK_TAKEN_OVER,
     EVENT_RUN_FINISHED,
     EVENT_RUN_MISSED,
-    EVENT_RUN_SKIPPED,
     EVENT_RUN_STARTED,
     MutexEvent,
 )
@@ -148,10 +147,9 @@ class Metrics:
             i, "mutexcron_lease_renew_failures", "Heartbeat renewals that failed (the store did not answer)."
         )
         self.registry.register(i)
-        self._skip_outcomes: dict[object, str] = {}
+        self._skip_outcomes: dict[str, str] = {}
         self._on: dict[int, Callable[[MutexEvent], None]] = {
             EVENT_RUN_FINISHED: self._finished,
-            EVENT_RUN_SKIPPED: self._skipped,
             EVENT_RUN_STARTED: self._started,
             EVENT_RUN_MISSED: self._missed,
             EVENT_LOCK_TAKEN_OVER: self._taken_over,
@@ -178,12 +176,21 @@ class Metrics:
         if outcome == "success":
             self.last_success.set((job,), time.time())
 
-    def _skipped(self, e: MutexEvent) -> None:
-        reason = e.details.get("reason")
+    def count_skips_of(self, scheduler: Any) -> None:
+        """Take the skipped fire times from ``scheduler.skipped_runs()`` at export: a standby skips
+        every tick, and its guard counts that where it happens (no listener call per tick)."""
+
+        def skips() -> dict[tuple[str, ...], float]:
+            counts = scheduler.skipped_runs().items()
+            return {(job, lock, self._skip_outcome(reason)): float(n) for (job, lock, reason), n in counts}
+
+        self.runs.counted_elsewhere = skips
+
+    def _skip_outcome(self, reason: str) -> str:
         outcome = self._skip_outcomes.get(reason)
-        if outcome is None:  # once per reason: "not-holder" -> "skipped_not_holder"
-            outcome = self._skip_outcomes[reason] = "skipped_" + str(reason or "unknown").replace("-", "_")
-        self.runs.inc((e.job_id or "", e.lock or "", outcome))
+        if outcome is None:  # "not-holder" -> "skipped_not_holder"
+            outcome = self._skip_outcomes[reason] = "skipped_" + (reason or "unknown").replace("-", "_")
+        return outcome
 
     def _started(self, e: MutexEvent) -> None:
         lag = e.details.get("lag")
@@ -543,6 +550,7 @@ class Observability:
             if not self._listening:
                 for handler, code in self.metrics.listeners():
                     scheduler.add_listener(handler, code)
+                self.metrics.count_skips_of(scheduler)
                 self._listening = True
             if self._server is None:
                 self._serve()

@@ -448,6 +448,11 @@ class MutexSchedulerMixin(ScheduleDecorators):
             self._tasks.stop(timeout)  # tasks first: their leases renew in the heartbeat thread
             leases.stop(max(0.0, timeout - (time.monotonic() - started)))
 
+    def skipped_runs(self) -> dict[tuple[str, str, str], int]:
+        """Fire times of guarded jobs this node skipped since it started: ``{(job id, lock, reason): count}``
+        (reasons as in :data:`~mutexcron.events.EVENT_RUN_SKIPPED`)."""
+        return {(g.job_id, g.lock, reason): n for g in list(self._guarded.values()) for reason, n in dict(g.skips).items()}
+
     def running_guarded_jobs(self) -> dict[str, int]:
         """Guarded runs in progress on this node, per lock (after ``shutdown()``: those that
         outlived ``shutdown_timeout``)."""
