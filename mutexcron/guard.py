@@ -54,6 +54,14 @@ class LeaseKeeper(Protocol):
     ) -> bool: ...
 
 
+class RunStats(Protocol):
+    """What a guard tells the metrics of a run, as it happens (no listener call)."""
+
+    def run_started(self, job_id: str, lock: str, lag: float) -> None: ...
+
+    def run_finished(self, job_id: str, lock: str, outcome: str, duration: float) -> None: ...
+
+
 @dataclass
 class GuardContext:
     """What the guarded jobs of one scheduler share.
@@ -67,6 +75,8 @@ class GuardContext:
     ttl: float
     local_ip: str
     leases: LeaseKeeper | None = None
+    #: Told of each run's start and end when metrics are served (:class:`mutexcron.metrics.Metrics`).
+    run_stats: RunStats | None = None
 
 
 def _seconds(value: timedelta | float | int | None, what: str) -> float | None:
@@ -292,6 +302,9 @@ class GuardedJob:
         lag = (datetime.now(fire_time.tzinfo) - fire_time).total_seconds()
         manager.emit(MutexEvent(EVENT_RUN_STARTED, lock=self.lock, job_id=self.job_id, node=manager.node.node_id,
                                 token=token, fire_time=fire_time, lag=lag))  # fmt: skip
+        stats = self.context.run_stats
+        if stats is not None:
+            stats.run_started(self.job_id, self.lock, lag)
         return _Run(token, attrs, seen, context, manager.clock(), fire_time)
 
     def _end(self, manager: LeaseKeeper, run: _Run, *, result: Any = None, error: BaseException | None = None) -> None:
@@ -320,6 +333,9 @@ class GuardedJob:
                            duration=duration, error=error)  # fmt: skip
         _report(event)
         manager.emit(event)
+        stats = self.context.run_stats
+        if stats is not None:
+            stats.run_finished(self.job_id, self.lock, "error" if error else "success", duration)
 
     def _returned_attrs(self, result: Any) -> Mapping[str, Any] | None:
         """A returned dict is the new attrs; anything else keeps them (logged once per job)."""

@@ -91,11 +91,18 @@ class Gauge(_Family):
 class _Cells:
     """One label set's histogram: a count per bucket (the last one: above every bound) and the sum."""
 
-    __slots__ = ("counts", "total")
+    __slots__ = ("bounds", "counts", "lock", "total")
 
-    def __init__(self, buckets: int) -> None:
-        self.counts = [0] * (buckets + 1)
+    def __init__(self, bounds: tuple[float, ...], lock: threading.Lock) -> None:
+        self.bounds, self.lock = bounds, lock
+        self.counts = [0] * (len(bounds) + 1)
         self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        index = bisect_left(self.bounds, value)
+        with self.lock:
+            self.counts[index] += 1
+            self.total += value
 
 
 class Histogram(_Family):
@@ -106,16 +113,20 @@ class Histogram(_Family):
     ) -> None:
         super().__init__(instruments, name, documentation, labels)
         self.bounds = tuple(sorted(float(b) for b in buckets))
-        self._cells: dict[Labels, _Cells] = {} if labels else {(): _Cells(len(self.bounds))}
+        self._cells: dict[Labels, _Cells] = {}
+        if not labels:
+            self.child(())
+
+    def child(self, labels: Labels) -> _Cells:
+        """The histogram of one label set (its ``observe`` skips the lookup by labels: for hot paths)."""
+        cells = self._cells.get(labels)
+        if cells is None:
+            with self._lock:
+                cells = self._cells.setdefault(labels, _Cells(self.bounds, self._lock))
+        return cells
 
     def observe(self, labels: Labels, value: float) -> None:
-        index = bisect_left(self.bounds, value)
-        with self._lock:
-            cells = self._cells.get(labels)
-            if cells is None:
-                cells = self._cells[labels] = _Cells(len(self.bounds))
-            cells.counts[index] += 1
-            cells.total += value
+        self.child(labels).observe(value)
 
     def export(self) -> Metric:
         from prometheus_client.core import HistogramMetricFamily

@@ -37,9 +37,7 @@ from .errors import ConfigurationError
 from .events import (
     EVENT_LOCK_LOST,
     EVENT_LOCK_TAKEN_OVER,
-    EVENT_RUN_FINISHED,
     EVENT_RUN_MISSED,
-    EVENT_RUN_STARTED,
     MutexEvent,
 )
 from .instruments import Counter, Gauge, Histogram, Instruments
@@ -97,10 +95,12 @@ def _port(value: int | str | None, what: str) -> int | None:
 
 # -- the metrics --------------------------------------------------------------------------------
 class Metrics:
-    """The instruments of one scheduler, fed by its events, in a registry of their own.
+    """The instruments of one scheduler, in a registry of their own.
 
-    The counts are kept by :mod:`mutexcron.instruments` (a dict update under one lock per event)
-    and exported by prometheus_client only when scraped. A job is labelled ``job_id``, not
+    Fed by the lease events (listeners), by the guards (each run's start and end, as they happen:
+    :meth:`run_started`, :meth:`run_finished`; skipped fire times are counted by the guards and
+    read at export) and by the timed store. The counts are kept by :mod:`mutexcron.instruments`
+    (a dict update under one lock each) and exported by prometheus_client only when scraped. A job is labelled ``job_id``, not
     ``job``: Prometheus gives every scraped series the label ``job`` (the scrape job), and would
     rename a ``job`` of ours to ``exported_job``.
     """
@@ -149,8 +149,6 @@ class Metrics:
         self.registry.register(i)
         self._skip_outcomes: dict[str, str] = {}
         self._on: dict[int, Callable[[MutexEvent], None]] = {
-            EVENT_RUN_FINISHED: self._finished,
-            EVENT_RUN_STARTED: self._started,
             EVENT_RUN_MISSED: self._missed,
             EVENT_LOCK_TAKEN_OVER: self._taken_over,
             EVENT_LOCK_LOST: self._lost,
@@ -167,14 +165,15 @@ class Metrics:
         handler only for its code, one call less per event than :meth:`on_event`."""
         return [(handler, code) for code, handler in self._on.items()]
 
-    def _finished(self, e: MutexEvent) -> None:
-        job, lock, outcome = e.job_id or "", e.lock or "", e.details.get("outcome") or "error"
-        self.runs.inc((job, lock, outcome))
-        duration = e.details.get("duration")
-        if duration is not None:
-            self.run_duration.observe((job, lock), max(0.0, float(duration)))
+    # Runs: told by the guards as they happen (GuardContext.run_stats), not through listeners.
+    def run_finished(self, job_id: str, lock: str, outcome: str, duration: float) -> None:
+        self.runs.inc((job_id, lock, outcome))
+        self.run_duration.observe((job_id, lock), max(0.0, duration))
         if outcome == "success":
-            self.last_success.set((job,), time.time())
+            self.last_success.set((job_id,), time.time())
+
+    def run_started(self, job_id: str, lock: str, lag: float) -> None:
+        self.start_lag.observe((job_id, lock), max(0.0, lag))  # a wall clock stepped back: counted as 0
 
     def count_skips_of(self, scheduler: Any) -> None:
         """Take the skipped fire times from ``scheduler.skipped_runs()`` at export: a standby skips
@@ -192,11 +191,6 @@ class Metrics:
             outcome = self._skip_outcomes[reason] = "skipped_" + (reason or "unknown").replace("-", "_")
         return outcome
 
-    def _started(self, e: MutexEvent) -> None:
-        lag = e.details.get("lag")
-        if lag is not None:  # a wall clock stepped back gives a negative lag: counted as none
-            self.start_lag.observe((e.job_id or "", e.lock or ""), max(0.0, float(lag)))
-
     def _missed(self, e: MutexEvent) -> None:
         self.missed.inc((e.job_id or "", e.lock or ""))
 
@@ -208,7 +202,7 @@ class Metrics:
 
     def observer(self, operation: str) -> Callable[[float], None]:
         """The ``observe`` of one operation's store timing."""
-        return partial(self.store_seconds.observe, (operation,))
+        return self.store_seconds.child((operation,)).observe
 
 
 # -- the timed lock store -------------------------------------------------------------------------
@@ -226,7 +220,8 @@ class MeteredLockStore(LockStore):
         super().__init__(inner.url)
         self.inner = inner
         self._observe = {op: metrics.observer(op) for op in STORE_OPERATIONS}
-        self._renew = partial(metrics.renew_seconds.observe, ())
+        self._acquire_timing, self._hand_off_timing = self._observe["acquire_or_renew"], self._observe["hand_off"]
+        self._renew = metrics.renew_seconds.child(()).observe
         self._renew_failed = partial(metrics.renew_failures.inc, ())
 
     def __getattr__(self, name: str) -> Any:  # backend, engine, table...: the wrapped store's
@@ -247,14 +242,14 @@ class MeteredLockStore(LockStore):
         try:
             return self.inner.acquire_or_renew(*args, **kwargs)
         finally:
-            self._observe["acquire_or_renew"](time.perf_counter() - start)
+            self._acquire_timing(time.perf_counter() - start)
 
     def hand_off(self, *args: Any, **kwargs: Any) -> bool:
         start = time.perf_counter()
         try:
             return self.inner.hand_off(*args, **kwargs)
         finally:
-            self._observe["hand_off"](time.perf_counter() - start)
+            self._hand_off_timing(time.perf_counter() - start)
 
     def renew_many(self, *args: Any, **kwargs: Any) -> set[str]:
         start = time.perf_counter()

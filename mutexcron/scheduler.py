@@ -343,6 +343,7 @@ class MutexSchedulerMixin(ScheduleDecorators):
             self._size_store_pool(store)
             if self._observability is not None:  # serves from here; the heartbeat and ticks use a timed store
                 store = self._observability.start(self, store)
+                self._guard_context.run_stats = self._observability.metrics
             self._catch_up = CatchUp(self, lambda: self._guarded, self._emit, self.node_id)
             self._leases = LeaseManager(
                 store,

@@ -40,7 +40,6 @@ from mutexcron.events import (
     EVENT_RUN_FINISHED,
     EVENT_RUN_MISSED,
     EVENT_RUN_SKIPPED,
-    EVENT_RUN_STARTED,
     MutexEvent,
 )
 from mutexcron.guard import _FIRE_TIME
@@ -126,10 +125,12 @@ def run_guarded(sched: MutexScheduler, job_id: str, fire_time: Any) -> Any:
 def test_events_feed_the_metrics() -> None:
     metrics = Metrics()
     emit = metrics.on_event
-    emit(MutexEvent(EVENT_RUN_STARTED, lock="L", job_id="j", lag=0.25))
-    emit(MutexEvent(EVENT_RUN_STARTED, lock="L", job_id="j", lag=-1.0))  # a clock stepped back: counted as 0
-    emit(MutexEvent(EVENT_RUN_FINISHED, lock="L", job_id="j", outcome="success", duration=1.5))
-    emit(MutexEvent(EVENT_RUN_FINISHED, lock="L", job_id="j", outcome="error", duration=0.5, error="boom"))
+    # Runs are told by the guards as they happen (GuardContext.run_stats), not through events.
+    metrics.run_started("j", "L", 0.25)
+    metrics.run_started("j", "L", -1.0)  # a clock stepped back: counted as 0
+    metrics.run_finished("j", "L", "success", 1.5)
+    metrics.run_finished("j", "L", "error", 0.5)
+    emit(MutexEvent(EVENT_RUN_FINISHED, lock="L", job_id="j", outcome="success", duration=9.0))  # not counted twice
     emit(MutexEvent(EVENT_RUN_SKIPPED, lock="L", job_id="j", reason="paused"))  # counted by the guards, not here
     skipped = {("j", "L", "already-run"): 1, ("j", "L", "not-holder"): 2, ("j", "L", "paused"): 1,
                ("j", "L", "lease-expired"): 1, ("j", "L", "stopping"): 1}  # fmt: skip
