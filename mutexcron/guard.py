@@ -182,6 +182,8 @@ class GuardedJob:
         #: happens, and read by the metrics at scrape time rather than through a listener).
         self.skips: dict[str, int] = {}
         self._skips_lock = threading.Lock()
+        #: The only guarded job of its lock on this scheduler (set by the scheduler as jobs are added).
+        self.sole_job = False
 
     @property
     def ttl(self) -> float:
@@ -325,7 +327,7 @@ class GuardedJob:
 
     def _info(self, run: _Run, duration: float, error: str | None) -> RunInfo:
         """What the hand-off records of the run (also its run-history entry)."""
-        return RunInfo(duration, error, job=self.job_id, fire_time=run.fire_time)
+        return RunInfo(duration, error, job=self.job_id, fire_time=run.fire_time, sole_job=self.sole_job)
 
     def _finished(self, manager: LeaseKeeper, run: _Run, duration: float, error: str | None) -> None:
         event = MutexEvent(EVENT_RUN_FINISHED, lock=self.lock, job_id=self.job_id, node=manager.node.node_id,

@@ -367,6 +367,36 @@ def test_hand_off_with_history_is_one_round_trip(ctx: StoreCtx, monkeypatch: pyt
     assert [r.outcome for r in store.history("rt", job="j")] == ["error", "success"]
 
 
+def test_history_of_a_locks_only_job(ctx: StoreCtx, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The only job of its lock (``RunInfo.sole_job``; SQL stores keep it in a column of its own):
+    the same history, one round trip, cut on every write, merged with runs it had in a group."""
+    store = ctx.make()
+    token = store.acquire_or_renew("solo", A, ttl=60).token
+    assert store.hand_off("solo", A, token, None, RunInfo(0.5, None, job=JOB, fire_time=at(0)))  # in a group then
+    ctx.wait_stale(0.01)
+    with counted(ctx, monkeypatch) as (counting, sent):
+        for i in range(1, 25):
+            error = f"KeyError: {i} " + "y" * 600 if i % 7 == 0 else None
+            sent.clear()
+            assert counting.hand_off("solo", A, token, {"i": i}, RunInfo(0.25, error, job=JOB, fire_time=at(i), sole_job=True))
+        trips = list(sent)
+    assert trips == HAND_OFF_TRIPS[ctx.kind], f"{ctx.kind}: {trips}"
+    runs = ctx.make().history("solo", job=JOB)
+    assert [r.fire_time for r in runs] == [at(i) for i in range(24, 4, -1)], "the last 20, newest first"
+    assert (runs[0].lock, runs[0].job, runs[0].node, runs[0].token, runs[0].outcome) == ("solo", JOB, A.node_id, token, "success")
+    failed = runs[3]
+    assert failed.fire_time == at(21) and failed.outcome == "error" and failed.error is not None and len(failed.error) == 500
+    store.history_length = 2
+    assert store.hand_off("solo", A, token, None, RunInfo(0.1, None, job=JOB, fire_time=at(25), sole_job=True))
+    assert [r.fire_time for r in store.history("solo")] == [at(25), at(24)], "a shorter length applies at once"
+    rec = store.read("solo")
+    assert rec is not None and dict(rec.attrs) == {"i": 24} and rec.last_run_finished is not None
+    b = ctx.make()
+    assert not b.acquire_or_renew("solo", B, ttl=60).acquired  # still A's
+    assert not b.hand_off("solo", B, token, None, RunInfo(0.1, "not mine", job=JOB, sole_job=True))
+    assert [r.node for r in store.history("solo")] == [A.node_id] * 2, "a refused hand-off writes nothing"
+
+
 def test_pause_is_an_operators_write_that_every_write_and_read_keeps(ctx: StoreCtx) -> None:
     a, ops = ctx.make(), ctx.make()
     got = a.acquire_or_renew("p", A, ttl=60, claim=FireClaim.new("job", 1_000_000))

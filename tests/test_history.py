@@ -7,8 +7,10 @@ existed, and the record types' parsing.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import secrets
+import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,6 +38,7 @@ def test_mysql8_history(ctx: StoreCtx, monkeypatch: pytest.MonkeyPatch) -> None:
     contract.test_history_keeps_the_last_20_runs_per_job_newest_first(ctx)
     contract.test_history_length_caps_each_job_on_every_write(ctx)
     contract.test_hand_off_with_history_is_one_round_trip(ctx, monkeypatch)
+    contract.test_history_of_a_locks_only_job(ctx, monkeypatch)
 
 
 @pytest.mark.parametrize(
@@ -104,6 +107,42 @@ def test_mysql8_presence_round_trip(ctx: StoreCtx, monkeypatch: pytest.MonkeyPat
 @MYSQL8
 def test_mysql8_presence_pruned(ctx: StoreCtx, monkeypatch: pytest.MonkeyPatch) -> None:
     contract.test_presence_older_than_its_ttl_is_pruned(ctx, monkeypatch)
+
+
+@pytest.mark.sqlite
+def test_a_locks_only_job_keeps_its_runs_in_the_runs_column(tmp_path: Path) -> None:
+    """A job alone on its lock is marked so (its runs go to the lock row's ``runs`` column, no
+    JSON parsed); jobs sharing a lock are not, also once a second job joins a lone one."""
+    from mutexcron import MutexScheduler
+    from mutexcron.guard import _FIRE_TIME
+
+    sched = MutexScheduler(lock_url=f"sqlite:///{tmp_path}/s.db", node_id="n1")
+    for job_id, lock in (("solo", "solo"), ("a", "grp"), ("b", "grp"), ("later", "late")):
+        sched.add_job(lambda: None, "interval", hours=1, id=job_id, mutex=lock)
+    guards = {job_id: sched.guard_of(job_id) for job_id in ("solo", "a", "b", "later")}
+    assert {k: g.sole_job for k, g in guards.items() if g is not None} == {"solo": True, "a": False, "b": False, "later": True}
+    sched.add_job(lambda: None, "interval", hours=1, id="mate", mutex="late")
+    assert not guards["later"].sole_job  # type: ignore[union-attr]
+    sched.start(paused=True)
+    try:
+        deadline = time.monotonic() + 10
+        while "solo" not in sched._leases.held() and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.01)
+        job = sched.get_job("solo")
+
+        def run() -> None:
+            _FIRE_TIME.set(datetime(2030, 1, 1, tzinfo=timezone.utc))
+            job.func()
+
+        contextvars.copy_context().run(run)
+        store = sched.lock_store
+        assert isinstance(store, SQLLockStore)
+        with store.engine.connect() as conn:
+            history, runs = conn.execute(sqlalchemy.text(f"SELECT history, runs FROM {store.table} WHERE name = 'solo'")).one()
+        assert json.loads(runs)["job"] == "solo" and not json.loads(history or "{}"), "the run went to the runs column"
+        assert [(r.job, r.outcome) for r in store.history("solo")] == [("solo", "success")]
+    finally:
+        sched.shutdown()
 
 
 # -- ?history=N ---------------------------------------------------------------------------------------

@@ -90,6 +90,9 @@ class RunInfo:
     job: str | None = None
     #: The scheduled fire time the run was for (None: not known, e.g. a run by hand).
     fire_time: datetime | None = None
+    #: True if the job is the only one of its lock (no lock group): SQL stores then keep its runs
+    #: in a plain text column of the lock row, appended without parsing the row's JSON.
+    sole_job: bool = False
 
     def history_entry(self, node: Node, token: int) -> dict[str, Any]:
         """The run's history entry as every store keeps it, but for ``started``/``ended`` (the store stamps them)."""

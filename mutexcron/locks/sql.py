@@ -10,8 +10,9 @@ run in autocommit (READ COMMITTED) by a :class:`~mutexcron.backends.sql.SQLBacke
   ``RETURNING``; MySQL (no ``RETURNING``) reads it back in the same short transaction, whose row
   lock keeps other writers out until the read is done.
 * hand_off, renew_many and release are conditional UPDATEs on holder **and** token.
-* hand_off with a run also appends it to the job's history (a JSON column of the row, ``{job:
-  runs}`` with a job's runs one entry per line, cut to the last ``?history=N``) in the same UPDATE.
+* hand_off with a run also appends it to the job's history in the same UPDATE, cut to the last
+  ``?history=N``: the ``runs`` text column for the only job of a lock (one entry per line), the
+  ``history`` JSON object ``{job: runs}`` for the jobs of a lock group.
 * set_paused is one upsert of the operator's flag (MySQL 8: upsert and read-back in one transaction).
 * renew_many with a presence also upserts the node's row of ``<table>_nodes``: in the same
   statement on PostgreSQL (data-modifying CTEs) and MySQL/MariaDB (an UPDATE joining the node's
@@ -65,7 +66,7 @@ from .base import (
     history_option,
     won_claims,
 )
-from .sql_statements import MARIADB, NO_CLAIM, STATEMENTS
+from .sql_statements import HISTORY_COLUMN, HISTORY_NONE, HISTORY_OBJECT, MARIADB, NO_CLAIM, STATEMENTS
 from .sql_statements import json_path as _json_path
 
 __all__ = ["SQLLockStore"]
@@ -74,10 +75,16 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-def _history_lists(history: Any) -> dict[str, list[Any]]:
-    """The ``history`` column as ``{job: [entry, ...]}``: each job's runs are one entry per line (in
-    the earlier form, a JSON array of entries)."""
-    return {job: _entries(runs) for job, runs in _load_fires(history).items()}
+def _history_lists(history: Any, runs: str | None, keep: int) -> dict[str, list[Any]]:
+    """The ``history`` object and the ``runs`` column as ``{job: [entry, ...]}``, each job's runs
+    oldest first (the object's, then the column's: a job alone on its lock since), the last
+    ``keep`` (0: all). In the object a job's runs are one entry per line (in the earlier form, a
+    JSON array of entries); in the column each line also names its job."""
+    jobs = {job: _entries(text) for job, text in _load_fires(history).items()}
+    for entry in _entries(runs):
+        if isinstance(entry, dict):
+            jobs.setdefault(str(entry.pop("job", "")), []).append(entry)
+    return {job: entries[-keep:] if keep else entries for job, entries in jobs.items()}
 
 
 def _entries(runs: Any) -> list[Any]:
@@ -295,18 +302,21 @@ class SQLLockStore(LockStore):
         params: dict[str, Any] = {"name": name, "me": node.node_id, "token": token}
         if attrs is not None:
             params["attrs"] = dump_attrs(attrs, job=name)
-        history = run is not None and self.history_length > 0  # ?history=0: no history written
+        history = HISTORY_NONE
         if run is not None:
             params.update(dur=max(0.0, run.duration), dur_us=int(max(0.0, run.duration) * 1e6), err=run.error)
-            if history:
+            if self.history_length > 0:  # ?history=0: no history written
+                history = HISTORY_COLUMN if run.sole_job else HISTORY_OBJECT
                 params.update(self._history_params(name, node, token, run))
         _, count = self._write(self._sql.hand_off[attrs is not None, run is not None, history], params, "hand_off")
         return bool(count == 1)
 
     def _history_params(self, name: str, node: Node, token: int, run: RunInfo) -> dict[str, Any]:
         job = run.job or name
-        entry = run.history_text(node, token)
-        return {"hjob": job, "hpath": _json_path(job), "hopen": entry[:-1] + ",", "hn": self.history_length}
+        entry = run.history_text(node, token)[:-1] + ","
+        if run.sole_job:  # the runs column holds the job in each entry
+            entry += f'"job":{json.dumps(job, ensure_ascii=False)},'
+        return {"hjob": job, "hpath": _json_path(job), "hopen": entry, "hn": self.history_length}
 
     def renew_many(self, node: Node, leases: Mapping[str, int], presence: Presence | None = None) -> set[str]:
         if presence is not None:
@@ -415,7 +425,7 @@ class SQLLockStore(LockStore):
         params = {f"n{i}": n for i, n in enumerate(locks)}
         sql = self._sql.history_read.replace("{names}", ", ".join(f":n{i}" for i in range(len(locks))))
         rows, _ = self._execute(sql, params, "history")
-        return {name: _history_lists(history) for name, history in rows}
+        return {name: _history_lists(history, runs, self.history_length) for name, history, runs in rows}
 
     def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
         groups = group_claims(claims)

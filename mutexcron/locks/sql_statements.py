@@ -89,22 +89,27 @@ def _claims_json_with_paths(groups: Mapping[str, LockClaims]) -> dict[str, Any]:
     return {"claims": _claim_rows(groups, paths=True)}
 
 
-def _hand_off(attrs: bool, run: bool, history: bool) -> str:
+#: Where a run's history entry goes: nowhere (``?history=0`` or no run), the job's text in the
+#: ``history`` object (a job of a lock group), or the ``runs`` column (the only job of its lock).
+HISTORY_NONE, HISTORY_OBJECT, HISTORY_COLUMN = "", "object", "column"
+
+
+def _hand_off(attrs: bool, run: bool, history: str) -> str:
     """The fenced ``hand_off`` UPDATE that stores attrs, the last run, and appends the run to its history."""
     sets = ["hb = {now}"] + ["attrs = :attrs"] * attrs
     sets += ["last_run_started = {run_started}", "last_run_finished = {now}", "last_error = :err"] * run
-    sets += ["history = {history}"] * history
+    sets += {HISTORY_NONE: [], HISTORY_OBJECT: ["history = {history}"], HISTORY_COLUMN: ["runs = {runs}"]}[history]
     return f"UPDATE {{t}} SET {', '.join(sets)} WHERE name = :name AND holder = :me AND token = :token"  # noqa: S608 - fixed fragments
 
 
-#: ``hand_off`` by (stores attrs, stores the last run, appends it to the history: not with
-#: ``?history=0``): the same on every dialect but for the clock and ``{history}``, the dialect's
-#: append of the run to its job's history (``LockStatements.history_set``).
-_HAND_OFFS: Mapping[tuple[bool, bool, bool], str] = {
+#: ``hand_off`` by (stores attrs, stores the last run, where the history entry goes): the same on
+#: every dialect but for the clock, ``{history}`` and ``{runs}``, the dialect's appends of the run
+#: to its job's text (``LockStatements.history_set``, ``runs_set``).
+_HAND_OFFS: Mapping[tuple[bool, bool, str], str] = {
     (attrs, run, history): _hand_off(attrs, run, history)
     for attrs in (False, True)
     for run in (False, True)
-    for history in (False, True)
+    for history in (HISTORY_NONE, HISTORY_OBJECT, HISTORY_COLUMN)
     if run or not history
 }
 
@@ -166,6 +171,23 @@ _SQLITE_HISTORY = """json_patch(COALESCE(history, '{{}}'), json_object(:hjob, (S
     "{old}", _SQLITE_OLD_RUNS
 ).replace("{entry}", _SQLITE_ENTRY)
 
+# The ``runs`` column: the runs of a lock's only job, one entry per line (each with its ``job``),
+# oldest first, the last :hn kept: the same string operations as above on a plain text column, with
+# no JSON to parse. Parameters as above (:hopen then also names the job).
+_PG_RUNS = """(SELECT array_to_string(r.lines[greatest(1, cardinality(r.lines) - CAST(:hn AS int) + 1):], chr(10))
+    FROM (SELECT string_to_array(concat_ws(chr(10), NULLIF(runs, ''), {entry}), chr(10)) AS lines) AS r)""".replace(
+    "{entry}", _PG_ENTRY
+)
+_MY_RUNS = _MY_LAST_RUNS.replace("{old}", "NULLIF(runs, '')")
+_SQLITE_RUNS = """(SELECT CASE
+        WHEN r.k < :hn THEN r.x
+        WHEN r.k = :hn THEN substr(r.x, instr(r.x, char(10)) + 1)
+        ELSE (SELECT group_concat(e.value, char(10)) FROM json_each('[' || replace(r.x, char(10), ',') || ']') AS e
+              WHERE e.key > r.k - :hn) END
+    FROM (SELECT x, length(x) - length(replace(x, char(10), '')) AS k FROM (
+          SELECT CASE WHEN runs IS NULL OR runs = '' THEN e ELSE runs || char(10) || e END AS x
+          FROM (SELECT {entry} AS e LIMIT 1) LIMIT 1) LIMIT 1) AS r)""".replace("{entry}", _SQLITE_ENTRY)
+
 #: The presence of nodes (``{n}``: the lock table's name + ``_nodes``), upserted with a renewal.
 #: Parameters: me, ip, version, offset, locks (JSON text).
 _PRESENCE_VALUES = "(node_id, ip, version, seen, clock_offset, locks) VALUES (:me, :ip, :version, {now}, :offset, :locks)"
@@ -205,6 +227,8 @@ class LockStatements:
     claim_returns_rows: bool
     #: ``hand_off``'s ``{history}``: the job's history with the run appended and cut (see ``_PG_HISTORY``).
     history_set: str
+    #: ``hand_off``'s ``{runs}``: the ``runs`` column with the run appended and cut (see ``_PG_RUNS``).
+    runs_set: str
     #: The presence table's CREATE statements (``{n}``).
     nodes_ddl: tuple[str, ...]
     #: Columns added since the first schema: ``(name, definition)``, added to older tables by ``ALTER TABLE``.
@@ -218,10 +242,10 @@ class LockStatements:
     presence_upsert: str = _PRESENCE_UPSERT
     presence_prune: str = _PRESENCE_PRUNE
     nodes_read: str = _NODES_READ
-    history_read: str = "SELECT name, history FROM {t} WHERE name IN ({names})"
+    history_read: str = "SELECT name, history, runs FROM {t} WHERE name IN ({names})"
     begin: str = "START TRANSACTION"
     claim_read: str = ""
-    hand_off: Mapping[tuple[bool, bool, bool], str] = field(default_factory=lambda: dict(_HAND_OFFS))
+    hand_off: Mapping[tuple[bool, bool, str], str] = field(default_factory=lambda: dict(_HAND_OFFS))
     release: str = "UPDATE {t} SET holder = NULL WHERE name = :name AND holder = :me AND token = :token"
     read_one: str = "SELECT {cols}, {age} AS age FROM {t} WHERE name = :name"
     read_many: str = "SELECT {cols}, {age} AS age FROM {t} WHERE name IN ({names})"
@@ -246,6 +270,7 @@ class LockStatements:
             "names": "{names}",
         }
         fill["history"] = self.history_set.format(**fill)
+        fill["runs"] = self.runs_set.format(**fill)
         fill["presence_upsert"] = self.presence_upsert.format(**fill)
 
         def filled(value: Any) -> Any:
@@ -279,7 +304,8 @@ POSTGRESQL = LockStatements(
     paused_at         timestamptz,
     paused_by         varchar(255),
     resume_catch_up   boolean      NOT NULL DEFAULT false,
-    history           jsonb        NOT NULL DEFAULT '{{}}'
+    history           jsonb        NOT NULL DEFAULT '{{}}',
+    runs              text
 )""",
         "CREATE INDEX IF NOT EXISTS {t}_holder ON {t} (holder)",
     ),
@@ -300,8 +326,10 @@ POSTGRESQL = LockStatements(
         ("paused_by", "varchar(255)"),
         ("resume_catch_up", "boolean NOT NULL DEFAULT false"),
         ("history", "jsonb NOT NULL DEFAULT '{{}}'"),
+        ("runs", "text"),
     ),
     history_set=_PG_HISTORY,
+    runs_set=_PG_RUNS,
     set_paused=f"""
 INSERT INTO {{t}} AS l {_PAUSE_VALUES}
 ON CONFLICT (name) DO UPDATE SET paused = excluded.paused, paused_at = excluded.paused_at,
@@ -447,6 +475,7 @@ MYSQL = LockStatements(
     paused_by         VARCHAR(255) NULL,
     resume_catch_up   BOOLEAN      NOT NULL DEFAULT FALSE,
     history           LONGTEXT     NULL,
+    runs              LONGTEXT     NULL,
     INDEX {t}_holder (holder)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
     ),
@@ -467,8 +496,10 @@ MYSQL = LockStatements(
         ("paused_by", "VARCHAR(255) NULL"),
         ("resume_catch_up", "BOOLEAN NOT NULL DEFAULT FALSE"),
         ("history", "LONGTEXT NULL"),
+        ("runs", "LONGTEXT NULL"),
     ),
     history_set=_MY_HISTORY,
+    runs_set=_MY_RUNS,
     set_paused=f"""
 INSERT INTO {{t}} {_PAUSE_VALUES}
 ON DUPLICATE KEY UPDATE paused = :paused, paused_at = {{now}}, paused_by = :by, resume_catch_up = :catch_up""",
@@ -522,7 +553,8 @@ SQLITE = LockStatements(
     paused_at         TEXT,
     paused_by         TEXT,
     resume_catch_up   INTEGER NOT NULL DEFAULT 0,
-    history           TEXT
+    history           TEXT,
+    runs              TEXT
 )""",
         "CREATE INDEX IF NOT EXISTS {t}_holder ON {t} (holder)",
     ),
@@ -543,8 +575,10 @@ SQLITE = LockStatements(
         ("paused_by", "TEXT"),
         ("resume_catch_up", "INTEGER NOT NULL DEFAULT 0"),
         ("history", "TEXT"),
+        ("runs", "TEXT"),
     ),
     history_set=_SQLITE_HISTORY,
+    runs_set=_SQLITE_RUNS,
     set_paused=f"""
 INSERT INTO {{t}} {_PAUSE_VALUES}
 ON CONFLICT (name) DO UPDATE SET paused = excluded.paused, paused_at = excluded.paused_at,
