@@ -18,16 +18,17 @@ never fire times, task keys or node ids. Every metric is listed in ``docs/operat
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
+import operator
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import fields
-from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
@@ -97,12 +98,13 @@ def _port(value: int | str | None, what: str) -> int | None:
 class Metrics:
     """The instruments of one scheduler, in a registry of their own.
 
-    Fed by the lease events (listeners), by the guards (each run's start and end, as they happen:
-    :meth:`run_started`, :meth:`run_finished`; skipped fire times are counted by the guards and
-    read at export) and by the timed store. The counts are kept by :mod:`mutexcron.instruments`
-    (a dict update under one lock each) and exported by prometheus_client only when scraped. A job is labelled ``job_id``, not
-    ``job``: Prometheus gives every scraped series the label ``job`` (the scrape job), and would
-    rename a ``job`` of ours to ``exported_job``.
+    Fed by the rare lease events (:meth:`on_event`, a listener), by the guards (each run's start
+    and end as they happen: :meth:`run_started`, :meth:`run_finished`; skipped fire times are
+    counted by the guards and read at export) and by the timed store. The counts are kept by
+    :mod:`mutexcron.instruments` (a dict update under one lock each) and exported by
+    prometheus_client only when scraped. A job is labelled ``job_id``, not ``job``: Prometheus
+    gives every scraped series the label ``job`` (the scrape job), and would rename a ``job`` of
+    ours to ``exported_job``.
     """
 
     def __init__(self) -> None:
@@ -155,15 +157,15 @@ class Metrics:
         }
 
     def on_event(self, event: MutexEvent) -> None:
-        """Count one event (any code; :meth:`listeners` are the same handlers, one per code)."""
+        """The scheduler listener of the lease events counted here (:attr:`event_mask`)."""
         handler = self._on.get(event.code)
         if handler is not None:
             handler(event)
 
-    def listeners(self) -> list[tuple[Callable[[MutexEvent], None], int]]:
-        """``(handler, event code)`` pairs for ``scheduler.add_listener``: APScheduler calls each
-        handler only for its code, one call less per event than :meth:`on_event`."""
-        return [(handler, code) for code, handler in self._on.items()]
+    @property
+    def event_mask(self) -> int:
+        """The codes :meth:`on_event` counts, as an APScheduler listener mask."""
+        return functools.reduce(operator.or_, self._on, 0)
 
     # Runs: told by the guards as they happen (GuardContext.run_stats), not through listeners.
     def run_finished(self, job_id: str, lock: str, outcome: str, duration: float) -> None:
@@ -222,7 +224,7 @@ class MeteredLockStore(LockStore):
         self._observe = {op: metrics.observer(op) for op in STORE_OPERATIONS}
         self._acquire_timing, self._hand_off_timing = self._observe["acquire_or_renew"], self._observe["hand_off"]
         self._renew = metrics.renew_seconds.child(()).observe
-        self._renew_failed = partial(metrics.renew_failures.inc, ())
+        self._renew_failed = functools.partial(metrics.renew_failures.inc, ())
 
     def __getattr__(self, name: str) -> Any:  # backend, engine, table...: the wrapped store's
         inner = self.__dict__.get("inner")
@@ -543,8 +545,7 @@ class Observability:
         with self._mutex:
             self.scheduler = scheduler
             if not self._listening:
-                for handler, code in self.metrics.listeners():
-                    scheduler.add_listener(handler, code)
+                scheduler.add_listener(self.metrics.on_event, self.metrics.event_mask)
                 self.metrics.count_skips_of(scheduler)
                 self._listening = True
             if self._server is None:

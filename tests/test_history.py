@@ -145,6 +145,22 @@ def test_a_locks_only_job_keeps_its_runs_in_the_runs_column(tmp_path: Path) -> N
         sched.shutdown()
 
 
+@pytest.mark.memory
+def test_sql_history_merges_a_jobs_runs_from_the_object_and_the_column_by_end_time() -> None:
+    """A job that ran in a lock group and then alone has runs in both places: read in end-time
+    order, then cut to the last N; a job in one place keeps its own order."""
+    from mutexcron.locks.sql import _history_lists
+
+    def line(i: int, job: str | None = None) -> str:
+        return json.dumps({"ended": f"2030-01-01 00:00:0{i}", "n": i} | ({"job": job} if job else {}))
+
+    obj = json.dumps({"a": "\n".join(line(i) for i in (1, 5)), "g": line(6)})
+    column = "\n".join(line(i, job) for job, i in (("a", 3), ("a", 7), ("c", 2), ("c", 4)))
+    jobs = _history_lists(obj, column, 3)
+    assert [e["n"] for e in jobs["a"]] == [3, 5, 7] and [e["n"] for e in jobs["c"]] == [2, 4]
+    assert [e["n"] for e in jobs["g"]] == [6] and all("job" not in e for e in jobs["a"])
+
+
 # -- ?history=N ---------------------------------------------------------------------------------------
 @pytest.mark.sqlite
 def test_history_option_is_read_from_the_url_and_kept_from_the_driver(tmp_path: Path) -> None:

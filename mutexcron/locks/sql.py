@@ -77,13 +77,18 @@ _T = TypeVar("_T")
 
 def _history_lists(history: Any, runs: str | None, keep: int) -> dict[str, list[Any]]:
     """The ``history`` object and the ``runs`` column as ``{job: [entry, ...]}``, each job's runs
-    oldest first (the object's, then the column's: a job alone on its lock since), the last
+    oldest first (a job that was in a lock group and alone on its lock has runs in both), the last
     ``keep`` (0: all). In the object a job's runs are one entry per line (in the earlier form, a
     JSON array of entries); in the column each line also names its job."""
     jobs = {job: _entries(text) for job, text in _load_fires(history).items()}
+    in_object, merged = {job for job, entries in jobs.items() if entries}, set()
     for entry in _entries(runs):
         if isinstance(entry, dict):
-            jobs.setdefault(str(entry.pop("job", "")), []).append(entry)
+            job = str(entry.pop("job", ""))
+            merged.update({job} & in_object)
+            jobs.setdefault(job, []).append(entry)
+    for job in merged:  # runs from both places: by end time (one dialect, one text format) before the cut
+        jobs[job].sort(key=lambda entry: str(entry.get("ended", "")) if isinstance(entry, dict) else "")
     return {job: entries[-keep:] if keep else entries for job, entries in jobs.items()}
 
 
