@@ -8,12 +8,13 @@ tells each run the fire time it was scheduled for.
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import inspect
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
@@ -77,6 +78,8 @@ class GuardContext:
     leases: LeaseKeeper | None = None
     #: Told of each run's start and end when metrics are served (:class:`mutexcron.metrics.Metrics`).
     run_stats: RunStats | None = None
+    #: How many guarded jobs share each lock (a lock's only job keeps its runs apart: ``RunInfo.sole_job``).
+    jobs_per_lock: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
 def _seconds(value: timedelta | float | int | None, what: str) -> float | None:
@@ -182,8 +185,6 @@ class GuardedJob:
         #: happens, and read by the metrics at scrape time rather than through a listener).
         self.skips: dict[str, int] = {}
         self._skips_lock = threading.Lock()
-        #: The only guarded job of its lock on this scheduler (set by the scheduler as jobs are added).
-        self.sole_job = False
 
     @property
     def ttl(self) -> float:
@@ -327,7 +328,8 @@ class GuardedJob:
 
     def _info(self, run: _Run, duration: float, error: str | None) -> RunInfo:
         """What the hand-off records of the run (also its run-history entry)."""
-        return RunInfo(duration, error, job=self.job_id, fire_time=run.fire_time, sole_job=self.sole_job)
+        sole = self.context.jobs_per_lock[self.lock] == 1
+        return RunInfo(duration, error, job=self.job_id, fire_time=run.fire_time, sole_job=sole)
 
     def _finished(self, manager: LeaseKeeper, run: _Run, duration: float, error: str | None) -> None:
         event = MutexEvent(EVENT_RUN_FINISHED, lock=self.lock, job_id=self.job_id, node=manager.node.node_id,

@@ -297,10 +297,11 @@ class MutexSchedulerMixin(ScheduleDecorators):
                 )
 
     def _register_guard(self, job_id: str, guard: GuardedJob) -> None:
+        replaced = self._guarded.get(job_id)
+        if replaced is not None:
+            self._guard_context.jobs_per_lock[replaced.lock] -= 1
         self._guarded[job_id] = guard
-        group = [g for g in self._guarded.values() if g.lock == guard.lock]
-        for mate in group:
-            mate.sole_job = len(group) == 1
+        self._guard_context.jobs_per_lock[guard.lock] += 1
         if self._leases is not None and not guard.config.callable_lock:
             self._leases.add_lock(guard.lock, guard.ttl)
 

@@ -119,10 +119,10 @@ def test_a_locks_only_job_keeps_its_runs_in_the_runs_column(tmp_path: Path) -> N
     sched = MutexScheduler(lock_url=f"sqlite:///{tmp_path}/s.db", node_id="n1")
     for job_id, lock in (("solo", "solo"), ("a", "grp"), ("b", "grp"), ("later", "late")):
         sched.add_job(lambda: None, "interval", hours=1, id=job_id, mutex=lock)
-    guards = {job_id: sched.guard_of(job_id) for job_id in ("solo", "a", "b", "later")}
-    assert {k: g.sole_job for k, g in guards.items() if g is not None} == {"solo": True, "a": False, "b": False, "later": True}
+    per_lock = sched._guard_context.jobs_per_lock
+    assert {lock: per_lock[lock] for lock in ("solo", "grp", "late")} == {"solo": 1, "grp": 2, "late": 1}
     sched.add_job(lambda: None, "interval", hours=1, id="mate", mutex="late")
-    assert not guards["later"].sole_job  # type: ignore[union-attr]
+    assert per_lock["late"] == 2, "a second job on a lone job's lock: both are group jobs now"
     sched.start(paused=True)
     try:
         deadline = time.monotonic() + 10

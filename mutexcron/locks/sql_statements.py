@@ -127,11 +127,19 @@ _PG_OLD_RUNS = """CASE jsonb_typeof(history -> CAST(:hjob AS text))
         WHEN 'array' THEN (SELECT string_agg(CAST(a.e AS text), chr(10) ORDER BY a.i)
                            FROM jsonb_array_elements(history -> CAST(:hjob AS text)) WITH ORDINALITY AS a(e, i))
         ELSE NULLIF(history ->> CAST(:hjob AS text), '') END"""
-_PG_HISTORY = """jsonb_set(COALESCE(history, '{{}}'::jsonb), ARRAY[CAST(:hjob AS text)], to_jsonb((
-    SELECT array_to_string(r.lines[greatest(1, cardinality(r.lines) - CAST(:hn AS int) + 1):], chr(10))
-    FROM (SELECT string_to_array(concat_ws(chr(10), {old}, {entry}), chr(10)) AS lines) AS r)))""".replace(
-    "{old}", _PG_OLD_RUNS
-).replace("{entry}", _PG_ENTRY)
+
+
+def _pg_last_runs(old: str) -> str:
+    """``old`` (a job's lines, or NULL) with the run's entry appended, cut to the last :hn lines."""
+    return f"""(SELECT array_to_string(r.lines[greatest(1, cardinality(r.lines) - CAST(:hn AS int) + 1):], chr(10))
+    FROM (SELECT string_to_array(concat_ws(chr(10), {old}, {_PG_ENTRY}), chr(10)) AS lines) AS r)"""  # noqa: S608
+
+
+_PG_HISTORY = (
+    "jsonb_set(COALESCE(history, '{{}}'::jsonb), ARRAY[CAST(:hjob AS text)], to_jsonb("
+    + _pg_last_runs(_PG_OLD_RUNS)
+    + "))"
+)
 # MySQL/MariaDB: SUBSTRING_INDEX keeps the last :hn lines. No subquery: MariaDB runs an UPDATE with
 # one (even one never evaluated) much more slowly, so a job's runs in the earlier form (an array)
 # are not carried over here but replaced by its next run's line (they are read until then).
@@ -153,40 +161,36 @@ _MARIADB_HISTORY = "JSON_SET(COALESCE(history, '{{}}'), :hpath, " + _MY_LAST_RUN
 # SQLite: no JSON path for the job (its paths cannot quote every key): the job's text is found by
 # key (json_each) and written back by a merge patch (json_patch replaces a value whole). The text
 # and the entry are computed once (derived rows; LIMIT keeps SQLite from inlining them into each
-# use). The usual write appends (fewer than :hn lines) or drops the first line and appends (:hn);
-# only a longer text (the length lowered meanwhile) is cut through json_each (lines joined by
-# commas are a JSON array of the entries).
+# use); ``_sqlite_last_runs`` says how the text is cut.
 _SQLITE_OLD_RUNS = """(SELECT CASE h.type WHEN 'array' THEN (SELECT group_concat(x.value, char(10)) FROM json_each(h.value) AS x)
                          ELSE NULLIF(h.value, '') END
         FROM json_each(COALESCE(history, '{{}}')) AS h WHERE h.key = :hjob)"""
 _SQLITE_ENTRY = "(:hopen || substr(json_object('started', {run_started}, 'ended', {now}), 2))"
-_SQLITE_HISTORY = """json_patch(COALESCE(history, '{{}}'), json_object(:hjob, (SELECT CASE
+
+
+def _sqlite_last_runs(old: str) -> str:
+    """``old`` (a job's lines, or NULL) with the run's entry appended, cut to the last :hn lines.
+    The usual write appends (fewer than :hn lines) or drops the first line and appends (:hn); only
+    a longer text (the length lowered meanwhile) is cut through json_each (lines joined by commas
+    are a JSON array of the entries)."""
+    return f"""(SELECT CASE
         WHEN r.k < :hn THEN r.x
         WHEN r.k = :hn THEN substr(r.x, instr(r.x, char(10)) + 1)
         ELSE (SELECT group_concat(e.value, char(10)) FROM json_each('[' || replace(r.x, char(10), ',') || ']') AS e
               WHERE e.key > r.k - :hn) END
     FROM (SELECT x, length(x) - length(replace(x, char(10), '')) AS k FROM (
           SELECT CASE WHEN o IS NULL THEN e ELSE o || char(10) || e END AS x
-          FROM (SELECT {old} AS o, {entry} AS e LIMIT 1) LIMIT 1) LIMIT 1) AS r)))""".replace(
-    "{old}", _SQLITE_OLD_RUNS
-).replace("{entry}", _SQLITE_ENTRY)
+          FROM (SELECT {old} AS o, {_SQLITE_ENTRY} AS e LIMIT 1) LIMIT 1) LIMIT 1) AS r)"""  # noqa: S608 - fixed fragments
+
+
+_SQLITE_HISTORY = "json_patch(COALESCE(history, '{{}}'), json_object(:hjob, " + _sqlite_last_runs(_SQLITE_OLD_RUNS) + "))"
 
 # The ``runs`` column: the runs of a lock's only job, one entry per line (each with its ``job``),
 # oldest first, the last :hn kept: the same string operations as above on a plain text column, with
 # no JSON to parse. Parameters as above (:hopen then also names the job).
-_PG_RUNS = """(SELECT array_to_string(r.lines[greatest(1, cardinality(r.lines) - CAST(:hn AS int) + 1):], chr(10))
-    FROM (SELECT string_to_array(concat_ws(chr(10), NULLIF(runs, ''), {entry}), chr(10)) AS lines) AS r)""".replace(
-    "{entry}", _PG_ENTRY
-)
+_PG_RUNS = _pg_last_runs("NULLIF(runs, '')")
 _MY_RUNS = _MY_LAST_RUNS.replace("{old}", "NULLIF(runs, '')")
-_SQLITE_RUNS = """(SELECT CASE
-        WHEN r.k < :hn THEN r.x
-        WHEN r.k = :hn THEN substr(r.x, instr(r.x, char(10)) + 1)
-        ELSE (SELECT group_concat(e.value, char(10)) FROM json_each('[' || replace(r.x, char(10), ',') || ']') AS e
-              WHERE e.key > r.k - :hn) END
-    FROM (SELECT x, length(x) - length(replace(x, char(10), '')) AS k FROM (
-          SELECT CASE WHEN runs IS NULL OR runs = '' THEN e ELSE runs || char(10) || e END AS x
-          FROM (SELECT {entry} AS e LIMIT 1) LIMIT 1) LIMIT 1) AS r)""".replace("{entry}", _SQLITE_ENTRY)
+_SQLITE_RUNS = _sqlite_last_runs("NULLIF(runs, '')")
 
 #: The presence of nodes (``{n}``: the lock table's name + ``_nodes``), upserted with a renewal.
 #: Parameters: me, ip, version, offset, locks (JSON text).
