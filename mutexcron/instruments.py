@@ -1,10 +1,11 @@
 """Counters, histograms and gauges kept in plain Python, exported to Prometheus at scrape time.
 
-The scheduler's hot path (a standby's skipped tick, a holder's run, each store call) updates
-them; prometheus_client only reads them when ``/metrics`` is scraped (:class:`Instruments` is a
-collector). An update is a dict lookup, a ``bisect`` for a histogram, and a few additions under
-one uncontended lock: about a tenth of what a prometheus_client ``labels(...).inc()`` or
-``observe()`` costs, which measurably added to every tick (docs/benchmarks.md#operations).
+The scheduler's hot path (a holder's run, each store call) updates them; prometheus_client only
+reads them when ``/metrics`` is scraped (:class:`Instruments` is a collector). An update only
+appends to a queue (``deque.append``: atomic, no lock taken); the queue is folded into the counts
+when scraped, or by the update that finds it :data:`FOLD_AT` long (so it stays bounded when
+nobody scrapes). That is about a fiftieth of what a prometheus_client ``labels(...).inc()`` or
+``observe()`` costs, which measurably added to every run (docs/benchmarks.md#operations).
 
 Families are exported in the text format prometheus_client would give the same metrics: a
 counter ``name`` as ``name_total``, a histogram as ``name_bucket{le=...}``, ``name_count`` and
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -25,6 +27,9 @@ if TYPE_CHECKING:
 __all__ = ["Counter", "Gauge", "Histogram", "Instruments"]
 
 Labels = tuple[str, ...]
+
+#: Updates queued before the update that finds this many folds them in (scraping folds them too).
+FOLD_AT = 1024
 
 
 class _Family:
@@ -46,16 +51,28 @@ class Counter(_Family):
     def __init__(self, instruments: Instruments, name: str, documentation: str, labels: Sequence[str] = ()) -> None:
         super().__init__(instruments, name, documentation, labels)
         self._values: dict[Labels, float] = {} if labels else {(): 0.0}
+        self._queued: deque[tuple[Labels, float]] = deque()
         self.counted_elsewhere: Callable[[], Mapping[Labels, float]] | None = None
 
     def inc(self, labels: Labels = (), amount: float = 1.0) -> None:
+        queued = self._queued
+        queued.append((labels, amount))
+        if len(queued) >= FOLD_AT:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Add the queued increments to the counts (popleft: an append made meanwhile is never lost)."""
+        queued, values = self._queued, self._values
         with self._lock:
-            self._values[labels] = self._values.get(labels, 0.0) + amount
+            for _ in range(len(queued)):
+                labels, amount = queued.popleft()
+                values[labels] = values.get(labels, 0.0) + amount
 
     def export(self) -> Metric:
         from prometheus_client.core import CounterMetricFamily
 
         family = CounterMetricFamily(self.name, self.documentation, labels=self.label_names)
+        self._fold()
         with self._lock:
             values = dict(self._values)
         if self.counted_elsewhere is not None:
@@ -74,8 +91,7 @@ class Gauge(_Family):
         self._values: dict[Labels, float] = {}
 
     def set(self, labels: Labels, value: float) -> None:
-        with self._lock:
-            self._values[labels] = value
+        self._values[labels] = value  # one dict store: atomic, no lock needed
 
     def export(self) -> Metric:
         from prometheus_client.core import GaugeMetricFamily
@@ -91,18 +107,28 @@ class Gauge(_Family):
 class _Cells:
     """One label set's histogram: a count per bucket (the last one: above every bound) and the sum."""
 
-    __slots__ = ("bounds", "counts", "lock", "total")
+    __slots__ = ("bounds", "counts", "lock", "queued", "total")
 
     def __init__(self, bounds: tuple[float, ...], lock: threading.Lock) -> None:
         self.bounds, self.lock = bounds, lock
         self.counts = [0] * (len(bounds) + 1)
         self.total = 0.0
+        self.queued: deque[float] = deque()
 
     def observe(self, value: float) -> None:
-        index = bisect_left(self.bounds, value)
+        queued = self.queued
+        queued.append(value)
+        if len(queued) >= FOLD_AT:
+            self.fold()
+
+    def fold(self) -> None:
+        """Count the queued observations into their buckets (popleft: an append made meanwhile is never lost)."""
+        queued, bounds, counts = self.queued, self.bounds, self.counts
         with self.lock:
-            self.counts[index] += 1
-            self.total += value
+            for _ in range(len(queued)):
+                value = queued.popleft()
+                counts[bisect_left(bounds, value)] += 1
+                self.total += value
 
 
 class Histogram(_Family):
@@ -133,6 +159,8 @@ class Histogram(_Family):
         from prometheus_client.utils import floatToGoString
 
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.label_names)
+        for cells in list(self._cells.values()):
+            cells.fold()
         with self._lock:
             values = [(labels, list(cells.counts), cells.total) for labels, cells in self._cells.items()]
         bounds = [*map(floatToGoString, self.bounds), "+Inf"]
@@ -152,10 +180,14 @@ class Instruments:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.families: list[_Family] = []
+        #: Called before each export: code that queues updates of its own folds them in here.
+        self.before_export: list[Callable[[], None]] = []
 
     def describe(self) -> list[Metric]:
         return []  # no names checked at registration; collect() is not called then
 
     def collect(self) -> Iterator[Metric]:
+        for fold in self.before_export:
+            fold()
         for family in self.families:
             yield family.export()

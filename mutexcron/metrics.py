@@ -27,6 +27,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import fields
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -41,7 +42,7 @@ from .events import (
     EVENT_RUN_MISSED,
     MutexEvent,
 )
-from .instruments import Counter, Gauge, Histogram, Instruments
+from .instruments import FOLD_AT, Counter, Gauge, Histogram, Instruments
 from .locks import AcquireResult, BatchClaimResult, LockStore
 from .record import LockRecord
 
@@ -148,6 +149,9 @@ class Metrics:
         self.renew_failures = Counter(
             i, "mutexcron_lease_renew_failures", "Heartbeat renewals that failed (the store did not answer)."
         )
+        self._run_news: deque[tuple[str, str, str, float, float]] = deque()  # (job, lock, outcome, seconds, Unix time)
+        self._folding = threading.Lock()
+        i.before_export.append(self._fold_runs)
         self.registry.register(i)
         self._skip_outcomes: dict[str, str] = {}
         self._on: dict[int, Callable[[MutexEvent], None]] = {
@@ -167,15 +171,34 @@ class Metrics:
         """The codes :meth:`on_event` counts, as an APScheduler listener mask."""
         return functools.reduce(operator.or_, self._on, 0)
 
-    # Runs: told by the guards as they happen (GuardContext.run_stats), not through listeners.
+    # Runs: told by the guards as they happen (GuardContext.run_stats), not through listeners, and
+    # only queued there (one tuple appended): counted into the families when scraped (_fold_runs).
     def run_finished(self, job_id: str, lock: str, outcome: str, duration: float) -> None:
-        self.runs.inc((job_id, lock, outcome))
-        self.run_duration.observe((job_id, lock), max(0.0, duration))
-        if outcome == "success":
-            self.last_success.set((job_id,), time.time())
+        news = self._run_news
+        news.append((job_id, lock, outcome, duration, time.time()))
+        if len(news) >= FOLD_AT:
+            self._fold_runs()
 
     def run_started(self, job_id: str, lock: str, lag: float) -> None:
-        self.start_lag.observe((job_id, lock), max(0.0, lag))  # a wall clock stepped back: counted as 0
+        news = self._run_news
+        news.append((job_id, lock, "", lag, 0.0))  # no outcome yet: a start
+        if len(news) >= FOLD_AT:
+            self._fold_runs()
+
+    def _fold_runs(self) -> None:
+        """Count the queued starts and ends (popleft, one fold at a time: an append made meanwhile is never lost)."""
+        news = self._run_news
+        with self._folding:
+            for _ in range(len(news)):
+                job_id, lock, outcome, seconds, when = news.popleft()
+                labels = (job_id, lock)
+                if not outcome:
+                    self.start_lag.observe(labels, max(0.0, seconds))  # a wall clock stepped back: counted as 0
+                    continue
+                self.runs.inc((job_id, lock, outcome))
+                self.run_duration.observe(labels, max(0.0, seconds))
+                if outcome == "success":
+                    self.last_success.set((job_id,), when)
 
     def count_skips_of(self, scheduler: Any) -> None:
         """Take the skipped fire times from ``scheduler.skipped_runs()`` at export: a standby skips

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from types import MappingProxyType
 from typing import Any
 
@@ -145,8 +145,38 @@ class LockRecord(Mapping[str, Any]):
 OUTCOMES: tuple[str, ...] = ("success", "error")
 
 
+#: A run's history line in the SQL and Redis stores: a JSON array, by position (shorter than an
+#: object: every run rewrites its job's kept lines, so each byte counts N times). The store writes
+#: ``[`` and the end time, epoch milliseconds by its own clock; the run's node sends the rest
+#: (:meth:`mutexcron.locks.RunInfo.history_tail`): ``node, ip, token, fire_us`` (null: no fire
+#: time), ``duration_us``, then ``error`` if the run failed (null if it did not but a job follows),
+#: then ``job`` if the line's job is not the lock's own name (only in the SQL ``runs`` column).
+HISTORY_LINE = ("ended_ms", "node", "ip", "token", "fire_us", "duration_us", "error", "job")
+
+
+def is_history_entry(entry: Any) -> bool:
+    """A stored run: an object, or a history line (:data:`HISTORY_LINE`) of at least six fields."""
+    return isinstance(entry, Mapping) or (isinstance(entry, list) and len(entry) >= 6)
+
+
+def entry_job(entry: Any, lock: str) -> str:
+    """The job a stored run names (a line's 8th field, an object's ``job``), else the lock's own name."""
+    if isinstance(entry, list):
+        return str(entry[7]) if len(entry) > 7 and entry[7] is not None else lock
+    return str(entry.get("job") or lock) if isinstance(entry, Mapping) else lock
+
+
+def entry_ended(entry: Any) -> datetime:
+    """When a stored run ended (the earliest time if it does not say): for ordering runs."""
+    if isinstance(entry, list):
+        ended = _stored_time(entry[0]) if entry else None
+    else:
+        ended = _stored_time(entry.get("ended")) if isinstance(entry, Mapping) else None
+    return ended or datetime.min.replace(tzinfo=timezone.utc)
+
+
 def _stored_time(value: Any) -> datetime | None:
-    """A history time as a store keeps it: a datetime, ISO-8601 text, or epoch ms (Redis)."""
+    """A history time as a store keeps it: a datetime, ISO-8601 text, or epoch ms (history lines, earlier Redis objects)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return as_utc(int(value), epoch_unit=MILLISECONDS)
     try:
@@ -196,8 +226,11 @@ class RunRecord:
         return max(0.0, (self.ended - self.started).total_seconds())
 
     @classmethod
-    def from_stored(cls, lock: str, job: str, entry: Mapping[str, Any]) -> RunRecord:
-        """A run from one stored history entry (the JSON object every store keeps)."""
+    def from_stored(cls, lock: str, job: str, entry: Mapping[str, Any] | Sequence[Any]) -> RunRecord:
+        """A run from one stored history entry: a history line (:data:`HISTORY_LINE`, the SQL and
+        Redis stores) or an object (MongoDB, the in-memory store, and earlier SQL and Redis lines)."""
+        if not isinstance(entry, Mapping):
+            return cls._from_line(lock, job, entry)
         fire_us = _optional_int(entry.get("fire_us"))
         error = entry.get("error")
         return cls(
@@ -210,6 +243,24 @@ class RunRecord:
             started=_stored_time(entry.get("started")),
             ended=_stored_time(entry.get("ended")),
             outcome=str(entry.get("outcome") or ("error" if error is not None else "success")),
+            error=None if error is None else str(error),
+        )
+
+    @classmethod
+    def _from_line(cls, lock: str, job: str, line: Sequence[Any]) -> RunRecord:
+        ended, duration_us = _stored_time(line[0]), _optional_int(line[5])
+        fire_us = _optional_int(line[4])
+        error = line[6] if len(line) > 6 else None
+        return cls(
+            lock=lock,
+            job=job,
+            node=None if line[1] is None else str(line[1]),
+            ip=None if line[2] is None else str(line[2]),
+            token=_optional_int(line[3]) or 0,
+            fire_time=None if fire_us is None else as_utc(fire_us, epoch_unit=MICROSECONDS),
+            started=None if ended is None or duration_us is None else ended - timedelta(microseconds=duration_us),
+            ended=ended,
+            outcome="success" if error is None else "error",
             error=None if error is None else str(error),
         )
 
@@ -236,14 +287,14 @@ def newest_first(lock: str, runs_by_job: Mapping[str, Any], job: str | None = No
 
     Args:
         lock: the lock the history belongs to.
-        runs_by_job: the stored lists; entries that are not objects are skipped.
+        runs_by_job: the stored lists; entries that are neither objects nor history lines are skipped.
         job: only this job's runs.
         limit: at most this many runs.
     """
     runs: list[RunRecord] = []
     for name, entries in runs_by_job.items():
         if (job is None or name == job) and isinstance(entries, list):
-            runs += [RunRecord.from_stored(lock, name, e) for e in entries if isinstance(e, Mapping)]
+            runs += [RunRecord.from_stored(lock, name, e) for e in entries if is_history_entry(e)]
     floor = datetime.min.replace(tzinfo=timezone.utc)
     # Newest first by end time; a job's own order (oldest first) settles equal or missing times.
     ranked = sorted(enumerate(runs), key=lambda pair: (pair[1].ended or floor, pair[0]), reverse=True)

@@ -139,7 +139,10 @@ def test_a_locks_only_job_keeps_its_runs_in_the_runs_column(tmp_path: Path) -> N
         assert isinstance(store, SQLLockStore)
         with store.engine.connect() as conn:
             history, runs = conn.execute(sqlalchemy.text(f"SELECT history, runs FROM {store.table} WHERE name = 'solo'")).one()
-        assert json.loads(runs)["job"] == "solo" and not json.loads(history or "{}"), "the run went to the runs column"
+        line = json.loads(runs)  # a history line: [ended_ms, node, ip, token, fire_us, duration_us], no job (the lock's name)
+        assert not json.loads(history or "{}"), "the run went to the runs column"
+        assert len(line) == 6 and line[1] == "n1" and line[4] == 1_893_456_000_000_000 and line[5] >= 0
+        assert abs(line[0] / 1000 - time.time()) < 60, "the end time is epoch ms by the store's clock"
         assert [(r.job, r.outcome) for r in store.history("solo")] == [("solo", "success")]
     finally:
         sched.shutdown()
@@ -148,17 +151,23 @@ def test_a_locks_only_job_keeps_its_runs_in_the_runs_column(tmp_path: Path) -> N
 @pytest.mark.memory
 def test_sql_history_merges_a_jobs_runs_from_the_object_and_the_column_by_end_time() -> None:
     """A job that ran in a lock group and then alone has runs in both places: read in end-time
-    order, then cut to the last N; a job in one place keeps its own order."""
+    order, then cut to the last N; a job in one place keeps its own order. Lines and the earlier
+    objects mix (the end times compare as times, not as text)."""
     from mutexcron.locks.sql import _history_lists
 
-    def line(i: int, job: str | None = None) -> str:
-        return json.dumps({"ended": f"2030-01-01 00:00:0{i}", "n": i} | ({"job": job} if job else {}))
+    base_ms = 1_893_456_000_000  # 2030-01-01
 
-    obj = json.dumps({"a": "\n".join(line(i) for i in (1, 5)), "g": line(6)})
-    column = "\n".join(line(i, job) for job, i in (("a", 3), ("a", 7), ("c", 2), ("c", 4)))
-    jobs = _history_lists(obj, column, 3)
-    assert [e["n"] for e in jobs["a"]] == [3, 5, 7] and [e["n"] for e in jobs["c"]] == [2, 4]
-    assert [e["n"] for e in jobs["g"]] == [6] and all("job" not in e for e in jobs["a"])
+    def line(i: int, job: str | None = None) -> str:  # a history line; its token says which it is
+        return json.dumps([base_ms + i * 1000, "n", None, i, None, 0] + ([None, job] if job else []))
+
+    def earlier(i: int, job: str | None = None) -> str:  # an object written by an earlier version
+        return json.dumps({"ended": f"2030-01-01 00:00:0{i}", "token": i} | ({"job": job} if job else {}))
+
+    obj = json.dumps({"a": "\n".join([earlier(1), line(5)]), "g": line(6)})
+    column = "\n".join([line(3, "a"), earlier(7, "a"), line(2, "c"), line(8), earlier(4, "c")])
+    jobs = _history_lists("l", obj, column, 3)
+    runs = {job: [r.token for r in newest_first("l", {job: entries})][::-1] for job, entries in jobs.items()}
+    assert runs == {"a": [3, 5, 7], "c": [2, 4], "g": [6], "l": [8]}  # a line without its job is the lock's own
 
 
 # -- ?history=N ---------------------------------------------------------------------------------------
@@ -321,10 +330,22 @@ def test_run_records_from_every_stored_form() -> None:
             },  # SQLite text
             {"node": "n", "token": 2, "error": "boom", "started": 1_893_456_001_000, "ended": 1_893_456_002_000},  # Redis ms
             "not a run",
+            [1_893_456_000_000],  # too short for a history line
+        ],
+        "m": [  # history lines: [ended_ms, node, ip, token, fire_us, duration_us, error, job]
+            [1_893_456_010_000, "p", "10.0.0.1", 7, 1_893_456_009_000_000, 1_500_000],
+            [1_893_456_020_000, "p", None, 8, None, 250, "KeyError: 'x'", "m"],
         ],
         "k": [{"node": "m", "started": when, "ended": datetime(2030, 1, 1, 0, 0, 3, tzinfo=timezone.utc)}],  # MongoDB dates
     }
-    runs = newest_first("l", stored)
+    lines = newest_first("l", stored, job="m")
+    assert [(r.token, r.outcome, r.error, r.node, r.ip) for r in lines] == [
+        (8, "error", "KeyError: 'x'", "p", None), (7, "success", None, "p", "10.0.0.1")
+    ]
+    assert lines[1].ended == datetime(2030, 1, 1, 0, 0, 10, tzinfo=timezone.utc) and lines[1].duration == 1.5
+    assert lines[1].fire_time == datetime(2030, 1, 1, 0, 0, 9, tzinfo=timezone.utc) and lines[0].fire_time is None
+    assert lines[0].duration == pytest.approx(0.00025)
+    runs = newest_first("l", {job: entries for job, entries in stored.items() if job != "m"})
     assert [(r.job, r.outcome) for r in runs] == [("k", "success"), ("j", "error"), ("j", "success")]
     assert runs[1].error == "boom" and runs[1].duration == 1.0 and runs[1].fire_time is None
     assert runs[2].fire_time == when and runs[2].duration == pytest.approx(0.75)

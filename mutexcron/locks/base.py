@@ -95,18 +95,35 @@ class RunInfo:
     sole_job: bool = False
 
     def history_entry(self, node: Node, token: int) -> dict[str, Any]:
-        """The run's history entry as every store keeps it, but for ``started``/``ended`` (the store stamps them)."""
+        """The run's history entry as every store keeps it, but for ``started``/``ended`` (the store stamps them).
+
+        Only what a run has is written: no ``fire_us`` for a run without a fire time, and
+        ``outcome``/``error`` only for a failed run (an entry without them is a success, see
+        :meth:`mutexcron.record.RunRecord.from_stored`). Every store rewrites a job's kept runs with
+        each run, so each byte left out is saved N times per run.
+        """
+        entry: dict[str, Any] = {"node": node.node_id, "ip": node.ip, "token": token}
+        if self.fire_time is not None:
+            entry["fire_us"] = us_from_datetime(self.fire_time)
+        if self.error is not None:
+            entry.update(outcome="error", error=self.error[:HISTORY_ERROR_LIMIT])
+        return entry
+
+    def history_tail(self, node: Node, token: int, job: str | None = None) -> str:
+        """The run's history line (:data:`mutexcron.record.HISTORY_LINE`) after its end time, as
+        the SQL and Redis stores send it: ``,"node","ip",token,fire_us,duration_us]``, with the
+        error if the run failed, and ``job`` (the SQL ``runs`` column's line of a job not named as
+        its lock). The store writes ``[`` and the end time (its clock, epoch ms) before it."""
         fire_us = None if self.fire_time is None else us_from_datetime(self.fire_time)
-        error = None if self.error is None else self.error[:HISTORY_ERROR_LIMIT]
-        outcome = "success" if self.error is None else "error"
-        return {"node": node.node_id, "ip": node.ip, "token": token, "fire_us": fire_us, "outcome": outcome, "error": error}
+        fields: list[Any] = [node.node_id, node.ip, token, fire_us, round(max(0.0, self.duration) * 1e6)]
+        if self.error is not None or job is not None:
+            fields.append(None if self.error is None else self.error[:HISTORY_ERROR_LIMIT])
+        if job is not None:
+            fields.append(job)
+        return "," + _COMPACT_JSON.encode(fields)[1:]
 
-    def history_text(self, node: Node, token: int) -> str:
-        """:meth:`history_entry` as compact JSON text (what the SQL and Redis stores send)."""
-        return _COMPACT_JSON.encode(self.history_entry(node, token))
 
-
-#: Compact JSON, non-ASCII kept as is: one encoder for every history entry (json.dumps with
+#: Compact JSON, non-ASCII kept as is: one encoder for every history line (json.dumps with
 #: options builds a new encoder per call).
 _COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 

@@ -224,7 +224,7 @@ class RedisLockStore(LockStore):
             args += ["0", 0, "0", ""]
         else:
             args += ["1", max(0, round(run.duration * 1000)), "0" if run.error is None else "1", run.error or ""]
-            args += [run.job or name, run.history_text(node, token) if self.history_length else "", self.history_length]
+            args += [run.job or name, run.history_tail(node, token) if self.history_length else "", self.history_length]
         keys = [self._lock_key(name), self._history_key(name)]
         with self.backend.errors("hand_off"):
             return bool(self._hand_off(keys=keys, args=args, client=self.backend.client))
@@ -351,9 +351,9 @@ class RedisLockStore(LockStore):
 
 
 def _entries(text: str) -> list[Any]:
-    """A history field: the entries' JSON texts, one per line (in the earlier form: a JSON array of them,
-    which cjson wrote as ``{}`` when empty)."""
-    if text.startswith(("[", "{}")):
+    """A history field: history lines (or earlier entry objects), one per line; in the earlier form
+    a JSON array of entry texts (``["{...}", ...]``, which cjson wrote as ``{}`` when empty)."""
+    if text.startswith(('["', "[]", "{}")):
         texts = json.loads(text)
         return [json.loads(entry) for entry in texts] if isinstance(texts, list) else []
     return [json.loads(line) for line in text.split("\n") if line]

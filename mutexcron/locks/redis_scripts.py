@@ -81,13 +81,14 @@ return cjson.encode({acquired, string.format('%d', now), redis.call('HGETALL', K
 
 # hand_off: refresh the lease if ARGV[1] still holds it with token ARGV[2]; optionally store
 # attrs (ARGV[3]=='1', text ARGV[4]) and the last run (ARGV[5]=='1', duration_ms ARGV[6], error ARGV[7..8]),
-# appending the run to its job's history: field ARGV[9] of the history hash, the entries' JSON texts
-# one per line (JSON text never holds a raw newline), oldest first, cut to the last ARGV[11] (0: no
-# history written). Appending and cutting are string operations: the entries are never decoded. A
-# field in the earlier form, a JSON array of entry texts, is turned into lines on its next write.
-# ARGV[10] is the entry's JSON object without its times; the script adds started and ended (ms).
+# appending the run to its job's history: field ARGV[9] of the history hash, the runs' history
+# lines (mutexcron.record.HISTORY_LINE: JSON arrays, never holding a raw newline) one per line,
+# oldest first, cut to the last ARGV[11] (0: no history written). Appending and cutting are string
+# operations: the lines are never decoded. A field in the earlier form, a JSON array of entry
+# texts, is turned into lines on its next write. ARGV[10] is the line after its end time
+# (RunInfo.history_tail); the script writes '[' and the end time (ms, server clock) before it.
 # KEYS: hash, history hash. ARGV: node_id, token, has_attrs, attrs, has_run, duration_ms, has_error,
-# error, job, entry, keep. Returns 1 or 0.
+# error, job, line tail, keep. Returns 1 or 0.
 HAND_OFF_LUA = (
     LUA_NOW
     + """
@@ -102,10 +103,10 @@ if ARGV[5] == '1' then
   else redis.call('HDEL', KEYS[1], 'last_error') end
   local keep = tonumber(ARGV[11])
   if keep > 0 then
-    local entry = string.sub(ARGV[10], 1, -2) .. ',"started":' .. string.format('%d', now - tonumber(ARGV[6]))
-                  .. ',"ended":' .. string.format('%d', now) .. '}'
+    local entry = '[' .. string.format('%d', now) .. ARGV[10]  -- the history line: its end time, then the run's tail
     local old = redis.call('HGET', KEYS[2], ARGV[9])
-    if old and string.byte(old, 1) == 91 then
+    local head = old and string.sub(old, 1, 2)
+    if head == '["' or head == '[]' or head == '{}' then  -- the earlier form: a JSON array of entry texts
       local ok, runs = pcall(cjson.decode, old)
       old = (ok and type(runs) == 'table' and #runs > 0) and table.concat(runs, '\\n') or false
     end

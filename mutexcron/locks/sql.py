@@ -48,7 +48,17 @@ from sqlalchemy.engine import Connection, Engine
 from ..backends.base import UncertainOutcome
 from ..backends.sql import SQLBackend
 from ..errors import StoreError
-from ..record import LockRecord, NodePresence, dump_attrs, load_attrs, load_locks, optional_float
+from ..record import (
+    LockRecord,
+    NodePresence,
+    dump_attrs,
+    entry_ended,
+    entry_job,
+    is_history_entry,
+    load_attrs,
+    load_locks,
+    optional_float,
+)
 from ..timeutil import as_utc
 from .base import (
     PRESENCE_TTL,
@@ -75,20 +85,20 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-def _history_lists(history: Any, runs: str | None, keep: int) -> dict[str, list[Any]]:
+def _history_lists(lock: str, history: Any, runs: str | None, keep: int) -> dict[str, list[Any]]:
     """The ``history`` object and the ``runs`` column as ``{job: [entry, ...]}``, each job's runs
     oldest first (a job that was in a lock group and alone on its lock has runs in both), the last
     ``keep`` (0: all). In the object a job's runs are one entry per line (in the earlier form, a
-    JSON array of entries); in the column each line also names its job."""
+    JSON array of entries); in the column each line also names its job, unless it is ``lock``."""
     jobs = {job: _entries(text) for job, text in _load_fires(history).items()}
     in_object, merged = {job for job, entries in jobs.items() if entries}, set()
     for entry in _entries(runs):
-        if isinstance(entry, dict):
-            job = str(entry.pop("job", ""))
+        if is_history_entry(entry):
+            job = entry_job(entry, lock)
             merged.update({job} & in_object)
             jobs.setdefault(job, []).append(entry)
-    for job in merged:  # runs from both places: by end time (one dialect, one text format) before the cut
-        jobs[job].sort(key=lambda entry: str(entry.get("ended", "")) if isinstance(entry, dict) else "")
+    for job in merged:  # runs from both places: by end time before the cut
+        jobs[job].sort(key=entry_ended)
     return {job: entries[-keep:] if keep else entries for job, entries in jobs.items()}
 
 
@@ -318,10 +328,9 @@ class SQLLockStore(LockStore):
 
     def _history_params(self, name: str, node: Node, token: int, run: RunInfo) -> dict[str, Any]:
         job = run.job or name
-        entry = run.history_text(node, token)[:-1] + ","
-        if run.sole_job:  # the runs column holds the job in each entry
-            entry += f'"job":{json.dumps(job, ensure_ascii=False)},'
-        return {"hjob": job, "hpath": _json_path(job), "hopen": entry, "hn": self.history_length}
+        if run.sole_job:  # the runs column: a line names its job, unless it is the lock's own name
+            return {"htail": run.history_tail(node, token, None if job == name else job), "hn": self.history_length}
+        return {"hjob": job, "hpath": _json_path(job), "htail": run.history_tail(node, token), "hn": self.history_length}
 
     def renew_many(self, node: Node, leases: Mapping[str, int], presence: Presence | None = None) -> set[str]:
         if presence is not None:
@@ -430,7 +439,7 @@ class SQLLockStore(LockStore):
         params = {f"n{i}": n for i, n in enumerate(locks)}
         sql = self._sql.history_read.replace("{names}", ", ".join(f":n{i}" for i in range(len(locks))))
         rows, _ = self._execute(sql, params, "history")
-        return {name: _history_lists(history, runs, self.history_length) for name, history, runs in rows}
+        return {name: _history_lists(name, history, runs, self.history_length) for name, history, runs in rows}
 
     def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
         groups = group_claims(claims)

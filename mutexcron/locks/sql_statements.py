@@ -113,16 +113,17 @@ _HAND_OFFS: Mapping[tuple[bool, bool, str], str] = {
     if run or not history
 }
 
-# Run history: one JSON object per lock row, ``{job: runs}``, where a job's runs are its entries'
-# JSON texts one per line (JSON text never holds a raw newline), oldest first, cut to the newest
-# :hn in the same UPDATE. Appending and cutting are string operations: only the row's object is
-# parsed (to find the job's text and to write it back), never the entries. Parameters: :hjob (the
-# job), :hpath (its JSON path), :hopen (the entry's JSON text without its closing brace, then a
-# comma: ``started`` and ``ended`` follow, from the database clock as last_run_* are), :hn (runs
-# kept). A job's value in the earlier form, a JSON array of entries (written by development builds),
-# is turned into lines by its next write on PostgreSQL and SQLite, replaced by it on MySQL
-# and MariaDB; it is read until then. PostgreSQL addresses the job as a key (``ARRAY[:hjob]``).
-_PG_ENTRY = "CAST(:hopen AS text) || substr(CAST(jsonb_build_object('started', {run_started}, 'ended', {now}) AS text), 2)"
+# Run history: one JSON object per lock row, ``{job: runs}``, where a job's runs are its history
+# lines (``mutexcron.record.HISTORY_LINE``: JSON arrays, which never hold a raw newline) one per
+# line, oldest first, cut to the newest :hn in the same UPDATE. Appending and cutting are string
+# operations: only the row's object is parsed (to find the job's text and to write it back), never
+# the lines. Parameters: :hjob (the job), :hpath (its JSON path), :htail (the line after its end
+# time: ``RunInfo.history_tail``; the statement writes ``[`` and the end time, epoch ms by the
+# database clock, before it), :hn (runs kept). A job's value in the earlier form, a JSON array of
+# entries (written by development builds), is turned into lines by its next write on PostgreSQL
+# and SQLite, replaced by it on MySQL and MariaDB; it is read until then. PostgreSQL addresses the
+# job as a key (``ARRAY[:hjob]``).
+_PG_ENTRY = "'[' || CAST(floor(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS bigint) || CAST(:htail AS text)"
 _PG_OLD_RUNS = """CASE jsonb_typeof(history -> CAST(:hjob AS text))
         WHEN 'array' THEN (SELECT string_agg(CAST(a.e AS text), chr(10) ORDER BY a.i)
                            FROM jsonb_array_elements(history -> CAST(:hjob AS text)) WITH ORDINALITY AS a(e, i))
@@ -144,7 +145,7 @@ _PG_HISTORY = (
 # one (even one never evaluated) much more slowly, so a job's runs in the earlier form (an array)
 # are not carried over here but replaced by its next run's line (they are read until then).
 _MY_NEWLINE = "CHAR(10 USING utf8mb4)"
-_MY_ENTRY = "CONCAT(:hopen, SUBSTRING(JSON_OBJECT('started', CAST({run_started} AS CHAR), 'ended', CAST({now} AS CHAR)), 2))"
+_MY_ENTRY = "CONCAT('[', FLOOR(UNIX_TIMESTAMP({now}) * 1000), :htail)"  # the session's time zone is UTC
 _MY_LAST_RUNS = f"SUBSTRING_INDEX(CONCAT_WS({_MY_NEWLINE}, {{old}}, {_MY_ENTRY}), {_MY_NEWLINE}, -:hn)"
 # MySQL 8: JSON_VALUE returns at most 512 characters unless told a type: the job's text is
 # JSON_UNQUOTE(JSON_EXTRACT()) of a string value.
@@ -165,7 +166,7 @@ _MARIADB_HISTORY = "JSON_SET(COALESCE(history, '{{}}'), :hpath, " + _MY_LAST_RUN
 _SQLITE_OLD_RUNS = """(SELECT CASE h.type WHEN 'array' THEN (SELECT group_concat(x.value, char(10)) FROM json_each(h.value) AS x)
                          ELSE NULLIF(h.value, '') END
         FROM json_each(COALESCE(history, '{{}}')) AS h WHERE h.key = :hjob)"""
-_SQLITE_ENTRY = "(:hopen || substr(json_object('started', {run_started}, 'ended', {now}), 2))"
+_SQLITE_ENTRY = "('[' || CAST(round((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER) || :htail)"
 
 
 def _sqlite_last_runs(old: str) -> str:
@@ -185,9 +186,9 @@ def _sqlite_last_runs(old: str) -> str:
 
 _SQLITE_HISTORY = "json_patch(COALESCE(history, '{{}}'), json_object(:hjob, " + _sqlite_last_runs(_SQLITE_OLD_RUNS) + "))"
 
-# The ``runs`` column: the runs of a lock's only job, one entry per line (each with its ``job``),
-# oldest first, the last :hn kept: the same string operations as above on a plain text column, with
-# no JSON to parse. Parameters as above (:hopen then also names the job).
+# The ``runs`` column: the runs of a lock's only job, one line each (naming its job if that is not
+# the lock's name), oldest first, the last :hn kept: the same string operations as above on a plain
+# text column, with no JSON to parse. Parameters: :htail and :hn, as above.
 _PG_RUNS = _pg_last_runs("NULLIF(runs, '')")
 _MY_RUNS = _MY_LAST_RUNS.replace("{old}", "NULLIF(runs, '')")
 _SQLITE_RUNS = _sqlite_last_runs("NULLIF(runs, '')")
