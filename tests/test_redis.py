@@ -374,29 +374,49 @@ def test_run_info_and_error_round_trip(shared_url: str) -> None:
     finally:
         store.close()
 
-def test_history_field_is_lines_and_an_earlier_json_array_field_is_carried_over(shared_url: str) -> None:
-    """A job's history field holds its entries one per line; a field in the earlier form (a JSON
-    array of entry texts) is read as it is and turned into lines, runs kept, by the next run."""
+def test_history_is_a_list_per_job_and_earlier_fields_are_carried_over(shared_url: str) -> None:
+    """A job's runs are a list of history lines, trimmed to the last N by each run; a history-hash
+    field in an earlier form (a JSON array of entry texts, or entry texts one per line) is read as
+    it is, and moved in front of the list, runs kept, by the job's next run."""
     store = RedisLockStore(shared_url)
     store.history_length = 3
     try:
         token = store.acquire_or_renew("old", A, ttl=60).token
-        earlier = [json.dumps({"job": "j", "node": "n0", "token": 1, "outcome": "success",
-                               "fire_time": f"2030-01-01T00:0{i}:00+00:00",
-                               "started": 1_000 + i, "ended": 1_001 + i}) for i in range(3)]  # fmt: skip
         client, key = store.backend.client, store._history_key("old")
-        client.hset(key, "j", json.dumps(earlier))
-        assert [r.node for r in store.history("old", job="j")] == ["n0"] * 3
+
+        def earlier(i: int) -> str:
+            return json.dumps({"node": f"n{i}", "token": 1, "outcome": "success", "started": 1_000 + i, "ended": 1_001 + i})
+
+        client.hset(key, "j", json.dumps([earlier(i) for i in range(3)]))  # a JSON array of entry texts
+        client.hset(key, "k", "\n".join(earlier(i) for i in range(2)))  # entry texts one per line
+        assert [r.node for r in store.history("old", job="j")] == ["n2", "n1", "n0"]
+        assert [r.node for r in store.history("old", job="k")] == ["n1", "n0"]
         assert store.hand_off("old", A, token, None, RunInfo(0.1, "boom\nline two", job="j"))
-        field = client.hget(key, "j")
-        text = field.decode() if isinstance(field, bytes) else field
-        assert len(text.split("\n")) == 3 and not text.startswith("["), "lines now, cut to the last 3"
+        assert store.hand_off("old", A, token, None, RunInfo(0.1, None, job="k"))
+        assert client.hget(key, "j") == "" and client.hget(key, "k") == "", "the jobs' runs are in their lists now"
+        lines = client.lrange(store._runs_key("old", "j"), 0, -1)
+        assert len(lines) == 3 and json.loads(lines[-1])[1] == A.node_id, "moved over, cut to the last 3"
         runs = store.history("old", job="j")
-        assert [r.outcome for r in runs] == ["error", "success", "success"]
-        assert runs[0].error == "boom\nline two" and runs[0].node == A.node_id
+        assert [(r.node, r.outcome) for r in runs] == [(A.node_id, "error"), ("n2", "success"), ("n1", "success")]
+        assert runs[0].error == "boom\nline two"
+        assert [r.node for r in store.history("old", job="k")] == [A.node_id, "n1", "n0"]
+        for _ in range(5):
+            assert store.hand_off("old", A, token, None, RunInfo(0.1, None, job="k"))
+        assert client.llen(store._runs_key("old", "k")) == 3, "every run trims the list"
     finally:
         store.close()
 
+
+def test_history_lists_of_names_with_colons_stay_apart(shared_url: str) -> None:
+    store = RedisLockStore(shared_url)
+    try:
+        assert store._runs_key("a:b", "c") != store._runs_key("a", "b:c")
+        for lock, job in (("a:b", "c"), ("a", "b:c")):
+            token = store.acquire_or_renew(lock, A, ttl=60).token
+            assert store.hand_off(lock, A, token, None, RunInfo(0.1, None, job=job))
+        assert [r.job for r in store.history("a:b")] == ["c"] and [r.job for r in store.history("a")] == ["b:c"]
+    finally:
+        store.close()
 
 
 # -- the client-side token floor -----------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Every lock is one hash that never expires, ``mutexcron:{<namespace>}:lock:<name>``, beside a
 token counter ``mutexcron:{<namespace>}:token:<name>`` (INCR only, never expires, so a deleted
-hash cannot reset the fencing tokens) and the names set ``mutexcron:{<namespace>}:names``; a lock's run history is the hash
+hash cannot reset the fencing tokens) and the names set ``mutexcron:{<namespace>}:names``; a job's run
+history is the list ``mutexcron:{<namespace>}:runs:<len(name)>:<name>:<job>``, indexed by the hash
 ``mutexcron:{<namespace>}:history:<name>`` (one field per job), and the nodes' presence the hash
 ``mutexcron:{<namespace>}:nodes`` with the zset ``mutexcron:{<namespace>}:nodes:seen``. Each
 write is one Lua script (:mod:`mutexcron.locks.redis_scripts`) judged by the server's ``TIME``;
@@ -140,6 +141,10 @@ class RedisLockStore(LockStore):
     def _history_key(self, name: str) -> str:
         return self.backend.key(f"history:{name}")
 
+    def _runs_key(self, name: str, job: str) -> str:
+        """A job's list of history lines; the name's length keeps ``("a:b", "c")`` and ``("a", "b:c")`` apart."""
+        return self.backend.key(f"runs:{len(name)}:{name}:{job}")
+
     @property
     def _names_key(self) -> str:
         return self.backend.key("names")
@@ -225,7 +230,7 @@ class RedisLockStore(LockStore):
         else:
             args += ["1", max(0, round(run.duration * 1000)), "0" if run.error is None else "1", run.error or ""]
             args += [run.job or name, run.history_tail(node, token) if self.history_length else "", self.history_length]
-        keys = [self._lock_key(name), self._history_key(name)]
+        keys = [self._lock_key(name), self._history_key(name), self._runs_key(name, (run.job or name) if run else name)]
         with self.backend.errors("hand_off"):
             return bool(self._hand_off(keys=keys, args=args, client=self.backend.client))
 
@@ -283,12 +288,20 @@ class RedisLockStore(LockStore):
         keys = [key for name in locks for key in (self._lock_key(name), self._history_key(name))]
         with self.backend.errors("history"):
             rows = json.loads(self._history(keys=keys, client=self.backend.client))
-        out: dict[str, Mapping[str, Any]] = {}
+        out: dict[str, dict[str, Any]] = {}
         for name, (exists, flat) in zip(locks, rows, strict=True):
             if int(exists):
                 jobs = self._pairs(flat) if isinstance(flat, list) else {}
                 out[name] = {job: _entries(text) for job, text in jobs.items()}
-        return out
+        listed = [(name, job) for name, jobs in out.items() for job, entries in jobs.items() if not entries]
+        if listed:  # the jobs whose runs are in their lists: one more round trip, a pipeline
+            with self.backend.errors("history"):
+                pipe = self.backend.client.pipeline(transaction=False)
+                for name, job in listed:
+                    pipe.lrange(self._runs_key(name, job), 0, -1)
+                for (name, job), lines in zip(listed, pipe.execute(), strict=True):
+                    out[name][job] = [json.loads(line) for line in lines]
+        return {name: jobs for name, jobs in out.items()}  # as Mappings
 
     def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
         groups = group_claims(claims)

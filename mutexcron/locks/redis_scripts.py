@@ -81,14 +81,15 @@ return cjson.encode({acquired, string.format('%d', now), redis.call('HGETALL', K
 
 # hand_off: refresh the lease if ARGV[1] still holds it with token ARGV[2]; optionally store
 # attrs (ARGV[3]=='1', text ARGV[4]) and the last run (ARGV[5]=='1', duration_ms ARGV[6], error ARGV[7..8]),
-# appending the run to its job's history: field ARGV[9] of the history hash, the runs' history
-# lines (mutexcron.record.HISTORY_LINE: JSON arrays, never holding a raw newline) one per line,
-# oldest first, cut to the last ARGV[11] (0: no history written). Appending and cutting are string
-# operations: the lines are never decoded. A field in the earlier form, a JSON array of entry
-# texts, is turned into lines on its next write. ARGV[10] is the line after its end time
-# (RunInfo.history_tail); the script writes '[' and the end time (ms, server clock) before it.
-# KEYS: hash, history hash. ARGV: node_id, token, has_attrs, attrs, has_run, duration_ms, has_error,
-# error, job, line tail, keep. Returns 1 or 0.
+# appending the run to its job's history: the list KEYS[3] of the runs' history lines
+# (mutexcron.record.HISTORY_LINE), oldest first: RPUSH, then LTRIM to the last ARGV[11] (0: no
+# history written), whatever the number kept. The field ARGV[9] of the history hash KEYS[2] indexes
+# the job (set empty when its list is new); a non-empty field holds runs of the earlier forms
+# (lines, or a JSON array of entry texts), moved in front of the list by the job's first run here.
+# ARGV[10] is the line after its end time (RunInfo.history_tail); the script writes '[' and the end
+# time (ms, server clock) before it.
+# KEYS: hash, history hash, the job's runs list. ARGV: node_id, token, has_attrs, attrs, has_run,
+# duration_ms, has_error, error, job, line tail, keep. Returns 1 or 0.
 HAND_OFF_LUA = (
     LUA_NOW
     + """
@@ -104,21 +105,23 @@ if ARGV[5] == '1' then
   local keep = tonumber(ARGV[11])
   if keep > 0 then
     local entry = '[' .. string.format('%d', now) .. ARGV[10]  -- the history line: its end time, then the run's tail
-    local old = redis.call('HGET', KEYS[2], ARGV[9])
-    local head = old and string.sub(old, 1, 2)
-    if head == '["' or head == '[]' or head == '{}' then  -- the earlier form: a JSON array of entry texts
-      local ok, runs = pcall(cjson.decode, old)
-      old = (ok and type(runs) == 'table' and #runs > 0) and table.concat(runs, '\\n') or false
+    local kept = redis.call('RPUSH', KEYS[3], entry)
+    if kept == 1 then  -- a new list: index the job, and move in its runs kept in an earlier form
+      local old = redis.call('HGET', KEYS[2], ARGV[9])
+      if old and old ~= '' then
+        local head, lines = string.sub(old, 1, 2), {}
+        if head == '["' or head == '[]' or head == '{}' then  -- a JSON array of entry texts
+          local ok, runs = pcall(cjson.decode, old)
+          if ok and type(runs) == 'table' then lines = runs end
+        else
+          for line in string.gmatch(old, '[^\\n]+') do lines[#lines + 1] = line end
+        end
+        for i = #lines, 1, -1 do redis.call('LPUSH', KEYS[3], lines[i]) end
+        kept = kept + #lines
+      end
+      redis.call('HSET', KEYS[2], ARGV[9], '')
     end
-    local text = entry
-    if old and old ~= '' then  -- old's line breaks found by plain search (a pattern is much slower)
-      local breaks, at = {}, string.find(old, '\\n', 1, true)
-      while at do breaks[#breaks + 1] = at; at = string.find(old, '\\n', at + 1, true) end
-      local drop = #breaks + 2 - keep  -- old lines to drop: old has #breaks + 1, one is appended
-      if drop <= 0 then text = old .. '\\n' .. entry
-      elseif drop <= #breaks then text = string.sub(old, breaks[drop] + 1) .. '\\n' .. entry end
-    end
-    redis.call('HSET', KEYS[2], ARGV[9], text)
+    if kept > keep then redis.call('LTRIM', KEYS[3], -keep, -1) end
   end
 end
 return 1
@@ -186,9 +189,9 @@ return cjson.encode({string.format('%d', now), redis.call('HGETALL', KEYS[1])})
 """
 )
 
-# history: for each lock, whether its hash exists and its history hash (job -> entry texts, one per
-# line; or, in the earlier form, a JSON array of them). KEYS: lock hash, history hash, for each lock.
-# Returns JSON [[exists, fields], ...].
+# history: for each lock, whether its hash exists and its history hash (job -> '' if the job's runs
+# are in its list, read next; or its runs in an earlier form: entry texts one per line, or a JSON
+# array of them). KEYS: lock hash, history hash, for each lock. Returns JSON [[exists, fields], ...].
 HISTORY_LUA = """
 local out = {}
 for i = 1, #KEYS, 2 do
