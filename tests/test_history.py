@@ -364,3 +364,20 @@ def test_the_hand_off_names_the_job_of_a_run() -> None:
     assert handoff.write("group", token, set(), None, RunInfo(0.1, None, job="explicit"), "jobs.b")
     assert handoff.write("group", token, set(), {"x": 2}, None, "jobs.c"), "a checkpoint writes no history"
     assert [r.job for r in store.history("group")] == ["explicit", "jobs.a"]
+
+
+@pytest.mark.memory
+def test_a_history_line_is_the_json_array_of_the_run() -> None:
+    """The tail a run sends, after the store's ``[ended_ms``, is valid JSON in every case: quotes,
+    backslashes, line breaks and non-ASCII in the error, the job and the node; no fire time; the
+    error cut to 500 characters."""
+    node = Node('host "1"\\:π', "10.0.0.1")
+    fire = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    cases = [
+        (RunInfo(0.25, None, fire_time=fire), None, [node.node_id, "10.0.0.1", 3, 1_893_456_000_000_000, 250_000]),
+        (RunInfo(0.0, 'KeyError: "a"\nline \\ two é' + "x" * 600), None, [node.node_id, "10.0.0.1", 3, None, 0,
+                                                                         ('KeyError: "a"\nline \\ two é' + "x" * 600)[:500]]),
+        (RunInfo(1e-6, None), 'job "b"\t', [node.node_id, "10.0.0.1", 3, None, 1, None, 'job "b"\t']),
+    ]  # fmt: skip
+    for run, job, fields in cases:
+        assert json.loads("[123" + run.history_tail(node, 3, job)) == [123, *fields]
