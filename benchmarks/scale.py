@@ -18,9 +18,10 @@ and are cleaned up the same way) run the same J jobs guarded. Each run warms up,
   of each job exactly once across the nodes); plain, per node (each node runs each fire time once);
 * APScheduler's warnings in the node logs: runs skipped by ``max_instances``, misfires.
 
-With ``--operations`` each store's row runs twice, back to back: without run history or metrics
-(``?history=0``, no port) and with both (the default 20 runs per job, ``/metrics`` served on a
-free port by each node), to show what they cost in the same run.
+With ``--operations`` each store's row runs four times, back to back: without run history or
+metrics (``?history=0``, no port), with both (the default 20 runs per job, ``/metrics`` served on
+a free port by each node), with both again, and without again (ABBA: a row run second measured up
+to 10 % more CPU than the same row run first), to show what they cost in the same run.
 
 Every guarded figure is also printed as a ratio to the plain baseline of the same row set. Prints one
 markdown table per row set; ``--json`` prints JSON instead (or, with a file name, writes it there as
@@ -79,6 +80,7 @@ class Settings:
     pool_size: int | None
     metrics: bool = False  # the guarded nodes serve /metrics (mutexcron run --metrics-port, a free port each)
     history: bool = True  # False: the nodes keep no run history (?history=0 on their URL)
+    repeat: int = 0  # --operations: which run of this set-up (1, 2), shown in the row's name
 
 
 @dataclass(frozen=True)
@@ -289,6 +291,7 @@ def run_guarded(kind: str, name: str, url: str, rs: RowSet, settings: Settings) 
     if settings.metrics:
         cluster.env.update(MUTEXCRON_METRICS_PORT="0", MUTEXCRON_METRICS_HOST="127.0.0.1")
     name += {(False, False): " (no history)", (True, True): " + history + metrics"}.get((settings.history, settings.metrics), "")
+    name += f" #{settings.repeat}" if settings.repeat else ""
     with cluster:
         window = observe(cluster.check_nodes, [p.pid for p in cluster.procs.values()], settings)
         runs = read_runs(cluster.workdir)
@@ -448,8 +451,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--operations", action="store_true",
-        help="run each store's guarded row twice, without run history or metrics (?history=0) and with both "
-        "(history kept, /metrics served), to compare them in the same run",
+        help="run each store's guarded row four times, without run history or metrics (?history=0), with both "
+        "(history kept, /metrics served), with both, without: to compare them in the same run",
     )
     parser.add_argument(
         "--json", nargs="?", const="-", metavar="FILE", help="print JSON instead of the tables; with FILE, write it there too"
@@ -490,8 +493,9 @@ def main(argv: list[str] | None = None) -> int:
                 notes.append(f"plain baseline: failed ({exc})")
         plain = plain_by_jobs[rs.jobs]
         setups = [settings]
-        if args.operations:  # each store without run history or metrics, then with both, in the same run
-            setups = [dataclasses.replace(settings, history=False), dataclasses.replace(settings, metrics=True)]
+        if args.operations:  # each store without run history or metrics and with both, ABBA, in the same run
+            off, on = dataclasses.replace(settings, history=False), dataclasses.replace(settings, metrics=True)
+            setups = [dataclasses.replace(st, repeat=n) for st, n in ((off, 1), (on, 1), (on, 2), (off, 2))]
         guarded = [r for kind in args.kinds for st in setups if (r := guarded_row(kind, rs, st, notes)) is not None]
         if tables:
             print(render(rs, plain, guarded, notes), flush=True)

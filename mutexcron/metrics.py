@@ -102,7 +102,7 @@ class Metrics:
     Fed by the rare lease events (:meth:`on_event`, a listener), by the guards (each run's start
     and end as they happen: :meth:`run_started`, :meth:`run_finished`; skipped fire times are
     counted by the guards and read at export) and by the timed store. The counts are kept by
-    :mod:`mutexcron.instruments` (a dict update under one lock each) and exported by
+    :mod:`mutexcron.instruments` (an update is queued, folded in at export) and exported by
     prometheus_client only when scraped. A job is labelled ``job_id``, not ``job``: Prometheus
     gives every scraped series the label ``job`` (the scrape job), and would rename a ``job`` of
     ours to ``exported_job``.

@@ -162,6 +162,43 @@ def test_events_feed_the_metrics() -> None:
 
 
 @pytest.mark.memory
+def test_queued_updates_stay_bounded_without_scrapes_and_none_is_lost_across_threads() -> None:
+    """Runs and store timings are queued on their path and folded in at scrape time, or by the
+    update that finds FOLD_AT waiting: nobody scraping never grows the queues past that, and
+    updates from many threads racing folds and scrapes are all counted."""
+    import threading
+
+    from mutexcron.instruments import FOLD_AT
+
+    metrics = Metrics()
+    timing = metrics.observer("hand_off")
+    cells = metrics.store_seconds.child(("hand_off",))
+    per_thread = 3 * FOLD_AT
+
+    def work() -> None:
+        for i in range(per_thread):
+            metrics.run_started("j", "L", 0.001)
+            metrics.run_finished("j", "L", "success" if i % 2 else "error", 0.002)
+            timing(0.003)
+            assert len(metrics._run_news) <= FOLD_AT + 8 and len(cells.queued) <= FOLD_AT + 8  # a few in flight
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    while any(t.is_alive() for t in threads):
+        metrics.registry.get_sample_value("mutexcron_runs_total", {"job_id": "j", "lock": "L", "outcome": "success"})
+    for thread in threads:
+        thread.join()
+    sample = metrics.registry.get_sample_value
+    runs = sample("mutexcron_runs_total", {"job_id": "j", "lock": "L", "outcome": "success"})
+    errors = sample("mutexcron_runs_total", {"job_id": "j", "lock": "L", "outcome": "error"})
+    assert runs == errors == 4 * per_thread / 2
+    assert sample("mutexcron_run_start_lag_seconds_count", {"job_id": "j", "lock": "L"}) == 4 * per_thread
+    assert sample("mutexcron_store_operation_seconds_count", {"operation": "hand_off"}) == 4 * per_thread
+    assert sample("mutexcron_store_operation_seconds_bucket", {"operation": "hand_off", "le": "0.001"}) == 0.0
+
+
+@pytest.mark.memory
 def test_the_timed_store_times_its_calls_and_passes_everything_through() -> None:
     inner = lock_store_from_url("memory://metrics-proxy")
     metrics = Metrics()
