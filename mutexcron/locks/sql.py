@@ -11,7 +11,7 @@ run in autocommit (READ COMMITTED) by a :class:`~mutexcron.backends.sql.SQLBacke
   lock keeps other writers out until the read is done.
 * hand_off, renew_many and release are conditional UPDATEs on holder **and** token.
 * hand_off with a run also appends it to the job's history in the same UPDATE, cut to the last
-  ``?history=N``: the ``runs`` text column for the only job of a lock (one entry per line), the
+  ``?history=N``: the ``runs`` text column for the only job of a lock (one history line per run), the
   ``history`` JSON object ``{job: runs}`` for the jobs of a lock group.
 * set_paused is one upsert of the operator's flag (MySQL 8: upsert and read-back in one transaction).
 * renew_many with a presence also upserts the node's row of ``<table>_nodes``: in the same
