@@ -152,24 +152,34 @@ OUTCOMES: tuple[str, ...] = ("success", "error")
 #: time), ``duration_us``, then ``error`` if the run failed (null if it did not but a job follows),
 #: then ``job`` if the line's job is not the lock's own name (only in the SQL ``runs`` column).
 HISTORY_LINE = ("ended_ms", "node", "ip", "token", "fire_us", "duration_us", "error", "job")
+_LINE_INDEX = {name: i for i, name in enumerate(HISTORY_LINE)}
+#: Every history line has the fields up to ``duration_us``; ``error`` and ``job`` only when needed.
+_LINE_REQUIRED = _LINE_INDEX["duration_us"] + 1
+
+
+def _line_field(line: Sequence[Any], name: str) -> Any:
+    """A history line's field by its :data:`HISTORY_LINE` name; None if the line stops before it."""
+    index = _LINE_INDEX[name]
+    return line[index] if len(line) > index else None
 
 
 def is_history_entry(entry: Any) -> bool:
-    """A stored run: an object, or a history line (:data:`HISTORY_LINE`) of at least six fields."""
-    return isinstance(entry, Mapping) or (isinstance(entry, list) and len(entry) >= 6)
+    """A stored run: an object, or a history line (:data:`HISTORY_LINE`) with every required field."""
+    return isinstance(entry, Mapping) or (isinstance(entry, list) and len(entry) >= _LINE_REQUIRED)
 
 
 def entry_job(entry: Any, lock: str) -> str:
-    """The job a stored run names (a line's 8th field, an object's ``job``), else the lock's own name."""
+    """The job a stored run names (a line's ``job``, an object's ``job``), else the lock's own name."""
     if isinstance(entry, list):
-        return str(entry[7]) if len(entry) > 7 and entry[7] is not None else lock
+        job = _line_field(entry, "job")
+        return lock if job is None else str(job)
     return str(entry.get("job") or lock) if isinstance(entry, Mapping) else lock
 
 
 def entry_ended(entry: Any) -> datetime:
     """When a stored run ended (the earliest time if it does not say): for ordering runs."""
     if isinstance(entry, list):
-        ended = _stored_time(entry[0]) if entry else None
+        ended = _stored_time(_line_field(entry, "ended_ms"))
     else:
         ended = _stored_time(entry.get("ended")) if isinstance(entry, Mapping) else None
     return ended or datetime.min.replace(tzinfo=timezone.utc)
@@ -248,15 +258,16 @@ class RunRecord:
 
     @classmethod
     def _from_line(cls, lock: str, job: str, line: Sequence[Any]) -> RunRecord:
-        ended, duration_us = _stored_time(line[0]), _optional_int(line[5])
-        fire_us = _optional_int(line[4])
-        error = line[6] if len(line) > 6 else None
+        ended = _stored_time(_line_field(line, "ended_ms"))
+        duration_us = _optional_int(_line_field(line, "duration_us"))
+        fire_us = _optional_int(_line_field(line, "fire_us"))
+        node, ip, error = (_line_field(line, name) for name in ("node", "ip", "error"))
         return cls(
             lock=lock,
             job=job,
-            node=None if line[1] is None else str(line[1]),
-            ip=None if line[2] is None else str(line[2]),
-            token=_optional_int(line[3]) or 0,
+            node=None if node is None else str(node),
+            ip=None if ip is None else str(ip),
+            token=_optional_int(_line_field(line, "token")) or 0,
             fire_time=None if fire_us is None else as_utc(fire_us, epoch_unit=MICROSECONDS),
             started=None if ended is None or duration_us is None else ended - timedelta(microseconds=duration_us),
             ended=ended,
