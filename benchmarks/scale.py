@@ -18,10 +18,14 @@ and are cleaned up the same way) run the same J jobs guarded. Each run warms up,
   of each job exactly once across the nodes); plain, per node (each node runs each fire time once);
 * APScheduler's warnings in the node logs: runs skipped by ``max_instances``, misfires.
 
-With ``--operations`` each store's row runs four times, back to back: without run history or
-metrics (``?history=0``, no port), with both (the default 20 runs per job, ``/metrics`` served on
-a free port by each node), with both again, and without again (ABBA: a row run second measured up
-to 10 % more CPU than the same row run first), to show what they cost in the same run.
+With ``--operations`` each store runs two clusters **side by side**, measured in one window: one
+without run history or metrics (``?history=0``, no port), one with both (the default 20 runs per
+job, ``/metrics`` served on a free port by each node), each on a table / namespace / file of its
+own; ``--repeats`` such pairs, the order in which they start swapped each time. Run one after the
+other, two rows of the same set-up differed by up to 25 % on this 2-core machine (the machine's own
+drift, which no row order cancels); side by side, both clusters see the same drift, so the
+change between them is what history and metrics cost. A note under the table gives each pair's
+change in CPU per node and their mean.
 
 Every guarded figure is also printed as a ratio to the plain baseline of the same row set. Prints one
 markdown table per row set; ``--json`` prints JSON instead (or, with a file name, writes it there as
@@ -31,6 +35,7 @@ well). The store URLs are those of ``overhead.py``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -50,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import apscheduler
-from overhead import ALL_STORES, isolated, md_table, server_version
+from overhead import ALL_STORES, Isolated, isolated, md_table, server_version
 from scale_runs import Run, read_runs
 
 from mutexcron.drill import Cluster, percentile
@@ -80,7 +85,7 @@ class Settings:
     pool_size: int | None
     metrics: bool = False  # the guarded nodes serve /metrics (mutexcron run --metrics-port, a free port each)
     history: bool = True  # False: the nodes keep no run history (?history=0 on their URL)
-    repeat: int = 0  # --operations: which run of this set-up (1, 2), shown in the row's name
+    repeat: int = 0  # --operations: which side-by-side pair (1, 2, ...), shown in the row's name
 
 
 @dataclass(frozen=True)
@@ -272,8 +277,8 @@ def run_plain(rs: RowSet, settings: Settings) -> Result:
 
 
 # -- guarded --------------------------------------------------------------------------------------
-def run_guarded(kind: str, name: str, url: str, rs: RowSet, settings: Settings) -> Result:
-    """J guarded jobs on ``--nodes`` ``mutexcron run`` nodes; fire-time counts are cluster-wide."""
+def guarded_cluster(kind: str, url: str, rs: RowSet, settings: Settings) -> Cluster:
+    """``--nodes`` ``mutexcron run`` nodes of ``scale_jobs.py`` running J guarded jobs on ``url`` (not started)."""
     prefix = f"scale-{secrets.token_hex(3)}"
     locks = tuple(f"{prefix}-{i}" for i in range(rs.locks))
     cluster = Cluster(
@@ -290,13 +295,40 @@ def run_guarded(kind: str, name: str, url: str, rs: RowSet, settings: Settings) 
     )
     if settings.metrics:
         cluster.env.update(MUTEXCRON_METRICS_PORT="0", MUTEXCRON_METRICS_HOST="127.0.0.1")
+    return cluster
+
+
+def setup_name(name: str, settings: Settings) -> str:
+    """The row's name: the store, then what is on beyond the default and which repeat it is."""
     name += {(False, False): " (no history)", (True, True): " + history + metrics"}.get((settings.history, settings.metrics), "")
-    name += f" #{settings.repeat}" if settings.repeat else ""
-    with cluster:
-        window = observe(cluster.check_nodes, [p.pid for p in cluster.procs.values()], settings)
-        runs = read_runs(cluster.workdir)
-        ops = cluster.ops()
-        skipped, misfired = log_warnings(cluster.workdir, list(cluster.procs))
+    return name + (f" #{settings.repeat}" if settings.repeat else "")
+
+
+def run_guarded(kind: str, name: str, setups: list[tuple[str, Settings]], rs: RowSet) -> list[Result]:
+    """J guarded jobs on ``--nodes`` nodes for each ``(url, settings)``, all clusters at once, measured
+    in one window (so the machine's drift is the same for each); fire-time counts are cluster-wide."""
+    with contextlib.ExitStack() as stack:
+        clusters = [stack.enter_context(guarded_cluster(kind, url, rs, st)) for url, st in setups]
+        pids = [[p.pid for p in c.procs.values()] for c in clusters]
+
+        def check() -> None:
+            for cluster in clusters:
+                cluster.check_nodes()
+
+        window = observe(check, [pid for group in pids for pid in group], setups[0][1])
+        results, at = [], 0
+        for cluster, group, (_, settings) in zip(clusters, pids, setups, strict=True):
+            own = dataclasses.replace(window, cpu_per_min=window.cpu_per_min[at : at + len(group)])
+            at += len(group)
+            results.append(guarded_result(kind, setup_name(name, settings), rs, settings, cluster, own))
+        return results
+
+
+def guarded_result(kind: str, name: str, rs: RowSet, settings: Settings, cluster: Cluster, window: Window) -> Result:
+    """One cluster's row: its fire times, store calls and warnings in ``window`` (its nodes' CPU in it)."""
+    runs = read_runs(cluster.workdir)
+    ops = cluster.ops()
+    skipped, misfired = log_warnings(cluster.workdir, list(cluster.procs))
     m0, m1 = window.mono
     calls = [s for s in ops.samples if m0 <= s[2] < m1]
     acquire = [s[3] * 1000 for s in calls if s[1] == "acquire_or_renew"]
@@ -308,31 +340,62 @@ def run_guarded(kind: str, name: str, url: str, rs: RowSet, settings: Settings) 
     )
 
 
-def guarded_row(kind: str, rs: RowSet, settings: Settings, notes: list[str]) -> Result | None:
-    """One store's guarded run of a row set on a table/namespace/file of its own; None (and a note) if it could not run."""
+def guarded_rows(kind: str, rs: RowSet, setups: list[Settings], notes: list[str]) -> list[Result]:
+    """A store's guarded runs of a row set, side by side, each on a table/namespace/file of its own;
+    none (and a note) if they could not run."""
     if kind == "mongodb" and not os.environ.get("MUTEXCRON_TEST_MONGODB_URL"):
         notes.append("mongodb: skipped (set MUTEXCRON_TEST_MONGODB_URL)")
-        return None
-    try:
-        iso = isolated(kind)
-    except MutexcronError as exc:
-        notes.append(f"{kind}: skipped ({exc})")
-        return None
-    try:
-        store = lock_store_from_url(iso.url)
+        return []
+    with contextlib.ExitStack() as cleanups:
+        stores: list[Isolated] = []
         try:
-            store.ping()
-            name = server_version(kind, store)
-        finally:
-            store.close()
-        print(f"{name}: {rs.title}...", file=sys.stderr, flush=True)
-        url = iso.url if settings.history else f"{iso.url}{'&' if '?' in iso.url else '?'}history=0"
-        return run_guarded(kind, name, url, rs, settings)
-    except MutexcronError as exc:
-        notes.append(f"{kind}: failed ({exc})")
-        return None
+            for _ in setups:
+                stores.append(isolated(kind))
+                cleanups.callback(stores[-1].cleanup)
+        except MutexcronError as exc:
+            notes.append(f"{kind}: skipped ({exc})")
+            return []
+        try:
+            name = store_name(kind, stores[0].url)
+            print(f"{name}: {rs.title}" + (f", {len(setups)} set-ups side by side" if len(setups) > 1 else "") + "...",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            urls = [
+                iso.url if st.history else f"{iso.url}{'&' if '?' in iso.url else '?'}history=0"
+                for iso, st in zip(stores, setups, strict=True)
+            ]
+            return run_guarded(kind, name, list(zip(urls, setups, strict=True)), rs)
+        except MutexcronError as exc:
+            notes.append(f"{kind}: failed ({exc})")
+            return []
+
+
+def store_name(kind: str, url: str) -> str:
+    """The store's kind and server version, e.g. ``sqlite 3.40.1`` (raises MutexcronError if unreachable)."""
+    store = lock_store_from_url(url)
+    try:
+        store.ping()
+        return server_version(kind, store)
     finally:
-        iso.cleanup()
+        store.close()
+
+
+def operations_changes(guarded: list[Result]) -> list[str]:
+    """--operations: each store's CPU per node with both against without, per side-by-side pair and on average."""
+    lines = []
+    for kind in dict.fromkeys(r.kind for r in guarded):
+        rows = [r for r in guarded if r.kind == kind]
+        pairs = [(a, b) for a, b in zip(rows[::2], rows[1::2], strict=False)]
+        changes = []
+        for a, b in pairs:
+            off, on = (a, b) if "no history" in a.name else (b, a)
+            changes.append(on.cpu_per_node_min / off.cpu_per_node_min - 1)
+        if changes:
+            each = ", ".join(f"{100 * c:+.1f} %" for c in changes)
+            lines.append(
+                f"{kind}: CPU per node with history + metrics against without, "
+                f"side by side: {each}; mean {100 * sum(changes) / len(changes):+.1f} %"
+            )
+    return lines
 
 
 # -- output ---------------------------------------------------------------------------------------
@@ -451,8 +514,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--operations", action="store_true",
-        help="run each store's guarded row four times, without run history or metrics (?history=0), with both "
-        "(history kept, /metrics served), with both, without: to compare them in the same run",
+        help="run each store's guarded row without run history or metrics (?history=0) and with both (history "
+        "kept, /metrics served), two clusters side by side in one window, --repeats times: to compare them",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=4, help="--operations: how many side-by-side pairs per store [4]"
     )
     parser.add_argument(
         "--json", nargs="?", const="-", metavar="FILE", help="print JSON instead of the tables; with FILE, write it there too"
@@ -492,11 +558,16 @@ def main(argv: list[str] | None = None) -> int:
                 plain_by_jobs[rs.jobs] = None
                 notes.append(f"plain baseline: failed ({exc})")
         plain = plain_by_jobs[rs.jobs]
-        setups = [settings]
-        if args.operations:  # each store without run history or metrics and with both, ABBA, in the same run
+        rounds = [[settings]]
+        if args.operations:  # without and with both, side by side, the order swapped each repeat
             off, on = dataclasses.replace(settings, history=False), dataclasses.replace(settings, metrics=True)
-            setups = [dataclasses.replace(st, repeat=n) for st, n in ((off, 1), (on, 1), (on, 2), (off, 2))]
-        guarded = [r for kind in args.kinds for st in setups if (r := guarded_row(kind, rs, st, notes)) is not None]
+            rounds = [
+                [dataclasses.replace(st, repeat=n) for st in ((off, on) if n % 2 else (on, off))]
+                for n in range(1, args.repeats + 1)
+            ]
+        guarded = [r for kind in args.kinds for setups in rounds for r in guarded_rows(kind, rs, setups, notes)]
+        if args.operations:
+            notes += operations_changes(guarded)
         if tables:
             print(render(rs, plain, guarded, notes), flush=True)
         doc["row_sets"].append(to_json(rs, plain, guarded, notes))
