@@ -398,6 +398,44 @@ def test_sqlite_close_releases_its_connection(wake_ctx: WakeCtx) -> None:
     assert not LOCAL_WAKERS._wakers.get((store._wake_key, "a"))
 
 
+@pytest.mark.parametrize("kind", backend_params("sqlite"))
+def test_sqlite_looks_as_often_as_its_poll_asks_on_a_busy_file(wake_ctx: WakeCtx) -> None:
+    """On a file that another connection writes all the time (the lock store's claims and
+    hand-offs), the version changes at every read: each read is followed by a ``MIN(run_at)``.
+    A worker that asks for a 1 s poll (a node that only serves triggers) reads about once a second,
+    where the default reads every 25 ms."""
+    store = wake_ctx.make()
+    eager, lazy = store.waker(["a"]), store.waker(["a"], poll=1.0)
+    wake_ctx.wakers += [eager, lazy]
+    statements = {"eager": 0, "lazy": 0}
+    for name, waker in (("eager", eager), ("lazy", lazy)):
+        assert waker._conn is not None  # type: ignore[attr-defined]
+        waker._conn.set_trace_callback(lambda _sql, name=name: statements.__setitem__(name, statements[name] + 1))  # type: ignore[attr-defined]
+    stop = threading.Event()
+
+    def write_all_the_time() -> None:
+        import sqlite3
+
+        conn = sqlite3.connect(wake_ctx.url.removeprefix("sqlite:///"), isolation_level=None)
+        conn.execute("CREATE TABLE IF NOT EXISTS busy (n INTEGER)")
+        while not stop.is_set():
+            conn.execute("INSERT INTO busy VALUES (1)")
+            time.sleep(0.005)
+        conn.close()
+
+    writer = threading.Thread(target=write_all_the_time, daemon=True)
+    writer.start()
+    try:
+        sleepers = [Sleeper(w, 2.5, settle=0) for w in (eager, lazy)]
+        for sleeper in sleepers:
+            assert sleeper.join().result is False  # nothing to wake for: the writes are not tasks
+    finally:
+        stop.set()
+        writer.join(timeout=10)
+    assert statements["lazy"] <= 2 * 5, statements  # a version and a MIN per look: one look a second, and one at the end
+    assert statements["eager"] >= 5 * statements["lazy"], statements
+
+
 # -- MariaDB / MySQL -----------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", backend_params("mysql"))
 def test_mysql_polls_with_an_index_only_next_due(wake_ctx: WakeCtx) -> None:
@@ -408,6 +446,9 @@ def test_mysql_polls_with_an_index_only_next_due(wake_ctx: WakeCtx) -> None:
     assert isinstance(store, SQLTaskStore)
     waker = wake_ctx.waker(store)
     assert isinstance(waker, RegisteredPollWaker) and waker.interval == DEFAULT_POLL
+    slow = store.waker(["a"], poll=1.0)
+    wake_ctx.wakers.append(slow)
+    assert isinstance(slow, RegisteredPollWaker) and slow.interval == 1.0
     for i in range(40):
         store.add(f"c{i % 4}", f"k{i}", timedelta(seconds=i))
     started = time.monotonic()

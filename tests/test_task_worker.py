@@ -191,6 +191,7 @@ def test_a_task_claimed_beyond_max_attempts_fails_without_running(harness: Harne
         ({"max_attempts": 0}, "max_attempts=0"),
         ({"backoff": -1}, "backoff=-1"),
         ({"jitter": 2}, "jitter=2"),
+        ({"poll": 0}, "poll=0"),
     ],
 )
 def test_bad_handler_settings_are_refused(options: dict[str, Any], words: str) -> None:
@@ -316,7 +317,7 @@ def test_stop_lets_running_handlers_finish(harness: Harness) -> None:
 class QuietStore(MemoryTaskStore):
     """A memory store without store notices or a useful poll: only an in-process wake-up helps."""
 
-    def waker(self, codes: Iterable[str]) -> Waker:
+    def waker(self, codes: Iterable[str], poll: float | None = None) -> Waker:
         return PollWaker(interval=60)
 
 
@@ -334,6 +335,29 @@ def test_an_add_in_this_process_wakes_the_worker_at_once(tmp_path: Path) -> None
         sched.tasks.add("c", "k", NOW)
         assert wait_for(lambda: bool(seen), timeout=5)
         assert seen[0] - added < 1.0
+    finally:
+        sched.shutdown()
+
+
+@pytest.mark.parametrize("own_handler", [False, True])
+def test_a_node_serving_only_triggers_looks_once_a_second_and_with_a_handler_as_often_as_the_store_allows(
+    tmp_path: Path, own_handler: bool
+) -> None:
+    """Every node with guarded jobs serves `mutexcron trigger`: on SQLite (and the stores without
+    notices) that alone must not cost a look at the store every 25 ms; a delayed-task handler of the
+    user's keeps the store's own cadence."""
+    from mutexcron.tasks.wakeup_sqlite import VERSION_POLL, SQLiteWaker
+    from mutexcron.triggers import TRIGGER_POLL
+
+    sched = MutexScheduler(lock_url=f"sqlite:///{tmp_path}/poll.db")
+    sched.add_job(print, "interval", hours=1, id="job", mutex="lock")
+    if own_handler:
+        sched.tasks.handler("c")(print)
+    sched.start(paused=True)
+    try:
+        worker = sched._tasks.worker
+        assert worker is not None and isinstance(worker._waker, SQLiteWaker)
+        assert worker._waker.version_poll == (VERSION_POLL if own_handler else TRIGGER_POLL)
     finally:
         sched.shutdown()
 

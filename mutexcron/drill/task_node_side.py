@@ -221,8 +221,8 @@ class RecordingTaskStore(TaskStore):
     def summary(self, codes: Iterable[str] | None = None) -> builtins.list[CodeSummary]:
         return self.inner.summary(codes)
 
-    def waker(self, codes: Iterable[str]) -> Waker:
-        return self.inner.waker(codes)
+    def waker(self, codes: Iterable[str], poll: float | None = None) -> Waker:
+        return self.inner.waker(codes, poll)
 
     def now(self) -> datetime:
         return self.inner.now()

@@ -342,13 +342,13 @@ class TaskStore(ABC):
         (an index-only count on the SQL stores), so it is not for a hot path.
         """
 
-    def waker(self, codes: Iterable[str]) -> Waker:
+    def waker(self, codes: Iterable[str], poll: float | None = None) -> Waker:
         """What a worker handling ``codes`` sleeps on between claims (:mod:`mutexcron.tasks.wakeup`).
 
-        The default polls every :data:`~mutexcron.tasks.wakeup.DEFAULT_POLL` seconds; stores with
-        notices override it. The caller closes it.
+        The default polls every ``poll`` seconds (None: :data:`~mutexcron.tasks.wakeup.DEFAULT_POLL`);
+        stores with notices override it. The caller closes it.
         """
-        return PollWaker(DEFAULT_POLL)
+        return PollWaker(poll or DEFAULT_POLL)
 
     @abstractmethod
     def now(self) -> datetime:

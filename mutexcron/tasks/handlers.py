@@ -88,6 +88,10 @@ class Handler:
         backoff_max: the longest wait before a retry.
         jitter: the fraction of each wait that is random (0: none, 1: anywhere from 0 to the wait),
             so tasks that failed together do not retry together.
+        poll: on stores without notices of new tasks (MySQL/MariaDB, MongoDB) and on SQLite's
+            change check, the seconds between two looks for this code's new tasks; None: the
+            store's own cadence (0.2 s; SQLite 25 ms). A node looks as often as its most eager
+            handler asks. PostgreSQL and Redis are woken by notices whatever this says.
     """
 
     code: str
@@ -97,6 +101,7 @@ class Handler:
     backoff: float = 10.0
     backoff_max: float = 3600.0
     jitter: float = 0.5
+    poll: float | None = None
     is_coroutine: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
@@ -110,6 +115,8 @@ class Handler:
         _positive(self.backoff_max, "backoff_max", self.code, zero=True)
         if isinstance(self.jitter, bool) or not isinstance(self.jitter, (int, float)) or not 0 <= self.jitter <= 1:
             raise ConfigurationError(f"handler {self.code!r}: jitter={self.jitter!r}; give a fraction from 0 to 1")
+        if self.poll is not None:
+            _positive(self.poll, "poll", self.code)
         object.__setattr__(self, "is_coroutine", inspect.iscoroutinefunction(self.func))
 
     @property

@@ -34,7 +34,7 @@ from .checks import (
     load_payload,
     resolve_due,
 )
-from .wakeup import PollWaker, Waker
+from .wakeup import DEFAULT_POLL, PollWaker, Waker
 
 __all__ = ["MemoryTaskStore"]
 
@@ -336,10 +336,11 @@ class MemoryTaskStore(TaskStore):
             for code, seen in sorted(counts.items())
         ]
 
-    def waker(self, codes: Iterable[str]) -> Waker:
-        """Polls, and is woken at once when a task of ``codes`` on the same ``memory://`` space is
-        queued (an add, a retry, a hand-back, an attempt's end that queues it again)."""
-        waker = PollWaker()
+    def waker(self, codes: Iterable[str], poll: float | None = None) -> Waker:
+        """Polls (every ``poll`` seconds, None: the default), and is woken at once when a task of
+        ``codes`` on the same ``memory://`` space is queued (an add, a retry, a hand-back, an
+        attempt's end that queues it again)."""
+        waker = PollWaker(poll or DEFAULT_POLL)
         with self.backend.mutex:
             for code in check_codes(codes):
                 self._wakers.setdefault(code, []).append(waker)

@@ -98,6 +98,7 @@ class TaskPool:
         backoff: float = 10.0,
         backoff_max: float = 3600.0,
         jitter: float = 0.5,
+        poll: float | None = None,
     ) -> Callable[[F], F]:
         """Register ``func(task)`` as the handler of task code ``code`` (see :class:`Handler`).
 
@@ -109,7 +110,7 @@ class TaskPool:
         """
 
         def register(func: F) -> F:
-            self.add_handler(Handler(code, func, lease, max_attempts, backoff, backoff_max, jitter))
+            self.add_handler(Handler(code, func, lease, max_attempts, backoff, backoff_max, jitter, poll))
             return func
 
         return register

@@ -294,10 +294,10 @@ class RedisTaskStore(TaskStore):
         ]
         return sorted(found, key=lambda summary: summary.code)
 
-    def waker(self, codes: Iterable[str]) -> Waker:
+    def waker(self, codes: Iterable[str], poll: float | None = None) -> Waker:
         """A subscription to the namespace's wake channel (:class:`~mutexcron.tasks.wakeup_redis.RedisWaker`):
         woken when an add, a retry, a hand-back or an attempt's end makes a task of ``codes`` the
-        first of its code to be claimable."""
+        first of its code to be claimable (``poll`` does not apply: it waits for notices)."""
         from .wakeup_redis import RedisWaker
 
         return RedisWaker(self.backend, check_codes(codes))

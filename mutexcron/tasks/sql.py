@@ -66,7 +66,7 @@ from .checks import (
     resolve_due,
 )
 from .sql_statements import STATEMENTS
-from .wakeup import PollWaker, Waker
+from .wakeup import DEFAULT_POLL, PollWaker, Waker
 from .wakeup_listen import LOCAL_WAKERS, RegisteredPollWaker
 
 __all__ = ["DEFAULT_TASKS_TABLE", "SQLTaskStore"]
@@ -466,20 +466,21 @@ class SQLTaskStore(TaskStore):
         ]
         return sorted(found, key=lambda summary: summary.code)
 
-    def waker(self, codes: Iterable[str]) -> Waker:
-        """What a worker of ``codes`` sleeps on (:mod:`mutexcron.tasks.wakeup`), by database:
+    def waker(self, codes: Iterable[str], poll: float | None = None) -> Waker:
+        """What a worker of ``codes`` sleeps on (:mod:`mutexcron.tasks.wakeup`), by database (``poll``:
+        the seconds between two looks where there is no notice, None for the defaults below):
 
         * PostgreSQL: ``LISTEN`` on a connection of its own for the ``NOTIFY`` an insert, a
           replace, a retry or a hand-back sends (:class:`~mutexcron.tasks.wakeup_postgresql.PostgreSQLWaker`).
-        * SQLite: ``PRAGMA data_version`` read every 25 ms on a connection of its own, and the
+        * SQLite: ``PRAGMA data_version`` read every 25 ms (``poll``) on a connection of its own, and the
           adds of this process at once (:class:`~mutexcron.tasks.wakeup_sqlite.SQLiteWaker`).
         * MySQL/MariaDB (no notices): a poll every :data:`~mutexcron.tasks.wakeup.DEFAULT_POLL`
-          seconds, the worker's own :meth:`next_due` (an index-only seek per code on the
+          seconds (``poll``), the worker's own :meth:`next_due` (an index-only seek per code on the
           ``(code, run_at)`` index), and the adds and hand-backs of this process at once.
         """
         wanted = check_codes(codes)
         if not wanted:
-            return PollWaker()
+            return PollWaker(poll or DEFAULT_POLL)
         name = self.backend.dialect.name
         if name == "postgresql":
             from .wakeup_postgresql import PostgreSQLWaker
@@ -492,8 +493,8 @@ class SQLTaskStore(TaskStore):
             head = self._sql.codes_shape(self._sql.head, self._sql.next_due_part, wanted)
             path = self.backend.engine.url.database
             assert path is not None  # the backend refuses an in-memory SQLite
-            return SQLiteWaker(path, self._wake_key, wanted, head, self.masked_url)
-        return RegisteredPollWaker(self._wake_key, wanted)
+            return SQLiteWaker(path, self._wake_key, wanted, head, self.masked_url, version_poll=poll)
+        return RegisteredPollWaker(self._wake_key, wanted, poll or DEFAULT_POLL)
 
     def _table_identity(self) -> str:
         """The task table, the same for every store of this process on it (whatever the URL's spelling)."""

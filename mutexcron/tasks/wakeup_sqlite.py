@@ -1,14 +1,14 @@
 """SQLite task notices: ``PRAGMA data_version`` on a connection of the waker's own, and in-process notices.
 
 SQLite has no notices between processes. ``PRAGMA data_version`` on a connection changes when
-*another* connection commits to the file (any process, any table), and reading it touches no
-page: :class:`SQLiteWaker` reads it every :data:`VERSION_POLL` seconds. When it changed, the waker
-reads the earliest claim time of its codes (``MIN(run_at)``, one index seek per code, on its own
-connection) and wakes only if that is earlier than the last one it saw: a claim, a renewal or a
-heartbeat of the lock store in the same file changes the version without waking anybody. A
-hand-back makes its task claimable now, before the lease's end it had (its ``run_at`` when the
-waker last looked): that is earlier, so it wakes; so does a Retry or Reschedule due before the
-earliest claim time seen.
+*another* connection commits to the file (any process, any table), and reading it touches no page:
+:class:`SQLiteWaker` reads it every :data:`VERSION_POLL` seconds (or as its worker asks). When it
+changed, the waker reads the earliest claim time of its codes (``MIN(run_at)``, one index seek per
+code, on its own connection) and wakes only if that is earlier than the last one it saw: a claim, a
+renewal or a heartbeat of the lock store in the same file changes the version without waking
+anybody. A hand-back makes its task claimable now, before the lease's end it had (its ``run_at``
+when the waker last looked): that is earlier, so it wakes; so does a Retry or Reschedule due before
+the earliest claim time seen.
 
 An add or a hand-back in this process wakes the waiting wakers at once, without the version's
 poll, through :data:`~mutexcron.tasks.wakeup_listen.LOCAL_WAKERS` (keyed by the database file and
@@ -48,6 +48,7 @@ class SQLiteWaker(Waker):
         earliest: ``(sql, parameters)`` reading the earliest ``run_at`` of ``codes`` (NULL if none).
         where: the store, for log lines.
         busy_timeout: seconds a read waits for a lock (a checkpoint) before failing.
+        version_poll: seconds between two reads of the version (None: :data:`VERSION_POLL`).
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class SQLiteWaker(Waker):
         where: str,
         *,
         busy_timeout: float = 5.0,
+        version_poll: float | None = None,
     ) -> None:
         super().__init__()
         self.path = path
@@ -66,6 +68,7 @@ class SQLiteWaker(Waker):
         self.where = where
         self._earliest_sql, self._earliest_params = earliest[0], dict(earliest[1])
         self._busy_timeout = busy_timeout
+        self.version_poll = version_poll or VERSION_POLL
         self._conn: sqlite3.Connection | None = None
         self._version: int | None = None
         self._head: str | None = None
@@ -92,7 +95,7 @@ class SQLiteWaker(Waker):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            step = VERSION_POLL if self._conn is not None else DEFAULT_POLL
+            step = self.version_poll if self._conn is not None else DEFAULT_POLL
             if self._local.wait(min(remaining, step)):
                 continue
             if self._conn is None:

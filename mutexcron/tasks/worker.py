@@ -152,6 +152,12 @@ class TaskWorker:
         return sorted(self.handlers)
 
     @property
+    def poll(self) -> float | None:
+        """Seconds between two looks on stores without notices: the most eager handler's (None: the store's own)."""
+        polls = [h.poll for h in self.handlers.values()]
+        return None if not polls or None in polls else min(p for p in polls if p is not None)
+
+    @property
     def stopping(self) -> bool:
         return self._stopping
 
@@ -169,7 +175,7 @@ class TaskWorker:
         """Start the claim thread and the handler threads (no-op without handlers or if started)."""
         if not self.handlers or self._thread is not None:
             return
-        self._waker = self.store.waker(self.codes)
+        self._waker = self.store.waker(self.codes, poll=self.poll)
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="mutexcron-task")
         self._thread = threading.Thread(target=self._loop, name="mutexcron-tasks", daemon=True)
         self._thread.start()
