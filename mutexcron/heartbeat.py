@@ -458,9 +458,10 @@ class LeaseManager:
             sent, wall = self.clock(), time.time()
             records = self.store.read_many(unknown)
             received, wall_received = self.clock(), time.time()
+            # One round trip is one clock sample: its records all say the same store time.
+            self.offset.observe(next((r for r in records.values() if r.update_time is not None), None), wall, wall_received)
             for name in unknown:
                 record = records.get(name)
-                self.offset.observe(record, wall, wall_received)
                 if record is not None:
                     self.observe_paused(name, record)
                 if self.on_read is not None:

@@ -42,6 +42,18 @@ def test_the_estimate_is_the_shortest_round_trip_sample_and_warns_once(caplog: p
     assert offset.value == pytest.approx(2.5, abs=0.01)
 
 
+def test_a_clock_that_jumps_ahead_warns_once_its_older_samples_have_left_the_window(caplog: pytest.LogCaptureFixture) -> None:
+    offset, now = ClockOffset(window=8), time.time()
+    for _ in range(8):
+        offset.observe(_record(now), now - 0.0001, now + 0.0001)  # in sync, fast replies
+    with caplog.at_level(logging.WARNING, logger="mutexcron"):
+        for i in range(8):  # the node's clock is now 3 s ahead; slower replies, so the old samples stay best
+            assert not [r for r in caplog.records if "off the store's clock" in r.getMessage()], i
+            offset.observe(_record(now - 3.0), now - 0.01, now + 0.01)
+    assert offset.value == pytest.approx(3.0, abs=0.02)
+    assert len([r for r in caplog.records if "off the store's clock" in r.getMessage()]) == 1
+
+
 def test_a_node_in_sync_has_an_offset_near_zero(tmp_path: Path) -> None:
     from mutexcron import MutexScheduler
 
