@@ -146,7 +146,8 @@ class Result:
     acquire_p99: float = math.nan
     skipped_max_instances: int = 0  # all nodes
     misfired: int = 0
-    per_node: dict[str, dict[str, float]] = field(default_factory=dict)  # plain: run/missed/duplicated by node
+    #: By node: plain, its run/missed/duplicated; guarded, its CPU s per minute and the runs it started per second.
+    per_node: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 # -- measuring ------------------------------------------------------------------------------------
@@ -332,11 +333,16 @@ def guarded_result(kind: str, name: str, rs: RowSet, settings: Settings, cluster
     m0, m1 = window.mono
     calls = [s for s in ops.samples if m0 <= s[2] < m1]
     acquire = [s[3] * 1000 for s in calls if s[1] == "acquire_or_renew"]
+    w0, w1 = window.wall
+    per_node = {
+        node: {"cpu_per_min": cpu, "runs_per_s": sum(1 for r in runs if r.node == node and w0 <= r.fire < w1) / window.seconds}
+        for node, cpu in zip(cluster.procs, window.cpu_per_min, strict=True)
+    }
     return result(
         name, kind, rs, window, count_fires(runs, window, rs.jobs, settings.drain),
         calls_per_s_node=len(calls) / window.seconds / settings.nodes,
         acquire_p50=percentile(acquire, 50), acquire_p99=percentile(acquire, 99),
-        skipped_max_instances=skipped, misfired=misfired,
+        skipped_max_instances=skipped, misfired=misfired, per_node=per_node,
     )
 
 
@@ -380,22 +386,39 @@ def store_name(kind: str, url: str) -> str:
 
 
 def operations_changes(guarded: list[Result]) -> list[str]:
-    """--operations: each store's CPU per node with both against without, per side-by-side pair and on average."""
+    """--operations: each store's CPU per node with both against without, per side-by-side pair and
+    on average, and what a run and a node that runs none cost in each (:func:`cost_per_run`)."""
     lines = []
     for kind in dict.fromkeys(r.kind for r in guarded):
         rows = [r for r in guarded if r.kind == kind]
-        pairs = [(a, b) for a, b in zip(rows[::2], rows[1::2], strict=False)]
-        changes = []
-        for a, b in pairs:
-            off, on = (a, b) if "no history" in a.name else (b, a)
-            changes.append(on.cpu_per_node_min / off.cpu_per_node_min - 1)
-        if changes:
-            each = ", ".join(f"{100 * c:+.1f} %" for c in changes)
-            lines.append(
-                f"{kind}: CPU per node with history + metrics against without, "
-                f"side by side: {each}; mean {100 * sum(changes) / len(changes):+.1f} %"
-            )
+        pairs = [(a, b) if "no history" in a.name else (b, a) for a, b in zip(rows[::2], rows[1::2], strict=False)]
+        if not pairs:
+            continue
+        changes = [on.cpu_per_node_min / off.cpu_per_node_min - 1 for off, on in pairs]
+        (run_off, base_off), (run_on, base_on) = (cost_per_run([p[i] for p in pairs]) for i in (0, 1))
+        lines.append(
+            f"{kind}: CPU per node with history + metrics against without, side by side: "
+            f"{', '.join(f'{100 * c:+.1f} %' for c in changes)}; mean {100 * sum(changes) / len(changes):+.1f} %. "
+            f"Fitted over the nodes, a run costs {run_off:.0f} µs without, {run_on:.0f} µs with "
+            f"({100 * (run_on / run_off - 1):+.1f} %), and a node that runs none {base_off:.2f} and {base_on:.2f} CPU s a minute"
+        )
     return lines
+
+
+def cost_per_run(results: list[Result]) -> tuple[float, float]:
+    """``cpu = base + runs x per_run`` fitted (least squares) over every node of ``results``: each
+    node's CPU against the runs it started, so how the locks happened to spread over the nodes
+    (one holder of all, or a few each) does not move the figures. Returns (µs of CPU per run,
+    CPU s per minute of a node that runs nothing); NaN without spread in the runs."""
+    points = [(n["runs_per_s"], n["cpu_per_min"]) for r in results for n in r.per_node.values()]
+    if len(points) < 2:
+        return math.nan, math.nan
+    mx, my = (sum(p[i] for p in points) / len(points) for i in (0, 1))
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx == 0:
+        return math.nan, math.nan
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx  # CPU s per minute per run a second
+    return slope / 60 * 1e6, my - slope * mx
 
 
 # -- output ---------------------------------------------------------------------------------------
