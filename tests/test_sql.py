@@ -567,3 +567,77 @@ def test_a_caller_waits_for_a_connection_to_come_back_then_fails_closed(tmp_path
     held.close()
     store.ping()
     store.close()
+
+
+# -- SQLite: one writer at a time -------------------------------------------------------------------
+def test_sqlite_writers_of_one_process_take_turns_on_one_mutex_per_file(tmp_path: Path) -> None:
+    """A holder's executor threads hand off together: they queue on the file's mutex in this process
+    (not in SQLite's busy handler, which sleeps 1, 2, 5 ms... between tries), whatever store and
+    URL spelling they write through; every write lands."""
+    from mutexcron.backends.sql import write_mutex
+    from mutexcron.tasks import task_store_from_url
+
+    path = tmp_path / "turns.db"
+    locks = SQLLockStore(f"sqlite:///{path}")
+    again = SQLLockStore(f"sqlite:///{tmp_path}/./turns.db")
+    tasks = task_store_from_url(f"sqlite:///{path}")
+    try:
+        mutex = write_mutex(str(path))
+        assert locks.backend._write_mutex is mutex and again.backend._write_mutex is mutex
+        assert tasks.backend._write_mutex is mutex  # type: ignore[attr-defined]
+        tokens = {f"l{i}": locks.acquire_or_renew(f"l{i}", A, ttl=60).token for i in range(12)}
+        failures: list[BaseException] = []
+
+        def hand_off(name: str) -> None:
+            try:
+                for run in range(30):
+                    assert (again if run % 2 else locks).hand_off(name, A, tokens[name], {"run": run}, RunInfo(0.001))
+            except BaseException as exc:  # reported below
+                failures.append(exc)
+
+        threads = [threading.Thread(target=hand_off, args=(name,)) for name in tokens]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not failures, failures
+        assert all(locks.read(name).attrs == {"run": 29} for name in tokens)  # type: ignore[union-attr]
+    finally:
+        for store in (locks, again, tasks):
+            store.close()
+
+
+def test_a_sqlite_write_that_waits_past_the_busy_timeout_for_its_turn_is_contention(tmp_path: Path) -> None:
+    """A write waits for this process's other writers no longer than for another process's (the
+    busy timeout), and then fails as contention does; reads never wait for a turn."""
+    from mutexcron.backends.sql import SQLBackend, write_mutex
+
+    path = tmp_path / "held.db"
+    store = SQLLockStore(SQLBackend(f"sqlite:///{path}", connect_timeout=0.3))
+    try:
+        token = store.acquire_or_renew("l", A, ttl=60).token
+        mutex = write_mutex(str(path))
+        taken = threading.Event()
+        release = threading.Event()
+
+        def hold() -> None:  # another thread of this process in the middle of a write
+            with mutex:
+                taken.set()
+                release.wait(10)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert taken.wait(5)
+        try:
+            assert store.read("l") is not None  # a read does not queue
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailableError, match="other writers of this process"):
+                store.hand_off("l", A, token, {"k": 1})
+            assert 0.25 < time.monotonic() - started < 5
+            assert store.acquire_or_renew("l", A, ttl=60).uncertain  # an acquire is uncertain, not refused
+        finally:
+            release.set()
+            holder.join(timeout=10)
+        assert store.hand_off("l", A, token, {"k": 2}) and store.read("l").attrs == {"k": 2}  # type: ignore[union-attr]
+    finally:
+        store.close()

@@ -8,6 +8,12 @@ idle for minutes. What differs between databases (driver, session settings, time
 SQL) is one :class:`~mutexcron.backends.sql_dialects.SQLDialect` per registry family, in
 :mod:`mutexcron.backends.sql_dialects`.
 
+SQLite lets one connection write at a time. Its busy handler makes a writer that finds the file
+locked sleep 1 ms, 2 ms, 5 ms... and try again; the threads of one node (a holder's executor
+handing off the runs of one second) would take turns that way, each turn a wasted wake-up and a
+few system calls. So writes to a SQLite file queue on one mutex per file in this process
+(:func:`write_mutex`), and reach the busy handler only when another process holds the file.
+
 Failures: contention (a busy SQLite file, a lock wait timeout, a deadlock, a lost insert race)
 raises :class:`~mutexcron.backends.base.UncertainOutcome`; a database that cannot be reached
 raises StoreUnavailableError; a request the database refuses (a value out of range, too long or
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 import threading
 import time
@@ -66,6 +73,16 @@ _MYSQL_DISCONNECTS = frozenset({2006, 2013})  # server has gone away, lost conne
 _MYSQL_PACKET_CHECK_BYTES = 1 << 20
 _T = TypeVar("_T")
 
+_write_mutexes: dict[str, threading.RLock] = {}
+_write_mutexes_guard = threading.Lock()
+
+
+def write_mutex(path: str) -> threading.RLock:
+    """The mutex this process's writers to the SQLite file ``path`` queue on (one per file, whatever the spelling)."""
+    key = os.path.realpath(path)
+    with _write_mutexes_guard:
+        return _write_mutexes.setdefault(key, threading.RLock())
+
 class SQLBackend(Backend):
     """A SQLAlchemy engine on one database, and the table name from ``?table=``.
 
@@ -107,6 +124,10 @@ class SQLBackend(Backend):
         #: The database's clock in SQL.
         self.clock = self.dialect.clock
         self.engine: Engine = self._create_engine(rest, connect_timeout, engine_options)
+        database = self.engine.url.database
+        #: Where this process's writers queue (one-writer databases), and for how long at most.
+        self._write_mutex = write_mutex(database) if self.dialect.one_writer and database else None
+        self._write_wait = connect_timeout
         # text() parses bind parameters with a regex on every call: build each statement once.
         self.text = functools.lru_cache(maxsize=256)(sqlalchemy.text)
 
@@ -196,9 +217,26 @@ class SQLBackend(Backend):
             return result
 
         try:
-            return self.run(in_transaction, operation)
+            mutex = self._queue_to_write(operation)
+            try:
+                return self.run(in_transaction, operation)
+            finally:
+                if mutex is not None:
+                    mutex.release()
         except UncertainOutcome as exc:
             raise self.uncertain(exc) from exc
+
+    def _queue_to_write(self, operation: str) -> threading.RLock | None:
+        """Take this process's turn to write a one-writer database (held until the caller releases
+        it); None elsewhere. Waiting longer than the busy timeout is contention, as in the driver.
+
+        Raises:
+            UncertainOutcome: no turn within the busy timeout.
+        """
+        mutex = self._write_mutex
+        if mutex is not None and not mutex.acquire(timeout=self._write_wait):
+            raise UncertainOutcome(operation, f"other writers of this process held the file for {self._write_wait:g}s")
+        return mutex
 
     def run(self, work: Callable[[Connection], _T], operation: str) -> _T:
         """Run ``work(connection)`` on a pooled connection, translating driver errors.
@@ -242,7 +280,12 @@ class SQLBackend(Backend):
             return (list(result.fetchall()) if result.returns_rows else []), result.rowcount
 
         try:
-            return self.run(one, operation)
+            mutex = self._queue_to_write(operation) if write else None
+            try:
+                return self.run(one, operation)
+            finally:
+                if mutex is not None:
+                    mutex.release()
         except UncertainOutcome as exc:
             if write:
                 raise

@@ -99,6 +99,9 @@ class SQLDialect:
     engine_options: Mapping[str, Any] = field(default_factory=dict)
     packet_limit: str | None = None  # asks the server for its statement size limit
     file_only: bool = False  # an in-memory database would be private to one connection
+    #: One writer at a time for the whole database (a SQLite file): this process's writers queue on
+    #: a mutex of the file's (:func:`mutexcron.backends.sql.write_mutex`) instead of in the driver.
+    one_writer: bool = False
 
 
 DIALECTS: dict[str, SQLDialect] = {
@@ -115,6 +118,7 @@ DIALECTS: dict[str, SQLDialect] = {
         connect_args=_sqlite_args,
         session=_sqlite_session,
         file_only=True,
+        one_writer=True,
     ),
     "mysql": SQLDialect(  # MySQL and MariaDB
         name="mysql",
