@@ -386,39 +386,18 @@ def store_name(kind: str, url: str) -> str:
 
 
 def operations_changes(guarded: list[Result]) -> list[str]:
-    """--operations: each store's CPU per node with both against without, per side-by-side pair and
-    on average, and what a run and a node that runs none cost in each (:func:`cost_per_run`)."""
+    """--operations: each store's CPU per node with both against without, per side-by-side pair and on average."""
     lines = []
     for kind in dict.fromkeys(r.kind for r in guarded):
         rows = [r for r in guarded if r.kind == kind]
         pairs = [(a, b) if "no history" in a.name else (b, a) for a, b in zip(rows[::2], rows[1::2], strict=False)]
-        if not pairs:
-            continue
         changes = [on.cpu_per_node_min / off.cpu_per_node_min - 1 for off, on in pairs]
-        (run_off, base_off), (run_on, base_on) = (cost_per_run([p[i] for p in pairs]) for i in (0, 1))
-        lines.append(
-            f"{kind}: CPU per node with history + metrics against without, side by side: "
-            f"{', '.join(f'{100 * c:+.1f} %' for c in changes)}; mean {100 * sum(changes) / len(changes):+.1f} %. "
-            f"Fitted over the nodes, a run costs {run_off:.0f} µs without, {run_on:.0f} µs with "
-            f"({100 * (run_on / run_off - 1):+.1f} %), and a node that runs none {base_off:.2f} and {base_on:.2f} CPU s a minute"
-        )
+        if changes:
+            lines.append(
+                f"{kind}: CPU per node with history + metrics against without, side by side: "
+                f"{', '.join(f'{100 * c:+.1f} %' for c in changes)}; mean {100 * sum(changes) / len(changes):+.1f} %"
+            )
     return lines
-
-
-def cost_per_run(results: list[Result]) -> tuple[float, float]:
-    """``cpu = base + runs x per_run`` fitted (least squares) over every node of ``results``: each
-    node's CPU against the runs it started, so how the locks happened to spread over the nodes
-    (one holder of all, or a few each) does not move the figures. Returns (µs of CPU per run,
-    CPU s per minute of a node that runs nothing); NaN without spread in the runs."""
-    points = [(n["runs_per_s"], n["cpu_per_min"]) for r in results for n in r.per_node.values()]
-    if len(points) < 2:
-        return math.nan, math.nan
-    mx, my = (sum(p[i] for p in points) / len(points) for i in (0, 1))
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    if sxx == 0:
-        return math.nan, math.nan
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx  # CPU s per minute per run a second
-    return slope / 60 * 1e6, my - slope * mx
 
 
 # -- output ---------------------------------------------------------------------------------------
