@@ -21,7 +21,7 @@ from mutexcron.errors import ConfigurationError
 from mutexcron.tasks import TaskRecord, TaskStore
 from mutexcron.tasks.handlers import Handler, Task
 from mutexcron.tasks.memory import MemoryTaskStore
-from mutexcron.tasks.wakeup import PollWaker, Waker
+from mutexcron.tasks.wakeup import DEFAULT_POLL, PollWaker, Waker
 from mutexcron.tasks.worker import TaskWorker
 from tests.backends import FakeClock
 
@@ -360,6 +360,25 @@ def test_a_node_serving_only_triggers_looks_once_a_second_and_with_a_handler_as_
         assert worker._waker.version_poll == (VERSION_POLL if own_handler else TRIGGER_POLL)
     finally:
         sched.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("polls", "looks_every"),
+    [
+        ((None,), DEFAULT_POLL),
+        ((1.0,), 1.0),
+        ((1.0, None), DEFAULT_POLL),  # the handler without poll= keeps the store's cadence
+        ((0.05, None), 0.05),  # and one that asks for more looks gets them
+        ((2.0, 0.5), 0.5),
+    ],
+)
+def test_a_worker_looks_as_often_as_its_most_eager_handler_asks(
+    harness: Harness, polls: tuple[float | None, ...], looks_every: float
+) -> None:
+    handlers = [Handler(f"c{i}", print, poll=poll) for i, poll in enumerate(polls)]
+    worker = harness.worker(*handlers)
+    assert worker.poll == looks_every
+    assert isinstance(worker._waker, PollWaker) and worker._waker.interval == looks_every
 
 
 # -- schedulers on one SQLite file -------------------------------------------------------------------

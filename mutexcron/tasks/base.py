@@ -342,13 +342,18 @@ class TaskStore(ABC):
         (an index-only count on the SQL stores), so it is not for a hot path.
         """
 
+    @property
+    def default_poll(self) -> float:
+        """Seconds between two looks for new tasks where no notice comes, when no handler asks otherwise."""
+        return DEFAULT_POLL
+
     def waker(self, codes: Iterable[str], poll: float | None = None) -> Waker:
         """What a worker handling ``codes`` sleeps on between claims (:mod:`mutexcron.tasks.wakeup`).
 
         The default polls every ``poll`` seconds (None: :data:`~mutexcron.tasks.wakeup.DEFAULT_POLL`);
         stores with notices override it. The caller closes it.
         """
-        return PollWaker(poll or DEFAULT_POLL)
+        return PollWaker(poll or self.default_poll)
 
     @abstractmethod
     def now(self) -> datetime:

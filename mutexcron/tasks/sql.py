@@ -466,6 +466,15 @@ class SQLTaskStore(TaskStore):
         ]
         return sorted(found, key=lambda summary: summary.code)
 
+    @property
+    def default_poll(self) -> float:
+        """SQLite's change check looks every 25 ms (it reads no page); elsewhere :data:`~mutexcron.tasks.wakeup.DEFAULT_POLL`."""
+        if self.backend.dialect.name == "sqlite":
+            from .wakeup_sqlite import VERSION_POLL
+
+            return VERSION_POLL
+        return DEFAULT_POLL
+
     def waker(self, codes: Iterable[str], poll: float | None = None) -> Waker:
         """What a worker of ``codes`` sleeps on (:mod:`mutexcron.tasks.wakeup`), by database (``poll``:
         the seconds between two looks where there is no notice, None for the defaults below):

@@ -153,9 +153,10 @@ class TaskWorker:
 
     @property
     def poll(self) -> float | None:
-        """Seconds between two looks on stores without notices: the most eager handler's (None: the store's own)."""
-        polls = [h.poll for h in self.handlers.values()]
-        return None if not polls or None in polls else min(p for p in polls if p is not None)
+        """Seconds between two looks on stores without notices: the most eager handler's, a handler
+        without ``poll`` asking for the store's own cadence (None without handlers)."""
+        default = self.store.default_poll
+        return min((default if h.poll is None else h.poll for h in self.handlers.values()), default=None)
 
     @property
     def stopping(self) -> bool:
