@@ -202,24 +202,10 @@ class SQLBackend(Backend):
         IMMEDIATE), committed, or rolled back on any error (a connection that cannot roll back is
         invalidated: never pooled with row locks held). An unknown outcome raises
         StoreUnavailableError."""
-
-        def in_transaction(conn: Connection) -> _T:
-            conn.exec_driver_sql(begin)
-            try:
-                result = work(conn)
-                conn.exec_driver_sql("COMMIT")
-            except BaseException:
-                try:
-                    conn.exec_driver_sql("ROLLBACK")
-                except sa_exc.SQLAlchemyError:
-                    conn.invalidate()
-                raise
-            return result
-
         try:
             mutex = self._queue_to_write(operation)
             try:
-                return self.run(in_transaction, operation)
+                return self.run(lambda conn: self.transaction(conn, work, begin), operation)
             finally:
                 if mutex is not None:
                     mutex.release()
@@ -291,9 +277,10 @@ class SQLBackend(Backend):
                 raise
             raise self.uncertain(exc) from exc
 
-    def transaction(self, conn: Connection, work: Callable[[Connection], _T]) -> _T:
-        """Run ``work`` in one explicit transaction on an autocommit connection (MySQL/PostgreSQL syntax)."""
-        conn.exec_driver_sql("START TRANSACTION")
+    def transaction(self, conn: Connection, work: Callable[[Connection], _T], begin: str = "START TRANSACTION") -> _T:
+        """Run ``work`` in one explicit transaction opened with ``begin`` on an autocommit connection,
+        committed, or rolled back on any error (:func:`_roll_back`)."""
+        conn.exec_driver_sql(begin)
         try:
             result = work(conn)
             conn.exec_driver_sql("COMMIT")

@@ -471,10 +471,7 @@ class SQLLockStore(LockStore):
             conn.execute(text(self._sql.claim_many), dict(params))
             return list(conn.execute(text(read), read_params).fetchall())
 
-        try:
-            return self._run(lambda conn: self.backend.transaction(conn, work), "claim_many")
-        except UncertainOutcome as exc:
-            raise self.backend.uncertain(exc) from exc
+        return self._transaction(work, "claim_many")
 
     def release(self, name: str, node: Node, token: int) -> bool:
         _, count = self._write(self._sql.release, {"name": name, "me": node.node_id, "token": token}, "release")
