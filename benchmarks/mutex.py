@@ -20,58 +20,16 @@ store gets its own table / namespace / collection / file, removed at the end.
 from __future__ import annotations
 
 import argparse
-import os
-import secrets
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+
+from overhead import ALL_STORES, isolated
 
 from mutexcron import Mutex
 from mutexcron.errors import MutexcronError
-from mutexcron.locks import Node, lock_store_from_url
-
-DEFAULT_URLS = {
-    "mysql": "mysql://root@127.0.0.1:3306/test",
-    "postgresql": "postgresql://postgres@127.0.0.1:5432/test",
-    "redis": "redis://127.0.0.1:6379/0",
-}
-ALL_STORES = ("memory", "sqlite", "mysql", "postgresql", "redis", "mongodb")
-
-
-def isolated_url(kind: str, workdir: str) -> str:
-    """A URL of its own for ``kind`` (raises MutexcronError when no server is configured)."""
-    tag = secrets.token_hex(3)
-    if kind == "memory":
-        return f"memory://bench-{tag}"
-    if kind == "sqlite":
-        return f"sqlite:///{workdir}/bench-{tag}.db"
-    base = os.environ.get(f"MUTEXCRON_TEST_{kind.upper()}_URL") or DEFAULT_URLS.get(kind)
-    if not base:
-        raise MutexcronError(f"no {kind} server: set MUTEXCRON_TEST_{kind.upper()}_URL")
-    option = {"redis": f"namespace=bench-{tag}", "mongodb": f"collection=mc_bench_{tag}"}.get(kind, f"table=mc_bench_{tag}")
-    return f"{base}{'&' if '?' in base else '?'}{option}"
-
-
-def drop(kind: str, url: str) -> None:
-    """Remove what the run created on a server."""
-    store: Any = lock_store_from_url(url)
-    try:
-        if kind in ("mysql", "postgresql"):
-            import sqlalchemy
-
-            with store.engine.connect() as conn:
-                conn.execute(sqlalchemy.text(f"DROP TABLE IF EXISTS {store.table}"))
-                conn.commit()
-        elif kind == "redis":
-            store.destroy_namespace()
-        elif kind == "mongodb":
-            store.collection.drop()
-    finally:
-        store.close()
+from mutexcron.locks import Node
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -139,20 +97,15 @@ def main() -> int:
     header = ["store", "ping p50", "ping p99", "hold+release p50", "p99", "ratio p50", "ratio p99"]
     header += ["store ops p50", "Mutex adds (µs, p50)", "refused p50"]
     rows: list[list[str]] = []
-    workdir = tempfile.mkdtemp(prefix="mutexcron-bench-")
-    try:
-        for kind in args.stores.split(","):
+    for kind in args.stores.split(","):
+        try:
+            iso = isolated(kind)
             try:
-                url = isolated_url(kind, workdir)
-                try:
-                    rows.append(row(kind, measure(url, args.iterations)))
-                finally:
-                    if kind not in ("memory", "sqlite"):
-                        drop(kind, url)
-            except MutexcronError as exc:  # no server configured or reachable: say so, go on
-                print(f"skipped {kind}: {exc}", file=sys.stderr)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+                rows.append(row(kind, measure(iso.url, args.iterations)))
+            finally:
+                iso.cleanup()
+        except MutexcronError as exc:  # no server configured or reachable: say so, go on
+            print(f"skipped {kind}: {exc}", file=sys.stderr)
     print(f"Mutex.hold()+release vs raw round trip, ms ({args.iterations} iterations, Python {sys.version.split()[0]})\n")
     print("| " + " | ".join(header) + " |")
     print("|---|" + "---:|" * (len(header) - 1))

@@ -93,21 +93,28 @@ def isolated(kind: str, tag: str | None = None) -> Isolated:
     if not base:
         raise MutexcronError(f"no {kind} server: set MUTEXCRON_TEST_{kind.upper()}_URL")
     sep = "&" if "?" in base else "?"
-    option = {"redis": f"namespace=bench-{tag}", "mongodb": f"collection=mc_bench_{tag}"}.get(kind, f"table=mc_bench_{tag}")
+    # SQL: the task table too, so the nodes' task workers (`mutexcron trigger`) use one of the run's own
+    sql = f"table=mc_bench_{tag}&tasks_table=mc_bench_{tag}_tasks"
+    option = {"redis": f"namespace=bench-{tag}", "mongodb": f"collection=mc_bench_{tag}"}.get(kind, sql)
     url = f"{base}{sep}{option}"
     return Isolated(kind, url, lambda: drop(kind, url))
 
 
 def drop(kind: str, url: str) -> None:
-    """Remove the table, namespace or collection of an isolated URL."""
+    """Remove the tables (locks, ``<table>_nodes``, tasks), namespace or collection of an isolated URL."""
     store: Any = lock_store_from_url(url)
     try:
         if kind in ("mysql", "postgresql"):
-            import sqlalchemy
+            from mutexcron.tasks.sql import SQLTaskStore
 
-            with store.engine.connect() as conn:
-                conn.execute(sqlalchemy.text(f"DROP TABLE IF EXISTS {store.table}"))
-                conn.commit()
+            tasks = SQLTaskStore(url)
+            try:
+                with store.engine.connect() as conn:
+                    for table in (store.table, store.nodes_table, tasks.table):
+                        conn.exec_driver_sql(f"DROP TABLE IF EXISTS {table}")
+                    conn.commit()
+            finally:
+                tasks.close()
         elif kind == "redis":
             store.destroy_namespace()
         elif kind == "mongodb":
@@ -389,7 +396,7 @@ def bench_ticks(kind: str, iterations: int, replicas: int = 6) -> list[Row]:
     from contextvars import copy_context
     from datetime import datetime, timedelta, timezone
 
-    from mutexcron.guard import _FIRE_TIME
+    from mutexcron.guard.job import _FIRE_TIME
 
     def call(job: Any, fire: datetime) -> None:
         _FIRE_TIME.set(fire)

@@ -1,7 +1,14 @@
 """Celery's "one task at a time" feed importer (the cookbook recipe), with a Mutex as the lock.
 
     python examples/celery_feed_import.py     # no Celery needed: calls the task function directly
-    MUTEXCRON_LOCK_URL=redis://cache:6379/0 celery -A celery_feed_import worker   # as a Celery task
+
+As a Celery task (``pip install "celery[redis]" "mutexcron[redis]"``), from ``examples/``: the
+broker (Celery's queue) and the lock store are two settings, here two Redis databases::
+
+    export CELERY_BROKER_URL=redis://cache:6379/1       # where Celery queues the tasks
+    export MUTEXCRON_LOCK_URL=redis://cache:6379/0      # where the workers' Mutex keeps its locks
+    celery -A celery_feed_import worker --loglevel=INFO --concurrency=4    # on every worker host
+    python -c 'from celery_feed_import import import_feed; import_feed.delay("https://example.com/feed.rss")'
 
 The recipe's lock is ``cache.add(lock_id, oid, LOCK_EXPIRE)`` ... ``cache.delete(lock_id)``. With a
 Mutex instead:
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -59,7 +67,8 @@ try:
 except ImportError:  # Celery is optional: the function runs as is
     pass
 else:
-    app = Celery("feeds")
+    # The broker is Celery's, not mutexcron's: MUTEXCRON_LOCK_URL only names the lock store.
+    app = Celery("feeds", broker=os.environ.get("CELERY_BROKER_URL", "redis://localhost:6379/1"))
     import_feed = app.task(name="feeds.import_feed")(import_feed)
 
 

@@ -14,6 +14,10 @@ The job is an ``async def``. Store calls run on worker threads and the lease is 
 mutexcron's heartbeat thread, so a job that blocks the loop delays neither (but it still blocks
 your requests: keep blocking work in ``asyncio.to_thread``).
 
+uvicorn configures its own loggers only: without a handler on the root logger, mutexcron's
+INFO lines (lock acquired, taken over, store unreachable and back) would go nowhere. The lifespan
+configures logging first (:func:`configure_logging`); an app with its own logging set-up keeps it.
+
 ``FASTAPI_APP_RUNS_LOG`` (tests only): append one JSON line per run to that file.
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -46,8 +51,16 @@ async def refresh_rates(refreshed: int = 0) -> dict[str, Any]:
     return {"refreshed": refreshed + 1}
 
 
+def configure_logging() -> None:
+    """Log mutexcron's lines (INFO and up) to stderr, unless the app already configured logging."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+    logging.getLogger("mutexcron").setLevel(logging.INFO)
+
+
 @asynccontextmanager
 async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+    configure_logging()
     sched.start()  # on uvicorn's running loop
     try:
         yield

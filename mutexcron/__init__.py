@@ -11,6 +11,7 @@ from .errors import (
     JobsFileError,
     LeaseError,
     MutexcronError,
+    StaleTaskError,
     StoreError,
     StoreUnavailableError,
 )
@@ -31,16 +32,15 @@ from .events import (
     EVENT_STORE_UP,
     MutexEvent,
 )
-from .guard import MutexConfig, MutexThreadPoolExecutor
-from .lease import Lease, current_lease
+from .guard.job import MutexConfig, MutexThreadPoolExecutor
+from .guard.lease import Lease, current_lease
 from .locks import LockStore, lock_store_from_url
-from .mutex import HeldLease, Mutex
-from .record import LockRecord
+from .locks.record import LockRecord
+from .mutex.lock import HeldLease, Mutex
 from .scheduler import BlockingMutexScheduler, MutexScheduler, MutexSchedulerMixin
-from .tasks.base import TaskRecord
+from .tasks.base import Reschedule, TaskRecord
 from .tasks.pool import TaskPool
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "EVENT_CAUGHT_UP",
@@ -76,6 +76,8 @@ __all__ = [
     "MutexSchedulerMixin",
     "MutexThreadPoolExecutor",
     "MutexcronError",
+    "Reschedule",
+    "StaleTaskError",
     "StoreError",
     "StoreUnavailableError",
     "TaskPool",

@@ -1,5 +1,5 @@
 """``python -m mutexcron``: the same as the ``mutexcron`` command."""
 
-from .cli import main
+from .cli.main import main
 
 main()

@@ -24,7 +24,7 @@ class AsyncIOMutexScheduler(MutexSchedulerMixin, AsyncIOScheduler):  # type: ign
     _runs_coroutines = True
 
     def _create_default_executor(self) -> Any:
-        from .guard_async import MutexAsyncIOExecutor
+        from .guard.job_async import MutexAsyncIOExecutor
 
         return MutexAsyncIOExecutor()
 

@@ -32,12 +32,26 @@ class StoreUnavailableError(StoreError):
     """The lock store cannot be reached right now. Guarded jobs do not run until it can."""
 
 
+class SchemaMissingError(StoreError):
+    """A read-only store (the dashboard's) found no table where the store keeps its records: no
+    node has used this store yet, and a reader never creates one."""
+
+
 class AttrsError(MutexcronError, TypeError):
     """Lock attrs that cannot be stored as JSON."""
 
 
 class LeaseError(MutexcronError):
     """A lease operation was used outside the context that supports it."""
+
+
+class StaleTaskError(MutexcronError):
+    """A task's completion inside the caller's transaction was refused by its fence: this attempt no
+    longer runs the task (its lease ran out and a newer attempt took it over, or it is gone).
+
+    Raised by :meth:`mutexcron.tasks.handlers.Task.complete`. Let it propagate: your transaction
+    rolls back with the writes of this stale attempt, and the worker records nothing more for it.
+    """
 
 
 class TaskSignal(MutexcronError):

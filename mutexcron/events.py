@@ -18,6 +18,8 @@ from typing import Any
 
 from apscheduler.events import SchedulerEvent
 
+from .names import printable
+
 __all__ = [
     "EVENT_CAUGHT_UP",
     "EVENT_LOCK_ACQUIRED",
@@ -231,8 +233,8 @@ def _paused(e: MutexEvent) -> None:
     log.warning(
         "lock %r is paused (by %s): its guarded jobs are skipped on every node until `mutexcron resume %s`",
         e.lock,
-        e.details.get("paused_by"),
-        e.lock,
+        printable(e.details.get("paused_by")),  # an operator's text: escaped, never a forged line
+        printable(e.lock),
     )
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .clockoffset import ClockOffset
+from .backends.health import StoreHealth
 from .errors import StoreError, StoreUnavailableError
 from .events import (
     EVENT_LOCK_ACQUIRED,
@@ -36,12 +36,14 @@ from .events import (
     MutexEvent,
     log_event,
 )
-from .handoff import AttrsHandOff
-from .health import StoreHealth
+from .guard.agreement import Agreement, SharedNodeId
+from .guard.handoff import AttrsHandOff
+from .guard.views import STANDBY_REFRESH, RecordViews
 from .locks import AcquireResult, FireClaim, HeldClaim, LockStore, Node, RunInfo
 from .locks.base import Presence
-from .record import LockRecord
-from .views import STANDBY_REFRESH, RecordViews
+from .locks.record import LockRecord
+from .observability.clock_offset import ClockOffset
+from .version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,11 @@ class LeaseManager:
         clock: monotonic clock for this node's own deadlines (injectable for tests).
         max_attrs_bytes: the largest attrs (as JSON) a run may store; larger ones raise AttrsError.
         emit: where lease and store events go (:mod:`mutexcron.events`; default: the log lines alone).
+        zones: lock name -> the time zone this node computes the lock's fire times in (locks with
+            cron or date jobs; see :meth:`zone_refusal`).
+        triggers: lock name -> its jobs on this node and their triggers (``{job: trigger text}``),
+            written with the zone on taking the lock and compared with the holder's by the others
+            (:mod:`mutexcron.guard.agreement`).
     """
 
     def __init__(
@@ -82,6 +89,8 @@ class LeaseManager:
         clock: Callable[[], float] = time.monotonic,
         max_attrs_bytes: int | None = None,
         emit: Emit | None = None,
+        zones: Mapping[str, str] | None = None,
+        triggers: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.store = store
         self.emit: Emit = emit or log_event
@@ -106,6 +115,13 @@ class LeaseManager:
         self.offset = ClockOffset()  # this node's wall clock against the store's, from records it reads
         self._paused: dict[str, bool] = {}  # lock -> paused, as this node last saw it
         self._presence_at: float | None = None  # monotonic: when this node last published its presence
+        self._retiring: set[str] = set()  # locks to release once their running jobs end (remove_lock)
+        self._gave_up: str | None = None  # why this node can run no guarded job any more (give_up)
+        self._zones: dict[str, str] = dict(zones or {})  # lock -> the zone this node computes its fire times in
+        self._zone_refused: dict[str, str] = {}  # lock -> the other zone its live holder computes them in
+        self._triggers: dict[str, dict[str, str]] = {k: dict(v) for k, v in (triggers or {}).items()}
+        self.agreement = Agreement(node.node_id)  # this node's jobs file against the holders' records
+        self.node_id_check = SharedNodeId(node.node_id)  # another process with this node's id
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -126,7 +142,35 @@ class LeaseManager:
         """Guard one more lock (a job added after ``start()``); starts the thread if needed."""
         with self._mutex:
             self._locks.setdefault(name, ttl)
+            self._retiring.discard(name)
         self.start()
+
+    def remove_lock(self, name: str) -> None:
+        """Stop guarding ``name`` (its last job was removed, or a paused scheduler's shared job):
+        release it if held, at once or when its running jobs end."""
+        with self._mutex:
+            if name not in self._locks:
+                return
+            if self._running.get(name):
+                self._retiring.add(name)  # end_run releases it
+                return
+            del self._locks[name]
+            held = self._held.pop(name, None)
+            self._paused.pop(name, None)
+            self._zones.pop(name, None)
+            self._triggers.pop(name, None)
+            self._zone_refused.pop(name, None)
+        self.views.forget(name)  # no view left to wake the thread for
+        self.handoff.forget(name)
+        if held is not None:
+            self._release(name, held.token)
+
+    def _release(self, name: str, token: int) -> None:
+        try:
+            if self.store.release(name, self.node, token):
+                self._emit(EVENT_LOCK_RELEASED, name, token)
+        except (StoreUnavailableError, StoreError) as exc:
+            log.warning("could not release lock %r (%s); it will expire after its lease", name, exc)
 
     def ttl(self, name: str) -> float:
         with self._mutex:
@@ -150,13 +194,22 @@ class LeaseManager:
         with self._mutex:
             return {n: h.token for n, h in self._held.items() if now < h.deadline}
 
-    def _set_held(self, name: str, token: int, sent_at: float, ttl: float, previous: LockRecord | None) -> bool:
-        """Record a held lease; True if this node just became the holder (then logs it once)."""
+    def _set_held(
+        self, name: str, token: int, sent_at: float, ttl: float, previous: LockRecord | None, *, guarded_only: bool = False
+    ) -> bool | None:
+        """Record a held lease; True if this node just became the holder (then logs it once).
+
+        ``guarded_only``: None, and nothing recorded, if no job guards ``name`` any more (its last
+        job was removed while the acquire was in flight): the caller releases it.
+        """
         with self._mutex:
+            if guarded_only and (name not in self._locks or name in self._retiring):
+                return None
             old = self._held.get(name)
             self._held[name] = _Held(token, sent_at + ttl)
         if old is not None and old.token == token:
             return False
+        self.node_id_check.took(name, sent_at)
         if previous is not None and previous.holder and previous.holder != self.node.node_id:
             self._emit(
                 EVENT_LOCK_TAKEN_OVER,
@@ -199,12 +252,18 @@ class LeaseManager:
 
         An ``uncertain`` answer (contention, unknown outcome) neither extends nor drops the lease.
         """
-        ttl = self.ttl(name)
+        with self._mutex:
+            ttl = self._locks.get(name)
+            if ttl is None or name in self._retiring:  # a run in flight of a job removed meanwhile
+                return None
         sent_at = self.clock()
-        if not self.holds_any(name):
+        held_before = self.holds_any(name)
+        if not held_before:
             elsewhere = self.views.held_elsewhere(name, sent_at)
             if elsewhere is not None:  # a standby that read the record a moment ago: no store call
                 return AcquireResult(False, elsewhere)
+        if claim is not None:
+            self.node_id_check.sent(name, claim)
         wall = time.time()
         try:
             result = self.store.acquire_or_renew(name, self.node, ttl, claim)
@@ -215,14 +274,18 @@ class LeaseManager:
         self.health.report(True)
         self.views.seen(name, result.record, sent_at, self.clock(), self.node.node_id)
         self.observe_paused(name, result.record)
+        self.observe_zone(name, result.record)
         if result.uncertain:
             log.info("lock %r: the store could not settle this acquire (contention); not counted", name)
         elif result.acquired:
             self.handoff.remember(name, result.token, result.record)
             if self._set_held(name, result.token, sent_at, ttl, None):
+                self._write_zone(name, result.token, result.record)
                 # Another job of the same lock group may have missed a fire time during the
                 # failover; this job's own fire time is already claimed, so it is not repeated.
                 self._acquired(name, result.record)
+            elif held_before and claim is not None and not result.claimed and not result.record.paused:
+                self.node_id_check.lost(name, claim, ttl, self.clock())
         else:
             self._drop(name, f"held by {result.record.holder} (token {result.record.token})")
         return result
@@ -234,6 +297,8 @@ class LeaseManager:
         are dropped. Returns the nonces of the claims won, or None if the store is unreachable.
         """
         sent_at = self.clock()
+        for item in claims:
+            self.node_id_check.sent(item.lock, item.claim)
         try:
             result = self.store.claim_many(self.node, claims)
         except (StoreUnavailableError, StoreError) as exc:
@@ -246,11 +311,82 @@ class LeaseManager:
         with self._mutex:
             for lock in result.renewed:
                 held = self._held.get(lock)
-                if held is not None and held.token == tokens.get(lock):
-                    held.deadline = sent_at + self._locks[lock]
+                ttl = self._locks.get(lock)  # None: removed meanwhile (remove_lock drops its lease too)
+                if held is not None and held.token == tokens.get(lock) and ttl is not None:
+                    held.deadline = sent_at + ttl
         for lock in set(tokens) - set(result.renewed):
             self._drop(lock, "another node holds it now", tokens[lock])
+        for item in claims:  # lost on a lock still held: by another writer with this node's id?
+            if item.lock in result.renewed and item.lock not in result.paused and item.claim.nonce not in result.won:
+                self.node_id_check.lost(item.lock, item.claim, self._locks.get(item.lock, 0.0), self.clock())
         return set(result.won)
+
+    # -- time zones ----------------------------------------------------------------------------------
+    def set_zone(self, name: str, zone: str | None, triggers: Mapping[str, str] | None = None) -> None:
+        """The zone this node computes ``name``'s fire times in (None: they do not depend on one),
+        and ``name``'s jobs on this node with their triggers (None: left as they are)."""
+        with self._mutex:
+            if zone is None:
+                self._zones.pop(name, None)
+            else:
+                self._zones[name] = zone
+            changed = triggers is not None and self._triggers.get(name) != dict(triggers)
+            if triggers is not None:
+                self._triggers[name] = dict(triggers)
+            held = self._held.get(name) if changed else None
+        if held is not None:  # a job added to a lock this node holds: its record names it at once
+            try:
+                self.store.set_zone(name, self.node, held.token, zone, triggers)
+            except (NotImplementedError, StoreUnavailableError, StoreError):
+                pass  # written again at the next acquisition
+
+    def zone_refusal(self, name: str) -> str | None:
+        """Why this node refuses ``name``'s jobs, or None: its live holder computes their fire times
+        in another zone (the record says which), so the two nodes would name different instants."""
+        with self._mutex:
+            theirs, mine = self._zone_refused.get(name), self._zones.get(name)
+        if theirs is None:
+            return None
+        return (
+            f"lock {name!r}: its holder computes fire times in time zone {theirs}, this node "
+            f"({self.node.node_id}) in {mine}; this node runs none of its jobs and does not take it over. "
+            f"Give every node the same zone: timezone={theirs!r} (or the zone you mean) on the scheduler or on the job's trigger"
+        )
+
+    def observe_zone(self, name: str, record: LockRecord) -> None:
+        """Compare a record's zone with this node's: one ERROR line when they start to differ while
+        another node holds the lock, one INFO line when they agree again."""
+        with self._mutex:
+            mine = self._zones.get(name)
+            other = record.holder is not None and record.holder != self.node.node_id
+            theirs = record.zone if other and mine is not None and record.zone not in (None, mine) else None
+            before = self._zone_refused.get(name)
+            if theirs is None:
+                self._zone_refused.pop(name, None)
+            else:
+                self._zone_refused[name] = theirs
+        if theirs is not None and theirs != before:
+            log.error("%s", self.zone_refusal(name))
+        elif theirs is None and before is not None:
+            log.info("lock %r: the time zones agree again (%s)", name, record.zone or mine)
+        if other:  # the rest of the jobs file: the lease and the jobs' triggers (one WARNING per change)
+            with self._mutex:
+                lease, jobs = self._locks.get(name), self._triggers.get(name)
+            self.agreement.check(record, lease, jobs, record.triggers)
+
+    def _write_zone(self, name: str, token: int, record: LockRecord) -> None:
+        """Just became the holder: record the zone this node computes the lock's fire times in, and
+        the lock's jobs with their triggers (what the other nodes compare their jobs file with)."""
+        with self._mutex:
+            mine, jobs = self._zones.get(name), self._triggers.get(name) or None
+        if (mine is None or record.zone == mine) and (jobs is None or record.triggers == jobs):
+            return
+        try:
+            self.store.set_zone(name, self.node, token, mine if mine is not None else record.zone, jobs)
+        except NotImplementedError:  # a store without zones (a test double): no zone rule
+            return
+        except (StoreUnavailableError, StoreError) as exc:
+            log.warning("lock %r: could not record time zone %s (%s); written at the next acquisition", name, mine, exc)
 
     # -- pause ---------------------------------------------------------------------------------------
     def paused(self, name: str) -> bool:
@@ -296,6 +432,11 @@ class LeaseManager:
             if not self._running[name]:
                 del self._running[name]
             self._idle.notify_all()
+            retire = name in self._retiring and name not in self._running
+            if retire:
+                self._retiring.discard(name)
+        if retire:
+            self.remove_lock(name)
 
     # -- attrs -------------------------------------------------------------------------------------
     def attrs(self, name: str, token: int) -> dict[str, Any]:
@@ -386,6 +527,8 @@ class LeaseManager:
 
     def _lock_round(self) -> None:
         try:
+            if self._gave_up is not None:
+                self._release_all(self.held(), self.running(), quiet=True)
             self._renew()
             if not self._stopping:
                 self._take_over()
@@ -432,8 +575,9 @@ class LeaseManager:
         with self._mutex:
             for name in renewed:
                 held = self._held.get(name)
-                if held is not None and held.token == leases[name]:
-                    held.deadline = sent_at + self._locks[name]
+                ttl = self._locks.get(name)  # None: removed meanwhile
+                if held is not None and held.token == leases[name] and ttl is not None:
+                    held.deadline = sent_at + ttl
         for name in set(leases) - renewed:
             self._drop(name, "another node holds it now", leases[name])
 
@@ -442,14 +586,13 @@ class LeaseManager:
         due = self._presence_at is None or self.clock() - self._presence_at >= PRESENCE_EVERY
         if not renewing and not due:
             return None
-        from . import __version__
-
         return Presence(__version__, self.offset.value)
 
     def _take_over(self) -> None:
         held = self.held()
         locks = self.locks()
-        wanted = [n for n in locks if n not in held]
+        with self._mutex:
+            wanted = [n for n in locks if n not in held and n not in self._retiring]
         if not wanted:
             return
         due, unknown = self.views.stale(wanted, self.clock())
@@ -464,6 +607,7 @@ class LeaseManager:
                 record = records.get(name)
                 if record is not None:
                     self.observe_paused(name, record)
+                    self.observe_zone(name, record)
                 if self.on_read is not None:
                     self.on_read(name, record)
                 self.views.seen(name, record, sent, received, self.node.node_id)
@@ -473,7 +617,10 @@ class LeaseManager:
         for name in due:
             if self._stopping:
                 return
-            self._try_take_over(name, locks[name], before.get(name))
+            with self._mutex:
+                refused = name in self._zone_refused
+            if not refused:  # a node in another zone than the lock's holder never takes it over
+                self._try_take_over(name, locks[name], before.get(name))
 
     def _try_take_over(self, name: str, ttl: float, before: LockRecord | None) -> None:
         sent_at, wall = self.clock(), time.time()
@@ -483,7 +630,14 @@ class LeaseManager:
         if not result.acquired:
             return
         self.handoff.remember(name, result.token, result.record)
-        if self._set_held(name, result.token, sent_at, ttl, before):
+        became = self._set_held(name, result.token, sent_at, ttl, before, guarded_only=True)
+        if became is None:
+            # Its last job was removed while the acquire was in flight: nothing here guards it any
+            # more, so it is not kept (it would be renewed with no job, and never released).
+            self.handoff.forget(name)
+            self._release(name, result.token)
+        elif became:
+            self._write_zone(name, result.token, result.record)
             self._acquired(name, before)
 
     def _expire(self) -> None:
@@ -516,20 +670,35 @@ class LeaseManager:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=15)  # longer than one store operation's timeout
-        for name, token in self.held().items():
+        self._release_all(self.held(), busy)
+        with self._mutex:
+            self._held.clear()
+
+    def _release_all(self, held: Mapping[str, int], busy: Mapping[str, int], *, quiet: bool = False) -> None:
+        """Release the leases in ``held``, except those with a guarded run still going (``busy``;
+        said once at a stop, ``quiet`` when given up: asked again every round until the run ends)."""
+        for name, token in held.items():
             if name in busy:
+                if quiet:
+                    continue
                 log.warning(
                     "not releasing lock %r: a job is still running after the shutdown timeout; the lease will expire on its own",
                     name,
                 )
                 continue
-            try:
-                if self.store.release(name, self.node, token):
-                    self._emit(EVENT_LOCK_RELEASED, name, token)
-            except (StoreUnavailableError, StoreError) as exc:
-                log.warning("could not release lock %r (%s); it will expire after its lease", name, exc)
+            self._release(name, token)
+            with self._mutex:
+                if name in self._held and self._held[name].token == token:
+                    del self._held[name]
+
+    def give_up(self, reason: str) -> None:
+        """This node can run no guarded job any more (its scheduler loop died): no takeover and no
+        new run from now on, its leases are released by the heartbeat thread (each once its running
+        job, if any, has ended), and :meth:`unhealthy` says ``reason``."""
         with self._mutex:
-            self._held.clear()
+            self._stopping = True
+            self._gave_up = reason
+        self.wake()
 
     @property
     def clock_offset(self) -> float | None:
@@ -539,6 +708,8 @@ class LeaseManager:
     def unhealthy(self) -> str | None:
         """Why this node cannot be trusted to run guarded jobs now, or None if it can: the store
         is unreachable, the heartbeat thread is not running, or no round succeeded for 3 periods."""
+        if self._gave_up is not None:
+            return self._gave_up
         if self.health.up is False:
             return f"lock store {self.store.masked_url} is unreachable"
         if self.locks() and (self._thread is None or not self._thread.is_alive()):

@@ -1,4 +1,5 @@
-"""The one rule for lock names and job ids, which become keys in every store."""
+"""The one rule for lock names and job ids, which become keys in every store, and the one escape
+for names and other outside text shown in a log line or on a terminal."""
 
 from __future__ import annotations
 
@@ -26,3 +27,13 @@ def check_name(name: object, what: str) -> str:
         shown = ", ".join(f"U+{ord(c):04X}" for c in bad)
         raise ConfigurationError(f"bad {what} {name!r}: it contains the control character(s) {shown}; it must be {rule}")
     return name
+
+
+def printable(text: object) -> str:
+    """``text`` safe for one log or terminal line: every non-printable character (a newline, a
+    terminal escape, a NUL...) is shown as its escape (``\\n``, ``\\x1b``), so outside text such as
+    ``pause --by`` can never forge a line or drive a terminal."""
+    shown = str(text)
+    if shown.isprintable():
+        return shown
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in shown)

@@ -9,43 +9,43 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.schedulers.blocking import BlockingScheduler
-from apscheduler.triggers.cron import CronTrigger
-from apscheduler.util import undefined
+from apscheduler.util import ref_to_obj, undefined
 
-from . import apscheduler_internals as aps
-from .batch import ClaimBatch, run_batch
-from .catchup import CatchUp
-from .decorators import ScheduleDecorators
 from .errors import ConfigurationError
 from .events import EVENT_MUTEX_ALL, MutexEvent, log_event
-from .firetimes import guard_trigger
-from .guard import GuardContext, GuardedJob, MutexConfig, MutexThreadPoolExecutor, _as_config, _seconds
+from .guard import apscheduler_internals as aps
+from .guard.batch import ClaimBatch, run_batch
+from .guard.catchup import CatchUp
+from .guard.decorators import ScheduleDecorators
+from .guard.firetimes import guard_trigger, zone_of
+from .guard.job import GuardContext, GuardedJob, MutexConfig, MutexThreadPoolExecutor, _as_config, _seconds
+from .guard.triggers import register_triggers
 from .heartbeat import LeaseManager
-from .locks import DEFAULT_LOCK_URL, LockStore, Node, lock_store_from_url
+from .jobstores.hooks import SharedJobsMixin
+from .locks import DEFAULT_LOCK_URL, LockStore, Node, default_lock_url, lock_store_from_url, store_scope_note
+from .locks.record import DEFAULT_MAX_ATTRS_BYTES
 from .node import default_node_id, outbound_ip
-from .pings import register as register_pings
-from .record import DEFAULT_MAX_ATTRS_BYTES
+from .observability.pings import register as register_pings
 from .tasks.pool import TaskPool
 from .tasks.runner import TaskRunner
 from .tasks.worker import DEFAULT_CONCURRENCY
-from .triggers import register_triggers
 
 if TYPE_CHECKING:
-    from .metrics import Observability
+    from .observability.metrics import Observability
 
 log = logging.getLogger(__name__)
 
 DEFAULT_UNACTIVE_INTERVAL = 10.0
 
 
-class MutexSchedulerMixin(ScheduleDecorators):
+class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
     """Adds leased, fenced locks to an APScheduler 3 scheduler.
 
     Args:
@@ -66,10 +66,11 @@ class MutexSchedulerMixin(ScheduleDecorators):
         metrics_port: serve Prometheus metrics and health checks on this port from ``start()`` to
             ``shutdown()`` (``/metrics``, ``/healthz``, ``/readyz``; needs ``mutexcron[metrics]``);
             ``$MUTEXCRON_METRICS_PORT`` sets it too. Default: none, nothing is served.
-        metrics_host: the address it binds (``$MUTEXCRON_METRICS_HOST``; default 0.0.0.0).
-        **kwargs: passed to the APScheduler scheduler; ``timezone`` is **UTC by default**
-            (APScheduler's default is the host's zone, which would make ``cron_schedule(hour=3)``
-            a different instant on each node).
+        metrics_host: the address it binds (``$MUTEXCRON_METRICS_HOST``; default 127.0.0.1, this host
+            only: ``"0.0.0.0"`` exposes the endpoints on every interface).
+        **kwargs: passed to the APScheduler scheduler. ``timezone`` is APScheduler's default (the
+            host's zone); every node must compute a lock's cron and date fire times in the same zone,
+            and a node in another zone than the lock's record refuses its jobs (the zone rule).
     """
 
     def __init__(
@@ -88,7 +89,7 @@ class MutexSchedulerMixin(ScheduleDecorators):
         metrics_host: str | None = None,
         **kwargs: Any,
     ) -> None:
-        self.lock_url = lock_url or os.environ.get("MUTEXCRON_LOCK_URL") or DEFAULT_LOCK_URL
+        self.lock_url = lock_url or default_lock_url()
         self._lock_store = lock_store
         self.node_id = node_id or os.environ.get("MUTEXCRON_NODE_ID") or default_node_id()
         # A default id names this process; a scheduler built before a fork (gunicorn --preload)
@@ -119,10 +120,8 @@ class MutexSchedulerMixin(ScheduleDecorators):
         self._guarded: dict[str, GuardedJob] = {}  # job id -> guard
         self._user_misfire: set[str] = set()
         self._used_ids: set[str] = set()
+        self._forget_after_run: set[str] = set()  # removed jobs with a run still going: forget_job
         self._setup_lock = threading.RLock()  # add_job from several threads, and start()
-        gconfig = args[0] if args and isinstance(args[0], Mapping) else kwargs.get("gconfig", {})
-        if not any(str(k).endswith("timezone") for k in gconfig):
-            kwargs.setdefault("timezone", "UTC")
         super().__init__(*args, **kwargs)
         self.add_listener(log_event, EVENT_MUTEX_ALL)  # type: ignore[attr-defined]  # the log lines are a listener
         self._observability = _observability(metrics_port, metrics_host)  # /metrics, /healthz, /readyz
@@ -214,19 +213,28 @@ class MutexSchedulerMixin(ScheduleDecorators):
         misfire_grace_time: Any, coalesce: Any, max_instances: Any, next_run_time: Any, jobstore: str,
         executor: str, replace_existing: bool, mutex: Any, trigger_args: dict[str, Any],
     ) -> Any:
-        config = _as_config(mutex) or getattr(func, "__mutexcron_mutex__", None)
         raw = func
         if id is None and callable(func):
             id = self._stable_id(func)
+        # A job in a shared job store keeps the user's function (every node restores it from the
+        # store and applies the guard there): jobstores/node.py's rule gives its guard.
+        shared = self._is_shared_store(jobstore)
+        if shared:
+            raw = ref_to_obj(func) if isinstance(func, str) else func
+            config: MutexConfig | None = self._shared_jobs.config_for_add(raw, mutex, str(id), jobstore)
+            if next_run_time is not undefined:
+                self._shared_jobs.mark_explicit(str(id))
+        else:
+            config = _as_config(mutex) or getattr(func, "__mutexcron_mutex__", None)
         if id is not None:
             self._used_ids.add(id)
             if misfire_grace_time is not undefined:  # the user's choice wins, even if mutex() comes later
                 self._user_misfire.add(id)
         if config is not None:
             guard = self._guard(raw, config, str(id))
-            self._check_group(guard)  # before anything is added
-            func = guard
+            func = func if shared else guard
             trigger, trigger_args = self._guarded_trigger(trigger, trigger_args, guard), {}
+            self._check_group(guard)  # before anything is added
             if coalesce is undefined:
                 coalesce = True
             if misfire_grace_time is undefined and self._leases is not None:
@@ -238,7 +246,9 @@ class MutexSchedulerMixin(ScheduleDecorators):
             )
         except (ValueError, TypeError) as exc:
             raise ConfigurationError(f"cannot add job {id!r}: {exc}") from None
-        if config is not None:
+        if shared:
+            self._shared_jobs.register(job.id, raw, guard)
+        elif config is not None:
             self._register_guard(job.id, func)
         try:
             raw.__dict__.setdefault("__mutexcron_jobs__", []).append(job)
@@ -246,21 +256,79 @@ class MutexSchedulerMixin(ScheduleDecorators):
             pass
         return job
 
+    def remove_job(self, job_id: str, jobstore: str | None = None) -> None:
+        """APScheduler's ``remove_job`` (also what it calls for a finished date job); a guarded
+        job's registration is undone too (:meth:`forget_job`)."""
+        super().remove_job(job_id, jobstore)
+        self.forget_job(job_id)
+
+    def remove_all_jobs(self, jobstore: str | None = None) -> None:
+        """APScheduler's ``remove_all_jobs``; the removed guarded jobs are forgotten (:meth:`forget_job`)."""
+        super().remove_all_jobs(jobstore)  # type: ignore[misc]
+        for job_id in list(self._guarded):
+            if self.get_job(job_id) is None:  # type: ignore[attr-defined]
+                self.forget_job(job_id)
+
+    def forget_job(self, job_id: str) -> None:
+        """Undo what adding job ``job_id`` registered, once APScheduler no longer has it.
+
+        Its guard, its stable id and its metrics series go. If it was the last job of its lock,
+        the lock is released (fenced; when a run in progress ends) and forgotten: no longer
+        renewed, taken over or shown, and its lock's series go too. Unknown ids are ignored.
+        """
+        with self._setup_lock:
+            self._used_ids.discard(job_id)
+            self._user_misfire.discard(job_id)
+            if job_id in self._guarded and self._instances(job_id):
+                # Submitted and not ended yet (APScheduler removes a date job in the pass that
+                # submits its run): forgotten when its last instance ends (_job_instance_ended).
+                self._forget_after_run.add(job_id)
+                return
+            self._forget_guard(job_id)
+
+    def _instances(self, job_id: str) -> int:
+        """Runs of ``job_id`` submitted to an executor and not ended yet."""
+        return sum(aps.instances(executor, job_id) for executor in list(aps.executors(self).values()))
+
+    def _job_instance_ended(self, job_id: str) -> None:
+        """An executor ended a run of ``job_id`` (mutexcron's executors call this)."""
+        if job_id not in self._forget_after_run:
+            return
+        with self._setup_lock:
+            if job_id in self._forget_after_run and not self._instances(job_id):
+                self._forget_guard(job_id)
+
+    def _forget_guard(self, job_id: str) -> None:
+        self._forget_after_run.discard(job_id)
+        guard = self._guarded.pop(job_id, None)
+        if guard is None:
+            return
+        jobs = getattr(guard.func, "__dict__", {}).get("__mutexcron_jobs__")
+        if jobs:
+            jobs[:] = [job for job in jobs if job.id != job_id]
+        per_lock = self._guard_context.jobs_per_lock
+        per_lock[guard.lock] -= 1
+        last = per_lock[guard.lock] <= 0
+        if last:
+            del per_lock[guard.lock]
+            if self._leases is not None and not guard.config.callable_lock:
+                self._leases.remove_lock(guard.lock)
+        if self._catch_up is not None:
+            self._catch_up.forget(job_id, guard.lock if last else None)
+        metrics = self._observability.metrics if self._observability is not None else None
+        if metrics is not None:
+            metrics.forget(job_id, guard.lock if last else None)
+
     def _guarded_trigger(self, trigger: Any, trigger_args: dict[str, Any], guard: GuardedJob) -> Any:
         """The trigger built as APScheduler would, then made to name the same slots on every node."""
         try:
             built = aps.create_trigger(self, trigger, dict(trigger_args))
         except (ValueError, TypeError, LookupError) as exc:
             raise ConfigurationError(f"cannot add job {guard.job_id!r}: {exc}") from None
-        if isinstance(built, CronTrigger) and str(built.timezone) != str(self.timezone):  # type: ignore[attr-defined]
-            log.warning(
-                "guarded job %r fires in time zone %s, not the scheduler's %s: every node must use the same "
-                "zone (pass timezone= explicitly to the trigger)",
-                guard.job_id,
-                built.timezone,
-                self.timezone,  # type: ignore[attr-defined]
-            )
-        return guard_trigger(built, guard.job_id)
+        trigger = guard_trigger(built, guard.job_id)
+        guard.zone = zone_of(trigger)
+        guard.trigger_text = str(trigger)
+        return trigger
 
     def _stable_id(self, func: Callable[..., Any]) -> str:
         base = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
@@ -279,40 +347,65 @@ class MutexSchedulerMixin(ScheduleDecorators):
                 f"job {job_id!r} is a coroutine function (async def): use mutexcron.AsyncIOMutexScheduler, "
                 f"not {type(self).__name__}"
             )
-        from .guard_async import AsyncGuardedJob
+        from .guard.job_async import AsyncGuardedJob
 
         return AsyncGuardedJob(self._guard_context, func, config, job_id)
 
     _runs_coroutines = False  # True on the asyncio flavour
 
     def _check_group(self, guard: GuardedJob) -> None:
-        """Jobs sharing a lock share one lease length."""
+        """Jobs sharing a lock share one lease length and one time zone."""
         if guard.config.callable_lock:
             return
         for other in self._guarded.values():
-            if other.lock == guard.lock and other.config.unactive_interval != guard.config.unactive_interval:
+            if other.lock != guard.lock or other.job_id == guard.job_id:
+                continue
+            if other.config.unactive_interval != guard.config.unactive_interval:
                 raise ConfigurationError(
                     f"jobs {other.job_id!r} and {guard.job_id!r} share lock {guard.lock!r} but have different "
                     "unactive_interval values; a lock has one lease length: give them the same one"
                 )
+            if None not in (other.zone, guard.zone) and other.zone != guard.zone:
+                raise ConfigurationError(
+                    f"jobs {other.job_id!r} and {guard.job_id!r} share lock {guard.lock!r} but fire in time zones "
+                    f"{other.zone} and {guard.zone}; a lock's record carries one zone: give both triggers the same timezone="
+                )
+
+    def _lock_triggers(self, lock: str) -> dict[str, str]:
+        """``lock``'s jobs on this node and their triggers, as the holder writes them for the others to compare."""
+        return {
+            job_id: g.trigger_text
+            for job_id, g in self._guarded.items()
+            if g.lock == lock and g.trigger_text is not None and not g.config.callable_lock
+        }
+
+    def _lock_zone(self, lock: str) -> str | None:
+        """The zone this node computes ``lock``'s fire times in: its jobs' (None: no job depends on one)."""
+        return next((g.zone for g in self._guarded.values() if g.lock == lock and g.zone is not None), None)
 
     def _register_guard(self, job_id: str, guard: GuardedJob) -> None:
+        self._forget_after_run.discard(job_id)  # re-added before its removed run ended
         replaced = self._guarded.get(job_id)
         if replaced is not None:
             self._guard_context.jobs_per_lock[replaced.lock] -= 1
         self._guarded[job_id] = guard
         self._guard_context.jobs_per_lock[guard.lock] += 1
         if self._leases is not None and not guard.config.callable_lock:
+            self._leases.set_zone(guard.lock, self._lock_zone(guard.lock), self._lock_triggers(guard.lock))
             self._leases.add_lock(guard.lock, guard.ttl)
 
     def _guard_existing(self, job: Any, func: Callable[..., Any], config: MutexConfig) -> None:
+        if self._shared_jobs.owns(job.id):  # the options go on the function, where every node reads them
+            func.__mutexcron_mutex__ = config  # type: ignore[attr-defined]
+            self._shared_jobs.register(job.id, func, self._guard(func, self._shared_jobs.config_of(func, job.id), job.id))
+            return
         guard = self._guard(func, config, job.id)
+        trigger = self._guarded_trigger(job.trigger, {}, guard)
         self._check_group(guard)
         changes: dict[str, Any] = {"func": guard}
         if job.id not in self._user_misfire and self._leases is not None:
             changes["misfire_grace_time"] = self._guard_misfire(guard)
         job.modify(**changes)
-        trigger = self._guarded_trigger(job.trigger, {}, guard)
         if trigger is not job.trigger or self._leases is not None:
             # Recompute the next fire time from the cluster-wide anchor, not from this node's start.
             if self._leases is None:
@@ -342,13 +435,18 @@ class MutexSchedulerMixin(ScheduleDecorators):
                 if mutex_executor is not None:
                     aps.replace_executor(self, alias, mutex_executor)
             self._check_guarded_executors()
-            locks = {g.lock: g.ttl for g in self._guarded.values() if not g.config.callable_lock}
+            self._share_jobstores()
+            # Shared jobs' locks are taken only while the scheduler runs (jobstores/node.py).
+            shared = self._shared_jobs
+            locks = {g.lock: g.ttl for g in self._guarded.values() if not g.config.callable_lock and not shared.owns(g.job_id)}
             store = self.lock_store  # a bad URL fails here, before anything starts
             self._size_store_pool(store)
             if self._observability is not None:  # serves from here; the heartbeat and ticks use a timed store
                 store = self._observability.start(self, store)
                 self._guard_context.run_stats = self._observability.metrics
-            self._catch_up = CatchUp(self, lambda: self._guarded, self._emit, self.node_id)
+            # A shared job's missed fire times are its loop's: the stored next run time stays due until
+            # the holder runs it (by misfire_grace_time and coalesce), so no takeover catch-up for it.
+            self._catch_up = CatchUp(self, lambda: self._guarded, self._emit, self.node_id, skip=shared.owns)
             self._leases = LeaseManager(
                 store,
                 self.node,
@@ -357,6 +455,8 @@ class MutexSchedulerMixin(ScheduleDecorators):
                 on_read=self._catch_up.check_missed,
                 max_attrs_bytes=self.max_attrs_bytes,
                 emit=self._emit,
+                zones={lock: zone for lock in locks if (zone := self._lock_zone(lock)) is not None},
+                triggers={lock: self._lock_triggers(lock) for lock in locks},
             )
             self._guard_context.leases = self._leases
             for job in aps.pending_jobs(self):
@@ -372,14 +472,19 @@ class MutexSchedulerMixin(ScheduleDecorators):
                 len(locks),
                 len(self._tasks.pool.handlers),
             )
+            note = store_scope_note(store.url, defaulted=self._own_store and self.lock_url == DEFAULT_LOCK_URL)
+            if note is not None:
+                log.log(*note)
         self._started_pid = os.getpid()
         _at_exit(self._stop_at_exit)
         # The heartbeat thread starts first: BlockingScheduler.start() does not return.
         self._leases.start()
-        if self.triggers and self._tasks.available() and any(not g.config.callable_lock for g in self._guarded.values()):
+        guarded = any(not g.config.callable_lock for g in self._guarded.values()) or (self._has_shared_stores() and not paused)
+        if self.triggers and self._tasks.available() and guarded:
             register_triggers(self)  # type: ignore[arg-type]  # `mutexcron trigger JOB`: a guarded job through its lock
         self._tasks.start(self.node_id, self._leases, self._emit)
         super().start(paused)  # type: ignore[misc]
+
 
     def _size_store_pool(self, store: LockStore) -> None:
         """Tell a SQL store how many threads can call it at once (the executors' threads, the
@@ -410,10 +515,35 @@ class MutexSchedulerMixin(ScheduleDecorators):
         self._claim_batch.open()
         try:
             return aps.process_jobs(self, super()._process_jobs)  # type: ignore[misc]
+        except Exception as exc:  # APScheduler's loop dies with this, in every flavour
+            self._loop_died(exc)
+            raise
         finally:
-            entries = self._claim_batch.close()
-            if entries:
-                aps.submit_work(entries[0].executor, lambda: run_batch(entries, _start_one))
+            self._submit_batch(self._claim_batch.close())
+
+    def _submit_batch(self, entries: list[Any]) -> None:
+        """Hand the pass's guarded runs to the pool. Never raises: an error here would end
+        APScheduler's loop (this runs on its thread), and the node would keep its leases and run nothing."""
+        if not entries:
+            return
+        try:
+            aps.submit_work(entries[0].executor, lambda: run_batch(entries, _start_one))
+        except Exception as exc:  # noqa: BLE001 - no thread could be started, the pool was shut down...
+            log.error(
+                "%d guarded run(s) due now could not be handed to the thread pool (%s); they do not run on this node",
+                len(entries),
+                exc,
+            )
+            for entry in entries:
+                aps.release_instance(entry.executor, entry.job)
+
+    def _loop_died(self, exc: BaseException) -> None:
+        """APScheduler's loop ends: this node can run no guarded job any more, so it gives up its
+        leases (a standby takes over) and /healthz says why."""
+        reason = f"the scheduler loop died ({type(exc).__name__}: {exc})"
+        log.error("%s: releasing this node's leases; restart the process", reason)
+        if self._leases is not None:
+            self._leases.give_up(reason)
 
     def _mutex_executor(self, executor: Any) -> Any:
         """mutexcron's executor in place of a plain APScheduler one you configured, or None."""
@@ -447,7 +577,7 @@ class MutexSchedulerMixin(ScheduleDecorators):
         """Stop scheduling, wait up to ``timeout`` for guarded runs, release the leases."""
         leases = self._leases
         if leases is not None and self.running and not leases.stopping:  # type: ignore[attr-defined]
-            self.pause()  # type: ignore[attr-defined]  # no new fire times while guarded runs end
+            aps.stop_processing(self)  # no new fire times while guarded runs end (pause() would tell listeners)
             started = time.monotonic()
             leases.begin_stop()  # no takeover or new run while the task worker stops
             self._tasks.stop(timeout)  # tasks first: their leases renew in the heartbeat thread
@@ -487,10 +617,10 @@ class MutexSchedulerMixin(ScheduleDecorators):
 
 
 def _observability(port: int | None, host: str | None, current: Observability | None = None) -> Observability | None:
-    """The metrics and health endpoints if a port is set (:mod:`mutexcron.metrics`); else nothing is imported."""
+    """The metrics and health endpoints if a port is set (:mod:`mutexcron.observability.metrics`); else nothing is imported."""
     if port is None and current is None and not os.environ.get("MUTEXCRON_METRICS_PORT"):
         return None
-    from .metrics import Observability
+    from .observability.metrics import Observability
 
     return Observability.configure(port, host, current)
 

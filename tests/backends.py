@@ -107,15 +107,33 @@ class StoreCtx:
         return self.url is None
 
 
-def cleanup_sql(url: str) -> None:
-    import sqlalchemy
+def sql_url(base: str, prefix: str) -> str:
+    """``base`` with a lock table and a task table of this test's own (``<prefix>_<tag>``): a
+    scheduler's task worker (``mutexcron trigger``) would otherwise create the shared default."""
+    table = f"{prefix}_{secrets.token_hex(4)}"
+    return f"{base}{'&' if '?' in base else '?'}table={table}&tasks_table={table}_tasks"
 
+
+def sql_tables(url: str) -> list[str]:
+    """Every table mutexcron creates for a SQL URL: the lock table, its ``_nodes`` presence table
+    and, when the URL names one (``?tasks_table=``), the task table (the default one is shared)."""
+    from mutexcron.backends.sql import DEFAULT_TABLE
+    from mutexcron.urls import pop_query
+
+    _, options = pop_query(url, "table", "tasks_table")
+    table = options.get("table", DEFAULT_TABLE)
+    return [table, f"{table}_nodes", *([options["tasks_table"]] if "tasks_table" in options else [])]
+
+
+def cleanup_sql(url: str) -> None:
+    """Drop every table of :func:`sql_tables`."""
     from mutexcron.locks.sql import SQLLockStore
 
     store = SQLLockStore(url)
     try:
         with store.engine.connect() as conn:
-            conn.execute(sqlalchemy.text(f"DROP TABLE IF EXISTS {store.table}"))
+            for table in sql_tables(url):
+                conn.exec_driver_sql(f"DROP TABLE IF EXISTS {table}")
             conn.commit()
     finally:
         store.close()
@@ -129,6 +147,20 @@ def drop_tasks_table(url: str) -> None:
     try:
         with store.backend.engine.connect() as conn:
             conn.exec_driver_sql(f"DROP TABLE IF EXISTS {store.table}")
+            conn.commit()
+    finally:
+        store.close()
+
+
+def drop_store_tables(url: str) -> None:
+    """Drop every table of a SQL URL: the lock table (``?table=``), its ``_nodes`` table and the task table."""
+    from mutexcron.tasks.sql import SQLTaskStore
+
+    store = SQLTaskStore(url)
+    try:
+        with store.backend.engine.connect() as conn:
+            for name in (store.backend.table, f"{store.backend.table}_nodes", store.table):
+                conn.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
             conn.commit()
     finally:
         store.close()
@@ -181,7 +213,7 @@ def open_backend(
         ctx = StoreCtx(kind, url, lambda: lock_store_from_url(url))
     elif kind in ("mysql", "postgresql"):
         base = require_server(kind)
-        url = f"{base}{'&' if '?' in base else '?'}table=mc_test_{tag}"
+        url = f"{base}{'&' if '?' in base else '?'}table=mc_test_{tag}&tasks_table=mc_test_{tag}_tasks"
         ctx = StoreCtx(kind, url, lambda: lock_store_from_url(url))
         cleanup = lambda: cleanup_sql(url)  # noqa: E731
     elif kind == "redis":

@@ -19,7 +19,29 @@ from pathlib import Path
 
 import pytest
 
+from tests import leaks
 from tests.backends import StoreCtx, open_backend
+
+_before_session: set[str] | None = None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _before_session
+    if leaks.enabled():
+        _before_session = leaks.snapshot()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Under CI: fail the run if the tests left tables or Redis namespaces behind (tests/leaks.py)."""
+    if _before_session is None:
+        return
+    left = sorted(leaks.snapshot() - _before_session)
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"the tests left {len(left)} table(s) or namespace(s) behind: {', '.join(left)}"
+        if reporter is not None:
+            reporter.write_line(message, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture

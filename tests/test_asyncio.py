@@ -23,7 +23,7 @@ import pytest
 
 from mutexcron import AsyncIOMutexScheduler, ConfigurationError, MutexScheduler, current_lease
 from mutexcron.locks import lock_store_from_url
-from tests.backends import require_server
+from tests.backends import cleanup_redis, require_server
 from tests.netproxy import DelayProxy
 
 pytestmark = pytest.mark.sqlite
@@ -118,6 +118,7 @@ def test_a_job_that_blocks_the_loop_past_its_lease_keeps_renewals_going(tmp_path
     finally:
         standby.shutdown(wait=True)
         node.stop()
+        cleanup_redis(url)
     assert lost == [False], "renewals went on while the loop was blocked: the lease was never lost"
     assert standby_runs == [], "no other node ran the fire time"
 
@@ -127,7 +128,8 @@ def test_a_job_whose_renewals_fail_sees_lost(tmp_path: Path) -> None:
     base = require_server("redis")
     host, _, port = base.split("://", 1)[1].split("/", 1)[0].rpartition("@")[2].partition(":")
     proxy = DelayProxy(host, int(port or 6379))
-    url = f"redis://127.0.0.1:{proxy.port}/0?namespace=aio-lost-{time.time_ns()}"
+    namespace = f"aio-lost-{time.time_ns()}"
+    url = f"redis://127.0.0.1:{proxy.port}/0?namespace={namespace}"
     lost: list[bool] = []
 
     def add(sched: AsyncIOMutexScheduler) -> None:
@@ -148,6 +150,7 @@ def test_a_job_whose_renewals_fail_sees_lost(tmp_path: Path) -> None:
         proxy.reply_delay = 0.0
         node.stop()
         proxy.close()
+        cleanup_redis(f"{base}?namespace={namespace}")
     assert lost == [True], "renewals failed for longer than the lease: the job must see lost"
 
 
@@ -257,6 +260,8 @@ def test_two_fastapi_replicas_run_the_job_once_per_second(tmp_path: Path) -> Non
                 proc.kill()
     # uvicorn re-raises the signal once its shutdown is complete (exit by SIGTERM, not 0).
     assert all(proc.returncode in (0, -signal.SIGTERM) for proc in replicas), outputs
+    # uvicorn configures its own loggers only: the example configures logging for mutexcron's lines
+    assert any("mutexcron: acquired lock 'fastapi-app-rates'" in out for out in outputs), outputs
     runs = [json.loads(line) for line in runs_log.read_text().splitlines()]
     fires = Counter(run["fire"] for run in runs)
     assert len(runs) >= 4 and max(fires.values()) == 1, f"a fire time ran twice: {fires}"

@@ -16,7 +16,7 @@ import pytest
 
 from mutexcron import AttrsError, ConfigurationError, MutexScheduler
 from mutexcron.locks import lock_store_from_url
-from tests.backends import require_server
+from tests.backends import cleanup_sql, require_server, sql_url
 
 pytestmark = pytest.mark.sqlite
 
@@ -158,7 +158,7 @@ def test_the_longest_valid_name_works_on_every_server_store() -> None:
             if kind == "redis":
                 store.destroy_namespace()  # type: ignore[attr-defined]
             else:
-                store._execute(f"DROP TABLE IF EXISTS {store.table}", {}, "cleanup")  # type: ignore[attr-defined]
+                cleanup_sql(store.url)
             store.close()
 
 
@@ -169,7 +169,7 @@ def test_oversized_attrs_fail_the_run_keep_the_previous_attrs_and_do_not_stall(
 ) -> None:
     """Before: 20 MB of attrs on MariaDB looked like an outage; the run never finished, every later
     fire time was skipped and the lease was kept renewed."""
-    url = f"sqlite:///{tmp_path}/big.db" if kind == "sqlite" else f"{require_server('mysql')}?table=big_{secrets.token_hex(3)}"
+    url = f"sqlite:///{tmp_path}/big.db" if kind == "sqlite" else sql_url(require_server("mysql"), "big")
     sched = MutexScheduler(lock_url=url, node_id="n", unactive_interval=2, max_attrs_bytes=100_000)
     runs: list[int] = []
 
@@ -185,9 +185,9 @@ def test_oversized_attrs_fail_the_run_keep_the_previous_attrs_and_do_not_stall(
     finally:
         sched.shutdown(wait=True)
     record = store.read("big")
-    if kind == "mysql":
-        store._execute(f"DROP TABLE IF EXISTS {store.table}", {}, "cleanup")  # type: ignore[attr-defined]
     store.close()
+    if kind == "mysql":
+        cleanup_sql(url)
     assert runs[:4] == [0, 1, 1, 1], "later fire times still run, with the previous attrs"
     assert record is not None and dict(record.attrs) == {"n": 1}
     assert record.last_error is not None and "over the limit of 100,000 bytes" in record.last_error
@@ -196,7 +196,7 @@ def test_oversized_attrs_fail_the_run_keep_the_previous_attrs_and_do_not_stall(
 
 
 def test_attrs_limit_names_the_job_and_the_sizes() -> None:
-    from mutexcron.record import dump_attrs
+    from mutexcron.locks.record import dump_attrs
 
     with pytest.raises(AttrsError, match=r"job 'export' returned attrs of 2,000,0\d\d bytes.*limit of 1,000,000"):
         dump_attrs({"blob": "y" * 2_000_000}, job="export", limit=1_000_000)
@@ -241,7 +241,42 @@ def test_shutdown_wait_is_bounded_for_guarded_jobs(url: str, caplog: pytest.LogC
 
 
 def test_text_that_is_not_valid_unicode_is_an_attrs_error_before_any_write() -> None:
-    from mutexcron.record import dump_attrs
+    from mutexcron.locks.record import dump_attrs
 
     with pytest.raises(AttrsError, match="not valid Unicode"):
         dump_attrs({"path": "caf\udce9.txt"}, job="scan")
+
+
+# -- issue 25, item 11 -------------------------------------------------------------------------------
+def test_attrs_that_are_not_json_log_one_error_line_then_count(url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Before: every fire time printed APScheduler's 'Job raised an exception' with a traceback
+    through 15 library frames. Now: one ERROR line with the problem, a count, and listeners still
+    get EVENT_JOB_ERROR with the AttrsError."""
+    from datetime import datetime, timezone
+
+    sched = MutexScheduler(lock_url=url, node_id="n", unactive_interval=2)
+    runs: list[int] = []
+
+    def stamp() -> dict[str, Any]:
+        runs.append(1)
+        return {"when": datetime.now(timezone.utc)}
+
+    errors: list[BaseException] = []
+    sched.add_listener(lambda event: errors.append(event.exception), 1 << 13)  # EVENT_JOB_ERROR
+    sched.add_job(stamp, "interval", seconds=1, id="stamp", mutex="stamp")
+    caplog.set_level("DEBUG", logger="mutexcron")
+    sched.start()
+    try:
+        wait_for(lambda: len(errors) >= 3)
+    finally:
+        sched.shutdown(wait=True)
+    assert all(isinstance(e, AttrsError) for e in errors) and "'when'" in str(errors[0])
+    failing = [r for r in caplog.records if r.levelname == "ERROR" and "stamp" in r.getMessage()]
+    assert len(failing) == 1 and "the previous attrs are kept" in failing[0].getMessage(), [r.getMessage() for r in failing]
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+    assert "raised an exception" not in caplog.text
+    assert sched.guard_of("stamp").attrs_errors >= 3  # type: ignore[union-attr]
+    store = lock_store_from_url(url)
+    record = store.read("stamp")
+    store.close()
+    assert record is not None and record.last_error is not None and "AttrsError" in record.last_error

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mutexcron.cli import main
+from mutexcron.cli.main import main
 from mutexcron.locks import Node, RunInfo, lock_store_from_url
 
 pytestmark = pytest.mark.sqlite
@@ -164,8 +164,8 @@ def test_run_until_sigterm_releases_the_lock(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("example", ["jobs.py", "fenced_export.py", "job_group.py"])
 def test_examples_load_and_guard_their_jobs(example: str) -> None:
-    from mutexcron.guard import GuardedJob
-    from mutexcron.loader import load_scheduler
+    from mutexcron.cli.loader import load_scheduler
+    from mutexcron.guard.job import GuardedJob
 
     sched = load_scheduler(str(Path(__file__).parent.parent / "examples" / example))
     guarded = [job for job in sched.get_jobs() if isinstance(job.func, GuardedJob)]

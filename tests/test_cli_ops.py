@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from mutexcron import cli_ops
-from mutexcron.cli import main
+from mutexcron.cli import ops as cli_ops
+from mutexcron.cli.main import main
 from mutexcron.locks import FireClaim, Node, Presence, RunInfo, lock_store_from_url
 
 pytestmark = pytest.mark.sqlite
@@ -64,7 +64,7 @@ def test_pause_and_resume_set_the_flag_for_every_node(url: str) -> None:
     assert "catching up once now: jobs.charge" in result.output  # a trigger request per job
     rec = store.read("billing")
     assert rec is not None and not rec.paused and rec.resume_catch_up and "@" in (rec.paused_by or "")
-    fresh = invoke("pause", "nightly", "--lock-url", url)
+    fresh = invoke("pause", "nightly", "--force", "--lock-url", url)
     assert fresh.exit_code == 0 and "no node has taken it yet: it starts paused" in fresh.output
     again = invoke("resume", "reports", "--lock-url", url)
     assert again.exit_code == 0 and "(it was not paused)" in again.output
@@ -102,9 +102,10 @@ def test_status_shows_pauses_nodes_and_each_jobs_last_run(url: str) -> None:
     assert " paused " in next(line for line in lines if line.startswith("reports"))
     assert " - " in next(line for line in lines if line.startswith("billing"))
     nodes = lines.index("nodes (2 seen in the last 10 minutes):")
-    assert lines[nodes + 1].split()[:3] == ["NODE", "IP", "VERSION"]
+    assert lines[nodes + 1].split()[:4] == ["NODE", "STATE", "IP", "VERSION"]
     web1 = lines[nodes + 2]
-    assert web1.startswith(WEB1.node_id) and "10.1.2.3" in web1 and "1.2.3" in web1 and "+0.012s" in web1
+    assert web1.startswith(WEB1.node_id) and web1.split()[1] == "live"
+    assert "10.1.2.3" in web1 and "1.2.3" in web1 and "+0.012s" in web1
     assert "billing, reports" in web1 and lines[nodes + 3].startswith(WEB2.node_id)
     assert "  reports (by ops since " in result.output and "`mutexcron resume reports`" in result.output
     last = lines.index("last run of each job:")
@@ -156,3 +157,93 @@ def test_status_with_a_history_length_in_the_url(url: str) -> None:
     result = invoke("status", "--lock-url", f"{url}?history=5", "--json")
     assert result.exit_code == 0, result.output
     assert "history=" not in json.loads(result.output)["store"]
+
+
+# -- names and --by (issue 22, item 11) --------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (("pause", "bill\ning"), "bad lock name"),
+        (("pause", "x" * 192), "bad lock name"),
+        (("resume", "bill\x1b[2Jing"), "bad lock name"),
+        (("pause", "billing", "--by", "eve\nERROR lock 'billing' taken over by attacker"), "bad --by"),
+        (("resume", "billing", "--by", "e" * 300), "bad --by"),
+    ],
+)
+def test_pause_and_resume_refuse_bad_names_and_by_and_change_nothing(url: str, args: tuple[str, ...], problem: str) -> None:
+    result = invoke(*args, "--lock-url", url)
+    assert result.exit_code == 2 and problem in result.output, result.output
+    store = lock_store_from_url(url)
+    try:
+        assert [(r.name, r.paused, r.paused_by) for r in store.list()] == [("billing", False, None), ("reports", False, None)]
+    finally:
+        store.close()
+
+
+def test_an_operators_text_is_escaped_in_every_log_line_and_status(url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Stores written by other means (an older CLI, the API) may hold anything: logged and shown escaped."""
+    from mutexcron.events import EVENT_LOCK_PAUSED, MutexEvent, log_event
+
+    forged = "eve\n2030-01-01 ERROR lock 'billing' taken over by attacker\x1b[2J"
+    store = lock_store_from_url(url)
+    try:
+        store.set_paused("billing", True, forged)
+    finally:
+        store.close()
+    caplog.set_level("WARNING")
+    log_event(MutexEvent(EVENT_LOCK_PAUSED, lock="billing", paused_by=forged))
+    (line,) = [r.getMessage() for r in caplog.records if "is paused" in r.getMessage()]
+    assert "\n" not in line and "\x1b" not in line and "eve\\n2030-01-01 ERROR" in line
+    shown = invoke("status", "--lock-url", url).output
+    assert "taken over by attacker" in shown and "\x1b" not in shown
+    assert not any(row.startswith("2030-01-01 ERROR") for row in shown.splitlines())
+
+
+# -- unknown names and forget (issue 25, item 6) --------------------------------------------------------
+def _records(url: str) -> list[tuple[str, bool]]:
+    store = lock_store_from_url(url)
+    try:
+        return [(r.name, r.paused) for r in store.list()]
+    finally:
+        store.close()
+
+
+def test_pause_and_resume_of_an_unknown_name_are_refused_unless_forced(url: str) -> None:
+    typo = invoke("pause", "biling", "--lock-url", url)
+    assert typo.exit_code == 2, typo.output
+    assert "no lock 'biling'" in typo.output and "did you mean 'billing'?" in typo.output and "--force" in typo.output
+    assert _records(url) == [("billing", False), ("reports", False)], "no phantom record"
+    resumed = invoke("resume", "nope", "--lock-url", url)
+    assert resumed.exit_code == 2 and "no lock 'nope'" in resumed.output and _records(url)[-1] == ("reports", False)
+    forced = invoke("pause", "nightly", "--force", "--lock-url", url)
+    assert forced.exit_code == 0 and ("nightly", True) in _records(url)
+
+
+def test_forget_deletes_a_phantom_refuses_a_live_lease_and_forgets_a_node(url: str) -> None:
+    invoke("pause", "biling", "--force", "--lock-url", url)
+    gone = invoke("forget", "biling", "--lock-url", url)
+    assert gone.exit_code == 0 and "biling: forgotten (record deleted" in gone.output, gone.output
+    assert _records(url) == [("billing", False), ("reports", False)]
+    missing = invoke("forget", "biling", "--lock-url", url)
+    assert missing.exit_code == 2 and "did you mean 'billing'?" in missing.output
+
+    held = invoke("forget", "billing", "--lock-url", url)  # web-1's 30 s lease is live
+    assert held.exit_code == 1 and "held by web-1:42:abcd (token 1" in held.output and "--force" in held.output
+    forced = invoke("forget", "billing", "--force", "--lock-url", url)
+    assert forced.exit_code == 0, forced.output
+    assert "taken from web-1:42:abcd" in forced.output and "keeps its token 1" in forced.output
+    store = lock_store_from_url(url)
+    try:
+        rec = store.read("billing")
+        assert rec is not None and (rec.holder, rec.token, dict(rec.attrs), rec.fire_times) == (None, 1, {}, {})
+        assert store.history("billing") == [] and store.acquire_or_renew("billing", WEB2, ttl=30).token == 2
+    finally:
+        store.close()
+
+    live = invoke("forget", "--node", WEB2.node_id, "--lock-url", url)
+    assert live.exit_code == 1 and "it is running" in live.output
+    node = invoke("forget", "--node", WEB2.node_id, "--force", "--lock-url", url)
+    assert node.exit_code == 0 and f"node {WEB2.node_id}: forgotten" in node.output
+    shown = json.loads(invoke("status", "--lock-url", url, "--json").output)["nodes"]
+    assert [n["node_id"] for n in shown] == [WEB1.node_id]
+    assert invoke("forget", "--lock-url", url).exit_code == 2  # neither a lock nor --node

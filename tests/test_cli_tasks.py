@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from mutexcron.cli import main
-from mutexcron.cli_tasks import parse_due
+from mutexcron.cli.main import main
+from mutexcron.cli.tasks import parse_due
+from mutexcron.locks import lock_store_from_url
 from mutexcron.tasks import Done, Fail, TaskRecord, TaskStore, task_store_from_url
 from tests.backends import cleanup_redis, require_server
 
@@ -34,6 +35,13 @@ def cli(*args: str, env: dict[str, str] | None = None) -> Result:
 @pytest.fixture
 def url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path}/tasks.db"
+
+
+def used(url: str) -> None:
+    """A node has run on ``url``: its lock table exists (status reads a store, it creates nothing)."""
+    locks = lock_store_from_url(url)
+    locks.list()
+    locks.close()
 
 
 @pytest.fixture
@@ -259,6 +267,7 @@ def test_the_url_comes_from_the_environment(url: str, store: TaskStore) -> None:
 # -- status --------------------------------------------------------------------------------------
 @pytest.mark.sqlite
 def test_status_before_the_task_table_exists_says_no_tasks(url: str) -> None:
+    used(url)
     result = cli("status", "--lock-url", url)
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[-1] == "no tasks (table mutexcron_tasks not created yet)"
@@ -330,6 +339,7 @@ def test_status_of_a_store_without_task_pool(url: str, monkeypatch: pytest.Monke
 
     monkeypatch.setattr(mutexcron.backends, "family_of", without_tasks)
     monkeypatch.setattr(mutexcron.tasks, "family_of", without_tasks)
+    used(url)
     result = cli("status", "--lock-url", url)
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[-1] == "no tasks (the sqlite store has no task pool)"
@@ -452,3 +462,83 @@ def test_add_list_cancel_on_a_server_store(server_url: str) -> None:
     assert again.exit_code == 1 and "no task promo/sku-1" in again.stderr
     data = json.loads(cli("tasks", "list", "--json", "--lock-url", server_url).output)
     assert [t["key"] for t in data] == ["m-1"]
+
+
+# -- bulk retry and cancel (issue 25, item 13) --------------------------------------------------------
+def _failed(store: TaskStore, code: str, *keys: str) -> None:
+    for key in keys:
+        store.add(code, key, timedelta(0))
+        [task] = store.claim(NODE, [code], 1, 60)
+        assert store.complete(NODE, code, task.key, task.token, Fail("boom"))
+
+
+@pytest.mark.sqlite
+def test_retry_all_failed_shows_the_count_asks_and_retries_only_what_matched(url: str, store: TaskStore) -> None:
+    _failed(store, "mail", "m-1", "m-2", "m-3")
+    _failed(store, "sms", "s-1")
+    store.add("mail", "m-queued", timedelta(hours=1))
+    runner = CliRunner()
+    no = runner.invoke(main, ["tasks", "retry", "--all-failed", "--code", "mail", "--lock-url", url], input="n\n")
+    assert no.exit_code == 1 and "3 tasks match" in no.output and "Retry these 3 tasks?" in no.stderr
+    assert {t.key for t in store.list(state="failed")} == {"m-1", "m-2", "m-3", "s-1"}, "nothing changed on 'no'"
+    yes = runner.invoke(main, ["tasks", "retry", "--all-failed", "--code", "mail", "--lock-url", url], input="y\n")
+    assert yes.exit_code == 0 and "retried 3 of 3 tasks" in yes.output, yes.output
+    assert [t.key for t in store.list(state="failed")] == ["s-1"]
+    every = cli("tasks", "retry", "--all-failed", "--yes", "--lock-url", url)
+    assert every.exit_code == 0 and "retried 1 of 1 task" in every.output and store.list(state="failed") == []
+    none = cli("tasks", "retry", "--all-failed", "--yes", "--lock-url", url)
+    assert none.exit_code == 0 and "nothing to retry" in none.output
+    both = cli("tasks", "retry", "mail", "m-1", "--all-failed", "--lock-url", url)
+    assert both.exit_code == 2
+
+
+@pytest.mark.sqlite
+def test_cancel_by_code_and_key_contains_with_a_confirmation(url: str, store: TaskStore) -> None:
+    for key in ("order-1:eu", "order-2:eu", "order-3:us"):
+        store.add("promo", key, timedelta(hours=1))
+    store.add("other", "order-9:eu", timedelta(hours=1))
+    store.add("promo", "order-4:eu", timedelta(0))
+    store.claim(NODE, ["promo"], 1, 60)  # order-4:eu runs: dropped when its attempt ends
+    args = ["tasks", "cancel", "--code", "promo", "--key-contains", ":eu", "--lock-url", url]
+    asked = CliRunner().invoke(main, args, input="y\n")
+    assert asked.exit_code == 0, asked.output
+    assert "3 tasks match code='promo', key_contains=':eu'" in asked.output
+    assert "cancelled 3 of 3 tasks; 1 running: dropped when their attempt ends" in asked.output
+    left = {(t.code, t.key): t for t in store.list()}
+    assert set(left) == {("promo", "order-3:us"), ("other", "order-9:eu"), ("promo", "order-4:eu")}
+    assert left["promo", "order-4:eu"].cancel_requested
+    assert cli("tasks", "cancel", "promo", "--lock-url", url).exit_code == 2  # CODE without KEY, no --code
+
+
+@pytest.mark.sqlite
+def test_task_pool_bulk_operations(url: str, store: TaskStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mutexcron.tasks import pool as pool_module
+    from mutexcron.tasks.pool import TaskPool
+
+    monkeypatch.setattr(pool_module, "BULK_PAGE", 2)  # several pages
+    _failed(store, "mail", "m-1", "m-2", "m-3")
+    _failed(store, "sms", "s-1")
+    for i in range(5):
+        store.add("promo", f"k-{i}", timedelta(hours=1))
+    with TaskPool(url) as pool:
+        assert pool.retry_failed(code="mail") == 3 and pool.retry_failed() == 1 and pool.retry_failed() == 0
+        assert pool.cancel_many(code="promo", key_contains="k-") == 5 and pool.list(code="promo") == []
+
+
+@pytest.mark.sqlite
+def test_cancel_many_reaches_tasks_past_a_page_of_running_ones(
+    url: str, store: TaskStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Running tasks being cancelled stay in the filter: the next page must still be reached."""
+    from mutexcron.tasks import pool as pool_module
+    from mutexcron.tasks.pool import TaskPool
+
+    monkeypatch.setattr(pool_module, "BULK_PAGE", 2)
+    for i in range(3):
+        store.add("promo", f"run-{i}", timedelta(0))
+    assert len(store.claim(NODE, ["promo"], 3, 60)) == 3  # running: a cancel marks them, they stay listed
+    for i in range(3):
+        store.add("promo", f"later-{i}", timedelta(hours=1))
+    with TaskPool(url) as pool:
+        assert pool.cancel_many(code="promo") == 6
+        assert [t.key for t in pool.list(code="promo") if t.state == "queued"] == []

@@ -1,4 +1,4 @@
-"""This node's clock offset to the store's clock (mutexcron/clockoffset.py), from records it reads."""
+"""This node's clock offset to the store's clock (mutexcron/observability/clock_offset.py), from records it reads."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from mutexcron.clockoffset import ClockOffset
 from mutexcron.drill import libfaketime
-from mutexcron.record import LockRecord
-from tests.backends import require_server
+from mutexcron.locks.record import LockRecord
+from mutexcron.observability.clock_offset import ClockOffset
+from tests.backends import cleanup_redis, require_server
 
 
 def _record(store_now: float, age: float = 0.5) -> LockRecord:
@@ -103,6 +103,7 @@ def test_a_node_whose_clock_is_ahead_warns_with_its_offset(tmp_path: Path) -> No
     finally:
         node.send_signal(signal.SIGTERM)
         out = node.communicate(timeout=30)[0]
+        cleanup_redis(url)  # the namespace's keys: tests drop what they create
     lines = [line for line in out.splitlines() if "off the store's clock" in line]
     assert len(lines) == 1, out
     assert "+3.0" in lines[0] or "+2.9" in lines[0] or "+3.1" in lines[0], lines[0]

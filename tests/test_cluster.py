@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from mutexcron.drill import run_drill
-from tests.backends import backend_params, cleanup_redis, cleanup_sql, require_server
+from tests.backends import backend_params, cleanup_redis, cleanup_sql, require_server, sql_url
 
 UNACTIVE_INTERVAL = 2.0
 
@@ -37,7 +37,7 @@ def cluster_url(kind: str, tmp_path) -> Iterator[str]:
         yield url
         cleanup_redis(url)
     else:
-        url = f"{base}{sep}table=mc_cluster_{secrets.token_hex(3)}"
+        url = sql_url(base, "mc_cluster")
         yield url
         cleanup_sql(url)
 

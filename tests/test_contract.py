@@ -494,6 +494,38 @@ def test_presence_older_than_its_ttl_is_pruned(ctx: StoreCtx, monkeypatch: pytes
     assert [(n.node_id, n.locks) for n in viewer.nodes()] == [(A.node_id, ("x",))]
 
 
+def test_nodes_without_prune_reads_the_same_and_deletes_nothing(ctx: StoreCtx, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dashboard's read: the fresh presences only, and an old one stays in the store."""
+    import importlib
+
+    modules = [importlib.import_module(f"mutexcron.locks.{module}") for module in ("memory", "sql", "redis", "mongodb")]
+
+    def presence_ttl(seconds: int) -> None:
+        for module in modules:
+            monkeypatch.setattr(module, "PRESENCE_TTL", seconds)
+
+    def wait() -> None:
+        if ctx.clock is not None:
+            ctx.clock.advance(1.2)
+        else:
+            time.sleep(1.2)
+
+    presence_ttl(2)
+    a, b, viewer = ctx.make(), ctx.make(), ctx.make()
+    assert a.acquire_or_renew("x", A, ttl=60).acquired
+    assert a.renew_many(A, {"x": 1}, presence=Presence("1")) == {"x"}
+    wait()
+    assert b.renew_many(B, {}, presence=Presence("1")) == set()  # A's presence is still fresh: not pruned by it
+    wait()  # A's is 2.4 s old, B's 1.2 s
+    assert [n.node_id for n in viewer.nodes(prune=False)] == [B.node_id], "an old presence is not shown"
+    presence_ttl(600)
+    assert [n.node_id for n in viewer.nodes(prune=False)] == sorted([A.node_id, B.node_id]), "and it was not deleted"
+    presence_ttl(2)
+    assert [n.node_id for n in viewer.nodes()] == [B.node_id]
+    presence_ttl(600)
+    assert [n.node_id for n in viewer.nodes(prune=False)] == [B.node_id], "nodes() prunes as before"
+
+
 def test_renewal_with_a_presence_is_one_round_trip(ctx: StoreCtx, monkeypatch: pytest.MonkeyPatch) -> None:
     with counted(ctx, monkeypatch) as (store, sent):
         tokens = {name: store.acquire_or_renew(name, A, ttl=60).token for name in ("r1", "r2", "r3")}
@@ -503,3 +535,82 @@ def test_renewal_with_a_presence_is_one_round_trip(ctx: StoreCtx, monkeypatch: p
         trips = list(sent)
     assert trips == RENEW_PRESENCE_TRIPS[ctx.kind], f"{ctx.kind}: {trips}"
     assert [n.clock_offset for n in store.nodes()] == [0.1]
+
+
+def test_the_holder_records_its_time_zone_fenced_and_every_read_shows_it(ctx: StoreCtx) -> None:
+    """The zone rule: the holder writes the zone it computes fire times in; only the holder, with its token."""
+    a, b = ctx.make(), ctx.make()
+    token = a.acquire_or_renew("zoned", A, ttl=10).token
+    assert a.read("zoned").zone is None  # type: ignore[union-attr]
+    assert not b.set_zone("zoned", B, token, "Asia/Tokyo"), "not the holder"
+    assert not a.set_zone("zoned", A, token + 1, "Asia/Tokyo"), "not its token"
+    assert a.set_zone("zoned", A, token, "America/New_York")
+    assert b.read("zoned").zone == "America/New_York"  # type: ignore[union-attr]
+    assert b.read_many(["zoned"])["zoned"].zone == "America/New_York"
+    assert [r.zone for r in b.list() if r.name == "zoned"] == ["America/New_York"]
+    renewed = a.acquire_or_renew("zoned", A, ttl=10)
+    assert renewed.record.zone == "America/New_York" and renewed.record.to_json()["zone"] == "America/New_York"
+    assert a.release("zoned", A, token)
+    assert b.read("zoned").zone == "America/New_York", "a release keeps the zone"  # type: ignore[union-attr]
+    assert not a.set_zone("missing", A, 1, "UTC")
+
+
+def test_forget_deletes_a_lock_never_held_clears_any_other_and_tokens_never_go_back(ctx: StoreCtx) -> None:
+    """Issue 25 item 6: `mutexcron forget LOCK`. A record paused by a typo (never held) goes; a
+    live lease is refused unless forced; a forgotten lock's next holder gets a greater token."""
+    from mutexcron.locks.base import FORGET_CLEARED, FORGET_DELETED, FORGET_HELD, FORGET_MISSING
+
+    ops, a, b = ctx.make(), ctx.make(), ctx.make()
+    ops.set_paused("biling", True, "ops")
+    assert ops.forget("biling") == FORGET_DELETED and ops.read("biling") is None
+    assert ops.forget("biling") == FORGET_MISSING and [r.name for r in ops.list()] == []
+
+    got = a.acquire_or_renew("billing", A, ttl=TTL, claim=FireClaim.new("invoice", 1_000_000))
+    assert got.claimed and a.hand_off("billing", A, 1, {"k": 1}, RunInfo(0.1, "boom", job="invoice"))
+    ops.set_paused("billing", True, "ops")
+    assert ops.forget("billing") == FORGET_HELD, "a live lease is not forgotten unless forced"
+    held = ops.read("billing")
+    assert held is not None and (held.holder, held.paused, dict(held.attrs)) == (A.node_id, True, {"k": 1})
+
+    ctx.wait_stale(TTL)  # the holder died: its lease ran out
+    assert ops.forget("billing") in (FORGET_CLEARED, FORGET_DELETED)
+    rec = ops.read("billing")
+    if rec is not None:  # the store keeps the token in the record: a bare released record
+        assert (rec.holder, rec.token, rec.paused, dict(rec.attrs), rec.fire_times) == (None, 1, False, {}, {})
+        assert (rec.last_error, rec.last_run_finished, rec.paused_by) == (None, None, None)
+    assert ops.history("billing") == []
+    assert not a.hand_off("billing", A, 1, {"late": True}), "the old holder's writes stay fenced"
+    again = b.acquire_or_renew("billing", B, ttl=60, claim=FireClaim.new("invoice", 500))
+    assert again.acquired and again.token == 2 and again.claimed, "tokens go on from the forgotten record's"
+
+    # A live lease, forced: the holder loses it (its renewal fails), the next token is still greater.
+    assert ops.forget("billing", force=True) in (FORGET_CLEARED, FORGET_DELETED)
+    assert b.renew_many(B, {"billing": 2}) == set()
+    assert a.acquire_or_renew("billing", A, ttl=60).token == 3
+
+
+def test_forget_node_deletes_a_presence_seen_long_enough_ago(ctx: StoreCtx) -> None:
+    a, b, ops = ctx.make(), ctx.make(), ctx.make()
+    assert a.renew_many(A, {}, presence=Presence("1")) == set()
+    assert b.renew_many(B, {}, presence=Presence("1")) == set()
+    assert not ops.forget_node(A.node_id, min_age=300), "seen just now"
+    assert ops.forget_node(A.node_id) and not ops.forget_node(A.node_id) and not ops.forget_node("nobody")
+    assert [n.node_id for n in ops.nodes()] == [B.node_id]
+
+
+def test_the_holder_records_its_jobs_triggers_with_its_zone_fenced(ctx: StoreCtx) -> None:
+    """Issue 25 item 3: what the other nodes compare their jobs file with."""
+    a, b = ctx.make(), ctx.make()
+    token = a.acquire_or_renew("agreed", A, ttl=10).token
+    triggers = {"report": "cron[minute='*/2']", "jöb": "interval[0:00:05]"}
+    assert not b.set_zone("agreed", B, token, "UTC", triggers), "not the holder"
+    assert a.set_zone("agreed", A, token, None, triggers)
+    got = b.read("agreed")
+    assert got is not None and got.zone is None and dict(got.triggers or {}) == triggers
+    assert dict(b.list()[0].triggers or {}) == triggers and got.to_json()["triggers"] == triggers
+    assert a.set_zone("agreed", A, token, "UTC", {"report": "cron[minute='*/3']"})
+    again = a.acquire_or_renew("agreed", A, ttl=10).record
+    assert again.zone == "UTC" and dict(again.triggers or {}) == {"report": "cron[minute='*/3']"}
+    assert a.forget("agreed", force=True) in ("cleared", "deleted")
+    gone = a.read("agreed")
+    assert gone is None or (gone.zone, gone.triggers) == (None, None)

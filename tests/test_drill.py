@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -20,17 +19,17 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from mutexcron.cli import main
+from mutexcron.cli.main import main
 from mutexcron.drill import libfaketime
 from mutexcron.locks import lock_store_from_url
-from tests.backends import cleanup_sql, require_server
+from tests.backends import cleanup_sql, require_server, sql_url
 
 UNACTIVE_INTERVAL = 2.0
 
 
 def _postgresql_url() -> str:
     base = require_server("postgresql")
-    return f"{base}{'&' if '?' in base else '?'}table=mc_drill_{secrets.token_hex(3)}"
+    return sql_url(base, "mc_drill")
 
 
 def run_drill_cli(url: str, *extra: str, cwd: Path, timeout: float = 120) -> tuple[dict, str]:

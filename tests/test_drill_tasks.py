@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from mutexcron.cli import main
+from mutexcron.cli.main import main
 from mutexcron.drill import run_task_drill
 from mutexcron.drill.records import NodeOps
 from mutexcron.drill.task_analysis import analyse_tasks

@@ -42,7 +42,7 @@ from typing import Any
 import pytest
 
 from mutexcron import lock_store_from_url
-from tests.backends import cleanup_redis, cleanup_sql, require_server
+from tests.backends import cleanup_redis, cleanup_sql, require_server, sql_url
 
 REPO = Path(__file__).resolve().parents[1]
 UNACTIVE_INTERVAL = 3.0
@@ -77,7 +77,7 @@ def store_url(kind: str, tmp_path: Path) -> Iterator[str]:
         yield url
         cleanup_redis(url)
     else:
-        url = f"{base}{sep}table=mc_embed_{secrets.token_hex(3)}"
+        url = sql_url(base, "mc_embed")
         yield url
         cleanup_sql(url)
 

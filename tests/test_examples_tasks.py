@@ -215,6 +215,28 @@ again = client.post(f"/orders/{order}/pay/")
 seen["pay_again"] = again.status_code
 unpaid = client.post("/orders/", {"amount_cents": 500}, content_type="application/json")
 seen["unpaid"] = [unpaid.status_code, unpaid.json()]
+
+# The recipe itself: an add in an atomic block that then fails leaves neither the order nor its
+# task; an add on Django's connection outside atomic() is refused (it would commit on its own).
+from datetime import timedelta
+from django.db import connection, transaction
+from mutexcron import ConfigurationError
+from orders.models import Order
+from orders.pool import CLOSE_UNPAID_ORDER, task_pool
+
+try:
+    with transaction.atomic():
+        doomed = Order.objects.create(amount_cents=7)
+        task_pool().add(CLOSE_UNPAID_ORDER, str(doomed.pk), timedelta(minutes=30), transaction=connection)
+        raise RuntimeError("the view failed after the add")
+except RuntimeError:
+    pass
+seen["rolled_back"] = [Order.objects.filter(pk=doomed.pk).exists(), task_pool().get(CLOSE_UNPAID_ORDER, str(doomed.pk))]
+try:
+    task_pool().add(CLOSE_UNPAID_ORDER, "x", timedelta(minutes=30), transaction=connection)
+    seen["outside_atomic"] = "added"
+except ConfigurationError as exc:
+    seen["outside_atomic"] = str(exc)
 print("RESULT " + json.dumps(seen))
 """
 
@@ -241,6 +263,8 @@ def test_django_shop_adds_cancels_and_runs_the_close_task(tmp_path: Path) -> Non
     assert seen["after_pay"]["status"] == "paid" and seen["after_pay"]["close_task"] is None
     assert seen["pay_again"] == 409
     assert seen["unpaid"][0] == 201 and seen["unpaid"][1]["id"] == 2
+    assert seen["rolled_back"] == [False, None]  # no order 3, no task for it
+    assert "autocommit mode here" in seen["outside_atomic"] and "transaction.atomic()" in seen["outside_atomic"]
 
     with TaskPool(url) as pool:
         assert pool.get("close_unpaid_order", "1") is None  # cancelled by the payment

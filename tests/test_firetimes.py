@@ -23,7 +23,7 @@ from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
 from mutexcron import MutexScheduler, current_lease
-from mutexcron.firetimes import SlotTrigger, guard_trigger, latest_fire_time
+from mutexcron.guard.firetimes import SlotTrigger, guard_trigger, latest_fire_time
 from mutexcron.locks import lock_store_from_url
 
 pytestmark = pytest.mark.sqlite
@@ -106,15 +106,21 @@ print(json.dumps({"tz": str(s.timezone),
 """
 
 
-def test_cron_hour_is_the_same_instant_on_a_paris_host_and_a_utc_host() -> None:
-    answers = []
+def test_cron_hour_is_local_time_in_the_hosts_zone_as_in_apscheduler() -> None:
+    """The scheduler keeps APScheduler's default zone (the host's): hour=3 is 03:00 there. A cluster
+    whose nodes are in different zones is refused by the zone rule (tests/test_zones.py)."""
+    answers = {}
     for tz in ("Europe/Paris", "UTC", "America/Los_Angeles"):
         out = subprocess.run(
             [sys.executable, "-c", NEXT_FIRE], env={**os.environ, "TZ": tz}, capture_output=True, text=True, check=True
         )
-        answers.append(json.loads(out.stdout))
-    assert {a["tz"] for a in answers} == {"UTC"}
-    assert {a["next"] for a in answers} == {"2026-06-02T03:00:00+00:00"}
+        answers[tz] = json.loads(out.stdout)
+    assert {tz: a["tz"] for tz, a in answers.items()} == {tz: tz for tz in answers}
+    assert {tz: a["next"] for tz, a in answers.items()} == {
+        "Europe/Paris": "2026-06-02T01:00:00+00:00",
+        "UTC": "2026-06-02T03:00:00+00:00",
+        "America/Los_Angeles": "2026-06-02T10:00:00+00:00",
+    }
 
 
 def test_local_time_schedules_need_an_explicit_zone() -> None:

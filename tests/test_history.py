@@ -19,13 +19,13 @@ import pytest
 import sqlalchemy
 
 from mutexcron.errors import ConfigurationError
-from mutexcron.handoff import AttrsHandOff
+from mutexcron.guard.handoff import AttrsHandOff
 from mutexcron.locks import LockStore, Node, Presence, RunInfo, RunRecord, lock_store_from_url
 from mutexcron.locks.base import DEFAULT_HISTORY, history_option
+from mutexcron.locks.record import NodePresence, newest_first
 from mutexcron.locks.sql import SQLLockStore
-from mutexcron.record import NodePresence, newest_first
 from tests import test_contract as contract
-from tests.backends import StoreCtx, cleanup_sql, require_server
+from tests.backends import ALL_BACKENDS, StoreCtx, backend_params, cleanup_sql, require_server
 from tests.mongomock_support import open_mongomock
 
 A = Node("node-a:1:aaaa", "10.0.0.1")
@@ -114,7 +114,7 @@ def test_a_locks_only_job_keeps_its_runs_in_the_runs_column(tmp_path: Path) -> N
     """A job alone on its lock is marked so (its runs go to the lock row's ``runs`` column, no
     JSON parsed); jobs sharing a lock are not, also once a second job joins a lone one."""
     from mutexcron import MutexScheduler
-    from mutexcron.guard import _FIRE_TIME
+    from mutexcron.guard.job import _FIRE_TIME
 
     sched = MutexScheduler(lock_url=f"sqlite:///{tmp_path}/s.db", node_id="n1")
     for job_id, lock in (("solo", "solo"), ("a", "grp"), ("b", "grp"), ("later", "late")):
@@ -269,7 +269,6 @@ def old_table_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tu
     finally:
         if kind != "sqlite":
             cleanup_sql(url)
-            cleanup_sql(url.replace(f"table={table}", f"table={table}_nodes"))
 
 
 @pytest.mark.parametrize(
@@ -381,3 +380,21 @@ def test_a_history_line_is_the_json_array_of_the_run() -> None:
     ]  # fmt: skip
     for run, job, fields in cases:
         assert json.loads("[123" + run.history_tail(node, 3, job)) == [123, *fields]
+
+
+# -- text the stores refuse --------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", backend_params(*ALL_BACKENDS))
+def test_an_error_with_a_nul_byte_or_a_lone_surrogate_is_stored_sanitised(ctx: StoreCtx) -> None:
+    """PostgreSQL refuses NUL in text and in jsonb, and no driver can encode a lone surrogate: the
+    hand-off of a run whose error holds one must still record the run, its error and its times."""
+    store = ctx.make()
+    token = store.acquire_or_renew("nul", A, ttl=60).token
+    error = "ValueError: bad row b'\x00\x01' in \udcff.csv"
+    fire = datetime(2024, 1, 1, tzinfo=timezone.utc)
+    assert store.hand_off("nul", A, token, {"n": 1}, RunInfo(0.1, error, job="j", fire_time=fire))
+    rec = store.read("nul")
+    assert rec is not None and rec.last_run_finished is not None and dict(rec.attrs) == {"n": 1}
+    shown = "ValueError: bad row b'\ufffd\x01' in \ufffd.csv"
+    assert rec.last_error == shown
+    (run,) = store.history("nul", job="j")
+    assert (run.outcome, run.error, run.fire_time) == ("error", shown, fire)

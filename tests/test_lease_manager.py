@@ -19,7 +19,7 @@ from mutexcron import MutexScheduler, current_lease
 from mutexcron.heartbeat import LeaseManager
 from mutexcron.locks import Node, RunInfo, lock_store_from_url
 from mutexcron.locks.memory import MemoryLockStore
-from tests.backends import FakeClock, require_server
+from tests.backends import FakeClock, cleanup_redis, cleanup_sql, require_server, sql_url
 from tests.netproxy import DelayProxy
 
 
@@ -32,6 +32,7 @@ def redis_proxy() -> Any:
     namespace = f"lm-{secrets.token_hex(4)}"
     yield proxy, f"redis://127.0.0.1:{proxy.port}/0?namespace={namespace}", f"{url}?namespace={namespace}"
     proxy.close()
+    cleanup_redis(f"{url}?namespace={namespace}")
 
 
 def warm_connections(store: Any, count: int = 8) -> None:
@@ -177,11 +178,11 @@ def test_expiry_does_not_drop_a_lease_renewed_meanwhile() -> None:
 def test_shutdown_closes_a_store_built_from_the_url() -> None:
     url = require_server("postgresql")
     app = f"mcx_close_{secrets.token_hex(3)}"
-    table = f"t_{secrets.token_hex(4)}"
-    sched = MutexScheduler(lock_url=f"{url}?application_name={app}&table={table}", node_id="c15", unactive_interval=1)
+    tables = sql_url(url, "t").partition("?")[2]
+    sched = MutexScheduler(lock_url=f"{url}?application_name={app}&{tables}", node_id="c15", unactive_interval=1)
     sched.add_job(print, "interval", seconds=60, id="idle", mutex="c15")
     sched.start()
-    probe = lock_store_from_url(f"{url}?table={table}")
+    probe = lock_store_from_url(f"{url}?{tables}")
 
     def connections() -> int:
         rows, _ = probe._execute(
@@ -200,8 +201,8 @@ def test_shutdown_closes_a_store_built_from_the_url() -> None:
             time.sleep(0.1)
         assert connections() == 0, "the pool of a store built from the URL must be closed by shutdown()"
     finally:
-        probe._execute(f"DROP TABLE IF EXISTS {table}", {}, "cleanup")
         probe.close()
+        cleanup_sql(f"{url}?{tables}")
 
 
 @pytest.mark.memory
@@ -228,3 +229,23 @@ def test_jobs_added_while_the_heartbeat_runs_are_guarded(caplog: pytest.LogCaptu
         assert sched._leases is not None and len(sched._leases.held()) == 301, "every added lock is taken"
     finally:
         sched.shutdown(wait=False)
+
+
+def test_a_takeover_that_lands_after_the_locks_last_job_was_removed_is_released_at_once() -> None:
+    """remove_lock while the heartbeat's acquire is in flight: the lease it then wins is not kept
+    (renewed with no job, never released), it is released to the other nodes at once."""
+    store = MemoryLockStore(f"memory://takeover-{secrets.token_hex(4)}")
+    clock = FakeClock()
+    manager = LeaseManager(store, Node("a", "ip-a"), {"l": 3.0}, clock=clock)
+    acquire = store.acquire_or_renew
+
+    def removed_meanwhile(name: str, node: Node, ttl: float, *args: Any, **kwargs: Any) -> Any:
+        manager.remove_lock(name)  # another thread: the job's removal, between the choice and the reply
+        return acquire(name, node, ttl, *args, **kwargs)
+
+    store.acquire_or_renew = removed_meanwhile  # type: ignore[method-assign]
+    manager._try_take_over("l", 3.0, None)
+    assert "l" not in manager.held(), "a lease no job guards is not kept"
+    record = store.read("l")
+    assert record is not None and record.holder is None, "it is released in the store"
+    manager._renew()  # the next round renews nothing and does not fail on the removed lock

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mutexcron import AsyncIOMutexScheduler, JobsFileError, MutexScheduler
-from mutexcron.loader import load_scheduler
+from mutexcron.cli.loader import load_scheduler
 
 pytestmark = pytest.mark.memory
 

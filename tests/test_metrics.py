@@ -1,4 +1,4 @@
-"""Metrics and health endpoints (mutexcron.metrics): real HTTP requests to real ports.
+"""Metrics and health endpoints (mutexcron.observability.metrics): real HTTP requests to real ports.
 
 ``/metrics`` after known runs on SQLite, PostgreSQL and Redis (runs counted, a fire time already run elsewhere,
 the holder's and the standby's leases, the store up), ``/healthz`` turning 503 with a masked reason
@@ -8,9 +8,11 @@ when a private Redis is killed, ``/readyz`` before and after start, the task poo
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import json
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -42,9 +45,9 @@ from mutexcron.events import (
     EVENT_RUN_SKIPPED,
     MutexEvent,
 )
-from mutexcron.guard import _FIRE_TIME
+from mutexcron.guard.job import _FIRE_TIME
 from mutexcron.locks import LockStore, Node, lock_store_from_url
-from mutexcron.metrics import MeteredLockStore, Metrics
+from mutexcron.observability.metrics import MeteredLockStore, Metrics
 from tests.backends import StoreCtx
 from tests.redis_servers import REDIS_SERVER, PrivateRedis, free_port
 
@@ -154,11 +157,33 @@ def test_events_feed_the_metrics() -> None:
     assert sample("mutexcron_run_duration_seconds_sum", {"job_id": "j", "lock": "L"}) == 2.0
     assert sample("mutexcron_run_start_lag_seconds_sum", {"job_id": "j", "lock": "L"}) == 0.25
     assert sample("mutexcron_run_start_lag_seconds_bucket", {"job_id": "j", "lock": "L", "le": "0.005"}) == 1.0
-    last = sample("mutexcron_last_success_timestamp_seconds", {"job_id": "j"})
+    last = sample("mutexcron_last_success_timestamp_seconds", {"job_id": "j", "lock": "L"})
     assert last is not None and abs(last - time.time()) < 5
     assert sample("mutexcron_missed_runs_total", {"job_id": "j", "lock": "L"}) == 1.0
     assert sample("mutexcron_takeovers_total", {"lock": "L"}) == 1.0
     assert sample("mutexcron_leases_lost_total", {"lock": "L"}) == 1.0
+
+
+@pytest.mark.memory
+def test_series_name_their_lock_and_store_and_the_build_and_process_are_exported() -> None:
+    """Issue 25 item 16: the last success is labelled by lock like its siblings (two locks may run
+    jobs of one id in two schedulers of a process), store timings by store, and a node tells its
+    versions (mutexcron_build_info) and its process's CPU and memory (the process collector)."""
+    from importlib.metadata import version
+
+    from mutexcron import __version__
+
+    metrics = Metrics()
+    metrics.run_finished("j", "L", "success", 1.0)
+    metrics.observer("read")(0.002)
+    sample = metrics.registry.get_sample_value
+    assert sample("mutexcron_last_success_timestamp_seconds", {"job_id": "j", "lock": "L"}) is not None
+    assert sample("mutexcron_store_operation_seconds_count", {"store": "lock", "operation": "read"}) == 1.0
+    build = {"version": __version__, "apscheduler": version("APScheduler"), "python": platform.python_version()}
+    assert sample("mutexcron_build_info", build) == 1.0
+    if sys.platform.startswith("linux"):  # the process collector reads /proc
+        assert (sample("process_cpu_seconds_total") or 0.0) > 0.0
+        assert (sample("process_resident_memory_bytes") or 0.0) > 0.0
 
 
 @pytest.mark.memory
@@ -168,7 +193,7 @@ def test_queued_updates_stay_bounded_without_scrapes_and_none_is_lost_across_thr
     updates from many threads racing folds and scrapes are all counted."""
     import threading
 
-    from mutexcron.instruments import FOLD_AT
+    from mutexcron.observability.instruments import FOLD_AT
 
     metrics = Metrics()
     timing = metrics.observer("hand_off")
@@ -194,8 +219,8 @@ def test_queued_updates_stay_bounded_without_scrapes_and_none_is_lost_across_thr
     errors = sample("mutexcron_runs_total", {"job_id": "j", "lock": "L", "outcome": "error"})
     assert runs == errors == 4 * per_thread / 2
     assert sample("mutexcron_run_start_lag_seconds_count", {"job_id": "j", "lock": "L"}) == 4 * per_thread
-    assert sample("mutexcron_store_operation_seconds_count", {"operation": "hand_off"}) == 4 * per_thread
-    assert sample("mutexcron_store_operation_seconds_bucket", {"operation": "hand_off", "le": "0.001"}) == 0.0
+    assert sample("mutexcron_store_operation_seconds_count", {"store": "lock", "operation": "hand_off"}) == 4 * per_thread
+    assert sample("mutexcron_store_operation_seconds_bucket", {"store": "lock", "operation": "hand_off", "le": "0.001"}) == 0.0
 
 
 @pytest.mark.memory
@@ -208,8 +233,8 @@ def test_the_timed_store_times_its_calls_and_passes_everything_through() -> None
     assert store.renew_many(node, {"a": 1}) == {"a"}
     assert store.read("a") is not None and store.masked_url == inner.masked_url
     sample = metrics.registry.get_sample_value
-    assert sample("mutexcron_store_operation_seconds_count", {"operation": "acquire_or_renew"}) == 1.0
-    assert sample("mutexcron_store_operation_seconds_count", {"operation": "read"}) == 1.0
+    assert sample("mutexcron_store_operation_seconds_count", {"store": "lock", "operation": "acquire_or_renew"}) == 1.0
+    assert sample("mutexcron_store_operation_seconds_count", {"store": "lock", "operation": "read"}) == 1.0
     assert sample("mutexcron_lease_renew_seconds_count") == 1.0
 
     # Arguments pass through as given (a keyword the interface gains later included), failures count.
@@ -269,7 +294,7 @@ def test_scrape_after_known_runs(ctx: StoreCtx) -> None:
         assert value(h, "mutexcron_runs_total", job_id="tick", lock="tick", outcome="success") == runs
         assert value(h, "mutexcron_run_duration_seconds_count", job_id="tick", lock="tick") == runs
         assert value(h, "mutexcron_run_start_lag_seconds_count", job_id="tick", lock="tick") == runs
-        assert (value(h, "mutexcron_last_success_timestamp_seconds", job_id="tick") or 0) > time.time() - 30
+        assert (value(h, "mutexcron_last_success_timestamp_seconds", job_id="tick", lock="tick") or 0) > time.time() - 30
         assert value(h, "mutexcron_lease_held", lock="tick") == 1.0
         assert value(s, "mutexcron_lease_held", lock="tick") == 0.0
         assert value(s, "mutexcron_runs_total", job_id="tick", lock="tick", outcome="success") is None
@@ -277,8 +302,8 @@ def test_scrape_after_known_runs(ctx: StoreCtx) -> None:
         assert value(s, "mutexcron_store_up", store="lock") == 1.0
         assert (value(h, "mutexcron_lease_renew_seconds_count") or 0) >= 1  # renewed every lease/3
         assert value(h, "mutexcron_lease_renew_failures_total") == 0.0
-        assert (value(h, "mutexcron_store_operation_seconds_count", operation="claim_many") or 0) >= 1
-        assert (value(h, "mutexcron_store_operation_seconds_count", operation="hand_off") or 0) >= runs
+        assert (value(h, "mutexcron_store_operation_seconds_count", store="lock", operation="claim_many") or 0) >= 1
+        assert (value(h, "mutexcron_store_operation_seconds_count", store="lock", operation="hand_off") or 0) >= runs
         assert value(h, "mutexcron_tasks", code="x", state="queued") is None  # no task handlers: no task metrics
 
         # The holder stops (releasing the lease); the standby takes the lock and is handed the
@@ -399,6 +424,37 @@ def test_task_gauges_and_worker_counts(tmp_path: Path) -> None:
         sched.shutdown()
 
 
+@pytest.mark.sqlite
+def test_the_trigger_requests_code_stays_internal(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 25 item 15: `mutexcron.trigger` (the code of `mutexcron trigger`'s requests) is served,
+    but neither listed by sched.tasks.codes(), nor announced at start-up, nor a metrics series."""
+    import logging
+
+    from mutexcron.guard.triggers import TRIGGER_CODE
+
+    sched = make(f"sqlite:///{tmp_path}/internal.db")
+
+    @sched.tasks.handler("mail", lease=5)
+    def mail(task: Any) -> None:
+        pass
+
+    sched.tasks.add("mail", "now", due=timedelta(0))
+    caplog.set_level(logging.INFO, logger="mutexcron")
+    sched.start()
+    try:
+        assert TRIGGER_CODE in sched.tasks.handlers  # served
+        assert sched.tasks.codes() == ["mail"]
+        worker = wait_for("the task worker", lambda: sched._tasks.worker)
+        sched.tasks.store.add(TRIGGER_CODE, "no-such-job", timedelta(hours=1), {})  # one request waiting
+        wait_for("the mail task", lambda: worker.stats.done >= 1)
+        codes = {dict(labels).get("code") for (_name, labels) in scrape(port_of(sched))}
+        assert "mail" in codes and TRIGGER_CODE not in codes
+        started = [r.getMessage() for r in caplog.records if "runs task handlers" in r.getMessage()]
+        assert started and all(TRIGGER_CODE not in line for line in started), started
+    finally:
+        sched.shutdown()
+
+
 # -- configuration ----------------------------------------------------------------------------------
 @pytest.mark.sqlite
 def test_without_prometheus_client_a_port_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -409,7 +465,7 @@ def test_without_prometheus_client_a_port_names_the_extra(monkeypatch: pytest.Mo
 
     jobs = tmp_path / "jobs.py"
     jobs.write_text("from mutexcron import MutexScheduler\nsched = MutexScheduler()\n")
-    from mutexcron.cli import main
+    from mutexcron.cli.main import main
 
     result = CliRunner().invoke(main, ["run", str(jobs), "--lock-url", f"sqlite:///{tmp_path}/x.db", "--metrics-port", "9464"])
     assert result.exit_code == 2, result.output
@@ -457,7 +513,7 @@ def test_nothing_is_imported_without_a_port(tmp_path: Path) -> None:
         def a():
             pass
         sched.start(); sched.shutdown()
-        loaded = [m for m in ("prometheus_client", "mutexcron.metrics", "http.server") if m in sys.modules]
+        loaded = [m for m in ("prometheus_client", "mutexcron.observability.metrics", "http.server") if m in sys.modules]
         print(loaded)
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MUTEXCRON_")}
@@ -513,3 +569,69 @@ def test_mutexcron_run_serves_the_endpoints(tmp_path: Path) -> None:
     record = store.read("tick")
     store.close()
     assert record is not None and record.holder is None  # stopped gracefully, lease released
+
+
+# -- the server's exposure and bounds (issue 22, item 9) ------------------------------------------------
+def _serving(tmp_path: Path, **options: Any) -> Any:
+    sched = MutexScheduler(lock_url=f"sqlite:///{tmp_path}/bind.db", metrics_port=0, **options)
+    obs = sched._observability
+    assert obs is not None
+    obs.start(sched, sched.lock_store)
+    return obs
+
+
+@pytest.mark.sqlite
+def test_the_endpoints_bind_this_host_only_unless_told_otherwise(tmp_path: Path) -> None:
+    obs = _serving(tmp_path)
+    try:
+        assert obs._server.server_address[0] == "127.0.0.1" and obs.address[0] == "127.0.0.1"
+    finally:
+        obs.stop()
+    exposed = _serving(tmp_path, metrics_host="0.0.0.0")  # the explicit choice
+    try:
+        assert exposed._server.server_address[0] == "0.0.0.0"
+        assert get(exposed.address[1], "/readyz")[0] == 503
+    finally:
+        exposed.stop()
+
+
+def _connection_threads() -> int:
+    return sum("process_request_thread" in t.name for t in threading.enumerate())
+
+
+@pytest.mark.sqlite
+def test_idle_and_trickling_clients_are_capped_and_cut_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """300 idle clients held 300 threads: now at most MAX_CONNECTIONS, each for REQUEST_DEADLINE at most."""
+    from mutexcron.observability import metrics
+
+    monkeypatch.setattr(metrics, "MAX_CONNECTIONS", 4, raising=False)
+    monkeypatch.setattr(metrics, "REQUEST_DEADLINE", 1.0, raising=False)
+    before = _connection_threads()
+    obs = _serving(tmp_path)
+    port = obs.address[1]
+    clients = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(12)]
+    try:
+        stop = threading.Event()
+
+        def trickle() -> None:  # a byte of the request line every 0.2 s: no read ever times out
+            while not stop.wait(0.2):
+                for client in clients:
+                    with contextlib.suppress(OSError):
+                        client.send(b"G")
+
+        threading.Thread(target=trickle, daemon=True).start()
+        time.sleep(0.5)
+        assert _connection_threads() - before <= 4
+        started = time.monotonic()
+        for client in clients:  # each is closed by the server: at once (over the cap) or at its deadline
+            with contextlib.suppress(OSError):
+                while client.recv(1024):
+                    pass
+        assert time.monotonic() - started < 4.0
+        stop.set()
+        wait_for("connection threads ended", lambda: _connection_threads() == before)
+        assert get(port, "/readyz")[0] == 503, "the server still answers (not started: 503)"
+    finally:
+        for client in clients:
+            client.close()
+        obs.stop()

@@ -23,7 +23,7 @@ pytest.importorskip("mongomock")
 import mongomock
 from click.testing import CliRunner
 
-from mutexcron.cli import main
+from mutexcron.cli.main import main
 from mutexcron.locks import lock_store_from_url
 from mutexcron.locks.mongodb import MongoDBLockStore
 from tests.mongomock_support import SerializedClient

@@ -30,9 +30,9 @@ import pytest
 from click.testing import CliRunner
 
 from mutexcron import ConfigurationError, HeldLease, LeaseError, LockRecord, Mutex, MutexScheduler, StoreUnavailableError
-from mutexcron.cli import main as cli_main
+from mutexcron.cli.main import main as cli_main
 from mutexcron.locks import AcquireResult, BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, Presence, RunInfo
-from mutexcron.mutex_support import FIRST_BACKOFF, MAX_BACKOFF
+from mutexcron.mutex.acquire import FIRST_BACKOFF, MAX_BACKOFF
 from tests.backends import ALL_BACKENDS, FakeClock, StoreCtx, backend_params, open_backend
 from tests.redis_servers import PrivateRedis
 
@@ -260,12 +260,12 @@ def test_takeover_is_seen_by_the_renewer_on_lost_runs_once_and_the_release_spare
         assert store.release(name, Node(mutex.node_id, "10.0.0.1"), lease.token)
         assert store.acquire_or_renew(name, intruder, 30).acquired
 
-    with caplog.at_level(logging.WARNING, "mutexcron.mutex"):
+    with caplog.at_level(logging.WARNING, "mutexcron.mutex.lock"):
         with mutex.hold("t", lease=0.6, on_lost=lambda lost: calls.append((lost.lost, threading.current_thread().name))) as lease:
             steal("t", lease)
             wait_for(lambda: calls, timeout=3)
             assert lease.lost and "another holder" in (lease.lost_reason or "")
-        assert calls == [(True, "mutexcron-mutex-renewer")], "called once, from the renewer thread"
+        assert calls == [(True, "mutexcron-on-lost")], "called once, on a thread of its own"
         assert lease.released is False
         rec = store.read("t")
         assert rec is not None and rec.holder == intruder.node_id and rec.token == lease.token + 1
@@ -384,7 +384,7 @@ def test_store_killed_lease_lost_within_the_lease_and_waiters_raise_after_their_
     waiter = Mutex(server.url, local_ip="10.0.0.2", clock=clock, sleep=sleep)
     lost_at: list[float] = []
     try:
-        with caplog.at_level(logging.WARNING, "mutexcron.mutex"):
+        with caplog.at_level(logging.WARNING, "mutexcron.mutex.lock"):
             with holder.hold("x", lease=1.0, on_lost=lambda _: lost_at.append(time.monotonic())) as lease:
                 time.sleep(0.5)  # a few renewals
                 server.kill()
@@ -752,3 +752,275 @@ def test_defaults_url_from_the_environment_and_closed_mutex_refuses(
         pass
     with pytest.raises(ConfigurationError, match="unsupported lock URL"):
         Mutex("nosuch://x")
+
+
+# -- issue 22: fork, a lost lease at entry, on_lost, the release deadline ---------------------------
+def _in_forked_child(work: Callable[[], Any], timeout: float = 60.0) -> Any:
+    """``work()`` in a child forked from this process (as Celery's prefork pool does): its result, or what it raised."""
+    mp = multiprocessing.get_context("fork")
+    receiver, sender = mp.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            sender.send(("ok", work()))
+        except BaseException as exc:  # reported to the parent
+            sender.send(("raised", repr(exc)))
+
+    process = mp.Process(target=child)
+    process.start()
+    try:
+        assert receiver.poll(timeout), "the child did not answer"
+        kind, value = receiver.recv()
+    finally:
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+    assert kind == "ok", value
+    return value
+
+
+@pytest.mark.sqlite
+def test_a_child_forked_while_a_parent_thread_writes_sqlite_takes_locks_at_once(tmp_path: Path) -> None:
+    """A thread of the parent in the middle of a write at the fork: the child's writes do not wait
+    for it (it does not exist there), through a new Mutex store or a store the parent built."""
+    from mutexcron.backends.sql import write_mutex
+    from mutexcron.locks.sql import SQLLockStore
+
+    path = tmp_path / "fork.db"
+    mutex = Mutex(f"sqlite:///{path}", local_ip="10.0.0.1")
+    inherited = SQLLockStore(f"sqlite:///{path}")  # built and used before the fork, as a web app's master does
+    inherited.read("x")
+    parent_pool = id(inherited.backend.engine.pool)
+    turn = write_mutex(str(path))
+    in_write, leave = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with turn.lock:
+            in_write.set()
+            leave.wait(60)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        assert in_write.wait(10)
+
+        def child() -> tuple[bool, bool, bool, float]:
+            started = time.monotonic()
+            with mutex.hold("forked", lease=5) as lease:
+                held = bool(lease)
+            other = inherited.acquire_or_renew("other", Node("child:1:abcdef", "10.0.0.2"), 5).acquired
+            return held, other, id(inherited.backend.engine.pool) != parent_pool, time.monotonic() - started
+
+        held, other, new_pool, took = _in_forked_child(child)
+        assert held and other, "the child's writes went through"
+        assert new_pool, "the child does not share its parent's pooled connections"
+        assert took < 3, f"the child waited {took:.1f}s for a turn held by a thread it does not have"
+    finally:
+        leave.set()
+        thread.join(10)
+        inherited.close()
+        mutex.close()
+
+
+@pytest.mark.sqlite
+def test_a_child_forked_inside_a_hold_does_not_hold_the_parents_lock(tmp_path: Path) -> None:
+    mutex = Mutex(f"sqlite:///{tmp_path}/inside.db", local_ip="10.0.0.1")
+    try:
+        with mutex.hold("parent", lease=30) as lease:
+
+            def child() -> tuple[bool, bool | None, str | None]:
+                with mutex.hold("child", lease=5) as mine:  # the child's own holds work
+                    assert mine
+                return lease.lost, lease.released, lease.lost_reason
+
+            lost, released, reason = _in_forked_child(child)
+            assert lost and released is None and "forked" in (reason or ""), "in the child, the parent's lease is not its own"
+            assert not lease.lost, "the parent's lease is untouched"
+            rec = mutex.store.read("parent")
+            assert rec is not None and rec.holder == mutex.node_id and rec.token == lease.token
+        assert lease.released is True
+    finally:
+        mutex.close()
+
+
+class _BlockLoopAfterAcquire(CountingStore):
+    """After a successful acquire, blocks the event loop for ``seconds`` before it can resume the waiter."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+    seconds = 0.0
+
+    def acquire_or_renew(self, name: str, node: Node, ttl: float, claim: FireClaim | None = None) -> AcquireResult:
+        result = super().acquire_or_renew(name, node, ttl, claim)
+        if result.acquired and self.loop is not None and self.seconds:
+            self.loop.call_soon_threadsafe(time.sleep, self.seconds)
+        return result
+
+
+@pytest.mark.parametrize("kind", backend_params("memory", "sqlite"))
+def test_async_lease_is_renewed_while_the_loop_is_blocked_right_after_the_acquire(
+    ctx: StoreCtx, new_mutex: Callable[..., Mutex]
+) -> None:
+    store = _BlockLoopAfterAcquire(ctx.make())
+    mutex = new_mutex(store=store)
+
+    async def main() -> tuple[bool, str | None]:
+        store.loop, store.seconds = asyncio.get_running_loop(), 1.5  # three leases
+        async with mutex.hold_async("blocked", lease=0.5) as lease:
+            return bool(lease) and not lease.lost, lease.lost_reason
+
+    ok, reason = asyncio.run(main())
+    assert ok, f"the body started with a lost lease: {reason}"
+
+
+class _PausedAcquire(CountingStore):
+    """Acquires, then moves the injected clock past the lease: a process paused right after its acquire."""
+
+    def __init__(self, inner: LockStore, clock: FakeClock, pause: float) -> None:
+        super().__init__(inner)
+        self.clock, self.pause = clock, pause
+
+    def acquire_or_renew(self, name: str, node: Node, ttl: float, claim: FireClaim | None = None) -> AcquireResult:
+        result = super().acquire_or_renew(name, node, ttl, claim)
+        self.clock.advance(self.pause)
+        return result
+
+
+@pytest.mark.memory
+def test_exclusive_never_runs_the_function_with_a_lease_lost_before_it_starts() -> None:
+    clock = FakeClock()
+    mutex = Mutex(store=_PausedAcquire(Mutex("memory://").store, clock, pause=10), clock=clock)
+    ran: list[str] = []
+
+    @mutex.exclusive("paused", lease=5)
+    def work() -> None:
+        ran.append("sync")
+
+    @mutex.exclusive("paused-async", lease=5)
+    async def work_async() -> None:
+        ran.append("async")
+
+    with pytest.raises(LeaseError, match="lost before"):
+        work()
+    with pytest.raises(LeaseError, match="lost before"):
+        asyncio.run(work_async())
+    assert ran == []
+    mutex.close()
+
+
+@pytest.mark.memory
+def test_exclusive_refuses_generators_and_guards_async_callable_objects() -> None:
+    url = f"memory://mutex-{secrets.token_hex(3)}"
+    mutex = Mutex(url)
+
+    def numbers(n: int) -> Iterator[int]:
+        yield from range(n)
+
+    async def numbers_async(n: int) -> Any:
+        yield n
+
+    for func in (numbers, numbers_async):
+        with pytest.raises(ConfigurationError, match="generator"):
+            mutex.exclusive("gen:{n}")(func)
+
+    class Importer:
+        async def __call__(self, url: str) -> str | None:
+            await asyncio.sleep(0)
+            rec = await asyncio.to_thread(mutex.store.read, f"obj:{url}")
+            return rec.holder if rec is not None else None
+
+    guarded = mutex.exclusive("obj:{url}")(Importer())
+    assert asyncio.run(guarded("u")) == mutex.node_id, "the body ran holding the lock"
+
+    @mutex.exclusive("returns-coroutine")
+    def sneaky() -> Any:  # a plain function that hands back work to do later, after the release
+        return numbers_async(1).__anext__()
+
+    with pytest.raises(ConfigurationError, match="after the lock is released"):
+        sneaky()
+    mutex.close()
+
+
+def _steal(store: LockStore, mutex: Mutex, name: str, lease: HeldLease) -> None:
+    """Someone with access to the store frees the lock and another node takes it."""
+    assert store.release(name, Node(mutex.node_id, "10.0.0.1"), lease.token)
+    assert store.acquire_or_renew(name, Node("intruder:1:abcdef", "10.9.9.9"), 30).acquired
+
+
+@pytest.mark.parametrize("kind", backend_params("memory", "sqlite"))
+def test_a_slow_on_lost_callback_delays_no_other_holds_renewal(ctx: StoreCtx, new_mutex: Callable[..., Mutex]) -> None:
+    mutex, store = new_mutex(), ctx.make()
+    in_callback, leave = threading.Event(), threading.Event()
+
+    def slow(_: HeldLease) -> None:
+        in_callback.set()
+        leave.wait(30)
+
+    try:
+        with mutex.hold("healthy", lease=1.0) as healthy, mutex.hold("doomed", lease=1.0, on_lost=slow) as doomed:
+            _steal(store, mutex, "doomed", doomed)
+            assert in_callback.wait(10)
+            time.sleep(2.5)  # two and a half leases inside the callback
+            assert not healthy.lost, healthy.lost_reason
+    finally:
+        leave.set()
+
+
+@pytest.mark.parametrize("kind", backend_params("memory", "sqlite"))
+def test_sys_exit_in_on_lost_leaves_the_renewer_running(ctx: StoreCtx, new_mutex: Callable[..., Mutex]) -> None:
+    mutex, store = new_mutex(), ctx.make()
+    called = threading.Event()
+
+    def leave(_: HeldLease) -> None:
+        called.set()
+        sys.exit(3)
+
+    with mutex.hold("doomed", lease=1.0, on_lost=leave) as doomed:
+        _steal(store, mutex, "doomed", doomed)
+        assert called.wait(10)
+    time.sleep(0.2)
+    with mutex.hold("later", lease=0.6) as later:
+        time.sleep(2.0)
+        assert not later.lost, later.lost_reason
+
+
+class _HangingRelease(CountingStore):
+    """A store that stops answering releases (for ``hang`` seconds each, or until ``answer`` is set)."""
+
+    def __init__(self, inner: LockStore, hang: float) -> None:
+        super().__init__(inner)
+        self.hang, self.answer = hang, threading.Event()
+
+    def release(self, name: str, node: Node, token: int) -> bool:
+        self.calls["release"] += 1
+        if not self.answer.wait(self.hang):
+            raise StoreUnavailableError("timed out")
+        return self.inner.release(name, node, token)
+
+
+@pytest.mark.memory
+def test_leaving_a_hold_on_a_hanging_store_takes_a_short_deadline_and_none_when_taken_over() -> None:
+    inner = Mutex(f"memory://hang-{secrets.token_hex(3)}").store
+    store = _HangingRelease(inner, hang=5.0)
+    mutex = Mutex(store=store)
+    try:
+        started = time.monotonic()
+        with mutex.hold("hung", lease=30) as lease:
+            pass
+        took = time.monotonic() - started
+        assert took < 3, f"leaving the block took {took:.1f}s"
+        assert lease.released is False
+        store.answer.set()  # the store answers again: the release in flight still lands
+        wait_for(lambda: (rec := inner.read("hung")) is not None and rec.holder is None)
+
+        store.answer.clear()
+        store.calls.clear()
+        with mutex.hold("lost", lease=1.0) as lost:
+            _steal(inner, mutex, "lost", lost)
+            wait_for(lambda: lost.lost)
+            started = time.monotonic()
+        took = time.monotonic() - started
+        assert took < 1 and store.calls["release"] == 0, "a lease another holder took is not released: the store would refuse"
+        assert lost.released is False
+    finally:
+        store.answer.set()
+        mutex.close()

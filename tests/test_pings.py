@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import logging
 import re
 import secrets
@@ -20,7 +21,7 @@ import pytest
 from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_EXECUTED, EVENT_SCHEDULER_SHUTDOWN, SchedulerEvent
 
 from mutexcron import EVENT_RUN_FINISHED, EVENT_RUN_STARTED, ConfigurationError, MutexConfig, MutexEvent, MutexScheduler
-from mutexcron.pings import PingSender, check_ping, ping_url, run_id
+from mutexcron.observability.pings import PingSender, check_ping, ping_url, run_id
 from mutexcron.urls import mask_path
 
 pytestmark = pytest.mark.memory
@@ -167,7 +168,8 @@ def test_run_id_is_one_uuid_per_run() -> None:
     [
         ("https://hc-ping.com/5f0e1c2e-aaaa", "https://hc-ping.com/***"),
         ("https://hc-ping.com/KEY/slug?create=1", "https://hc-ping.com/***"),
-        ("https://u:pw@cronitor.link:8443/p/KEY/job?state=run", "https://u:***@cronitor.link:8443/***"),
+        ("https://u:pw@cronitor.link:8443/p/KEY/job?state=run", "https://***@cronitor.link:8443/***"),
+        ("https://tok3n@cronitor.link/p/job", "https://***@cronitor.link/***"),
         ("https://hc-ping.com", "https://hc-ping.com"),
         ("https://hc-ping.com/", "https://hc-ping.com"),
         ("hc-ping.com/5f0e1c2e", "***"),
@@ -306,7 +308,7 @@ def test_the_standby_sends_no_pings(schedulers: list[MutexScheduler], recorder: 
     holder = next(s for s in schedulers if s.node_id in nodes)
     standby = next(s for s in schedulers if s is not holder)
     assert standby._pings.sent == standby._pings.failed == standby._pings.dropped == 0
-    assert standby._pings._thread is None, "no ping thread on a node that never pinged"
+    assert standby._pings.threads == [], "no ping thread on a node that never pinged"
     assert all(run == ["start", "success"] for run in runs_of(recorder.paths()))
 
 
@@ -322,7 +324,7 @@ def test_jobs_without_ping_start_no_thread(schedulers: list[MutexScheduler]) -> 
     sched.start()
     wait_for(lambda: len(runs) >= 2)
     sched.shutdown()
-    assert sched._pings._thread is None and sched._pings.sent == 0
+    assert sched._pings.threads == [] and sched._pings.sent == 0
 
 
 # -- failures: never the job's problem ----------------------------------------------------------
@@ -415,9 +417,96 @@ def test_shutdown_sends_the_pings_still_queued() -> None:
         sender(SchedulerEvent(EVENT_SCHEDULER_SHUTDOWN))
         assert len(slow.requests) == 6 and sender.sent == 6
         assert runs_of(slow.paths()) == [["start", "fail"]] * 3
-        wait_for(lambda: sender._thread is None, timeout=2)
+        wait_for(lambda: sender.threads == [], timeout=2)
         sender(run_event(EVENT_RUN_STARTED, token=9))  # a ping after shutdown starts the thread again
         assert sender.flush(5) and len(slow.requests) == 7
         sender.close(0)
     finally:
         slow.close()
+
+
+# -- one slow monitor, and a deadline per ping (issue 22, items 10 and 16) ------------------------------
+@pytest.fixture
+def trickler() -> Iterator[str]:
+    """A URL whose server answers one byte every 0.2 s, forever: a per-read timeout never fires."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    stop = threading.Event()
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            conn.recv(4096)
+            try:
+                conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+                while not stop.wait(0.2):  # one byte of a header that never ends
+                    conn.sendall(b"y")
+            except OSError:
+                return
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    listener.close()
+
+
+def test_a_slow_monitor_delays_no_other_monitor_and_each_ping_has_a_whole_request_deadline(
+    trickler: str, recorder: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    templates = {"slow": f"{trickler}/slow-check", "fast": f"{recorder.url}/fast-check"}
+    sender = PingSender(templates.get, timeout=1.0)
+    try:
+        started = time.monotonic()
+        for token in range(4):  # 4 s of the slow monitor's pings queued first
+            sender(run_event(EVENT_RUN_STARTED, job="slow", token=token))
+        sender(run_event(EVENT_RUN_STARTED, job="fast"))
+        wait_for(lambda: len(recorder.requests) == 1, timeout=3.0)
+        assert time.monotonic() - started < 3.0, "the fast monitor's ping did not wait for the slow one's"
+        wait_for(lambda: sender.failed >= 1, timeout=4.0)  # a trickled answer is cut off at 1 s, not never
+        lines = [r.getMessage() for r in ping_lines(caplog)]
+        assert lines and "timed out" in lines[0] and "slow-check" not in caplog.text
+    finally:
+        sender.close(0)
+
+
+@pytest.mark.parametrize("password", ["s3c ret", "pa/ss:w@rd", "hunter22"])
+def test_a_ping_urls_password_is_sent_as_basic_auth_and_never_logged(
+    password: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen: list[str | None] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    closed = free_port()
+    try:
+        up = PingSender(lambda _job: f"http://mon:{password}@127.0.0.1:{server.server_address[1]}/check")
+        up(run_event(EVENT_RUN_STARTED))
+        assert up.flush(5) and up.sent == 1
+        assert seen == ["Basic " + base64.b64encode(f"mon:{password}".encode()).decode()]
+        down = PingSender(lambda _job: f"http://mon:{password}@127.0.0.1:{closed}/check", timeout=1.0)
+        down(run_event(EVENT_RUN_STARTED))
+        assert down.flush(5) and down.failed == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [r for r in ping_lines(caplog) if f"http://***@127.0.0.1:{closed}/***" in r.getMessage()]
+    for fragment in {password, *re.split(r"[ /:@]", password)} - {""}:
+        assert fragment not in caplog.text, caplog.text

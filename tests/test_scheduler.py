@@ -9,9 +9,10 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
-from apscheduler.events import EVENT_JOB_ERROR
+from apscheduler.events import EVENT_JOB_ERROR, EVENT_SCHEDULER_PAUSED, EVENT_SCHEDULER_SHUTDOWN
 
 from mutexcron import (
     ConfigurationError,
@@ -21,7 +22,7 @@ from mutexcron import (
     StoreUnavailableError,
     current_lease,
 )
-from mutexcron.guard import GuardedJob
+from mutexcron.guard.job import GuardedJob
 from mutexcron.heartbeat import LeaseManager
 from mutexcron.locks import BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, Presence, RunInfo
 from mutexcron.locks.memory import MemoryLockStore
@@ -260,6 +261,25 @@ def test_graceful_shutdown_waits_for_the_job_then_releases(schedulers: list[Mute
     assert result.acquired and result.token == 2, "a standby takes it at once"
 
 
+def test_shutdown_tells_listeners_of_the_shutdown_and_of_no_pause(schedulers: list[MutexScheduler], shared_url: str) -> None:
+    """As in APScheduler: a shutdown is EVENT_SCHEDULER_SHUTDOWN alone, never a pause first."""
+    sched = make(schedulers, shared_url, "a")
+    sched.add_job(lambda: None, "interval", seconds=60, id="j", mutex="paused-or-not")
+    codes: list[int] = []
+    sched.add_listener(lambda event: codes.append(event.code), EVENT_SCHEDULER_PAUSED | EVENT_SCHEDULER_SHUTDOWN)
+    sched.start()
+    sched.shutdown()
+    assert codes == [EVENT_SCHEDULER_SHUTDOWN]
+
+
+def test_the_schedulers_time_zone_is_apschedulers_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No zone of our own: the host's, as APScheduler picks it, unless timezone= is given."""
+    monkeypatch.setattr("apscheduler.schedulers.base.get_localzone", lambda: ZoneInfo("America/New_York"))
+    assert str(MutexScheduler(lock_url="memory://").timezone) == "America/New_York"
+    assert str(MutexScheduler(lock_url="memory://", timezone="Asia/Tokyo").timezone) == "Asia/Tokyo"
+    assert str(MutexScheduler({"apscheduler.timezone": "Europe/Paris"}, lock_url="memory://").timezone) == "Europe/Paris"
+
+
 def test_catch_up_runs_a_fire_time_missed_during_failover(schedulers: list[MutexScheduler], shared_url: str) -> None:
     """The holder dies just before a fire time; the standby takes over and runs that fire time once."""
     store = MemoryLockStore(shared_url)
@@ -292,6 +312,29 @@ def test_catch_up_runs_a_fire_time_missed_during_failover(schedulers: list[Mutex
     assert runs[0][1] - died < 1.0 + 1.0, "within a lease (+ one heartbeat period) of the death"
     time.sleep(0.5)
     assert len(runs) == 1, "it ran once"
+
+
+def test_catch_up_after_a_graceful_release_covers_the_slot_before_this_node_started(
+    schedulers: list[MutexScheduler], shared_url: str
+) -> None:
+    """A gunicorn HUP: the old holder stops and releases, a new worker starts after the next slot
+    and acquires the released lock. That slot runs (caught up), as after a takeover."""
+    store = MemoryLockStore(shared_url)
+    old = Node("old-worker", "10.9.9.9")
+    now = datetime.now(timezone.utc)
+    if now.timestamp() % 2 > 1.2:  # keep clear of the next slot (the job fires every even second)
+        time.sleep(2.2 - now.timestamp() % 2)
+        now = datetime.now(timezone.utc)
+    missed = datetime.fromtimestamp(now.timestamp() // 2 * 2, timezone.utc)  # the slot no one ran
+    ran = missed - timedelta(seconds=2)
+    result = store.acquire_or_renew("reload", old, 2.0, FireClaim.new("every", int(ran.timestamp() * 1_000_000)))
+    assert result.claimed and store.release("reload", old, result.token)
+    runs: list[datetime] = []
+    sched = make(schedulers, shared_url, "new-worker", unactive_interval=2.0)
+    sched.add_job(lambda: runs.append(current_lease().fire_time), "interval", seconds=2, id="every", mutex="reload")
+    sched.start()  # after `missed`
+    wait_for(lambda: runs, timeout=5)
+    assert runs[0] == missed, f"the slot between the release and this start ran first: {runs}"
 
 
 # -- fail closed --------------------------------------------------------------------------------
@@ -514,7 +557,7 @@ def test_lease_save_checkpoints_attrs_and_is_fenced() -> None:
     assert first is not None and first.acquired
     import functools
 
-    from mutexcron.lease import Lease
+    from mutexcron.guard.lease import Lease
 
     save = functools.partial(a.checkpoint, "l", first.token, set(), job="job")
     lease = Lease("l", first.token, "a", datetime.now(timezone.utc), "job", a.holds, save)

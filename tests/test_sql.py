@@ -389,11 +389,9 @@ def test_values_the_database_refuses_are_request_errors(ctx: StoreCtx) -> None:
     token = store.acquire_or_renew("bad", A, ttl=60).token
     # Out of range for the database's integer/interval arithmetic (MySQL 1916, PostgreSQL 22008).
     _refused(store, lambda: store.hand_off("bad", A, token, None, RunInfo(duration=1e300)))
-    # A lone surrogate (as in a file name decoded with surrogateescape) cannot be sent as UTF-8.
-    _refused(store, lambda: store.hand_off("bad", A, token, None, RunInfo(duration=1, error="no such file '\udcff'")))
-    if store.engine.dialect.name == "postgresql":
-        _refused(store, lambda: store.hand_off("bad", A, token, None, RunInfo(duration=1, error="nul \x00 byte")))  # 22021
-    else:
+    # A NUL byte or a lone surrogate in an error text is no longer refused: RunInfo stores it sanitised
+    # (test_history.py). A value too long for its column still is (MySQL 1406).
+    if store.engine.dialect.name != "postgresql":
         _refused(store, lambda: store.hand_off("bad", A, token, None, RunInfo(duration=1, error="e" * 70_000)))  # 1406
     assert store.hand_off("bad", A, token, {"ok": 1}, RunInfo(duration=1, error="fine"))
 
@@ -621,7 +619,7 @@ def test_a_sqlite_write_that_waits_past_the_busy_timeout_for_its_turn_is_content
         release = threading.Event()
 
         def hold() -> None:  # another thread of this process in the middle of a write
-            with mutex:
+            with mutex.lock:
                 taken.set()
                 release.wait(10)
 

@@ -137,7 +137,7 @@ def test_add_inserts_a_queued_task_and_get_returns_it(tasks_ctx: TaskCtx) -> Non
     assert (task.attempt, task.token, task.owner) == (0, 0, None)
     assert task.due == due and task.due.tzinfo is not None
     assert task.payload == {"pct": 20, "tags": ["a", "é"]}
-    assert task.idempotency_key == f"end_promotion:sku-123:{due.isoformat()}"
+    assert task.idempotency_key == f"end_promotion:sku-123:{due.isoformat()}#{task.occurrence}"
     assert task.created is not None and task.updated is not None and task.lease_until is None
     assert task.run_at == due  # claimable at its due
     assert not task.pending and not task.cancel_requested
@@ -394,6 +394,32 @@ def test_reschedule_queues_a_new_occurrence(tasks_ctx: TaskCtx) -> None:
     assert again.idempotency_key != task.idempotency_key
     assert store.claim(A, ["c"], 10, 30) == []  # not due for two hours
     assert not store.complete(A, "c", "k", task.token, Done())  # the attempt is over: nothing left to record
+
+
+@every_backend
+def test_reschedule_with_a_payload_replaces_it_in_the_same_fenced_write(tasks_ctx: TaskCtx) -> None:
+    """Issue 25 item 14: a handler carries a cursor from run to run in one return value."""
+    store = tasks_ctx.make()
+    store.add("c", "k", SOON, {"cursor": 1})
+    [task] = store.claim(A, ["c"], 10, 30)
+    at = store.now() + timedelta(hours=2)
+    with pytest.raises(AttrsError, match="payload of task 'c'/'k'"):  # checked before anything is written
+        store.complete(A, "c", "k", task.token, Reschedule(at, payload={"when": datetime.now(timezone.utc)}))
+    assert store.complete(A, "c", "k", task.token, Reschedule(at, payload={"cursor": 2, "é": [None, 1.5]}))
+    again = store.get("c", "k")
+    assert again is not None and (again.state, again.due, again.attempt) == ("queued", at, 0)
+    assert again.payload == {"cursor": 2, "é": [None, 1.5]}
+    # A stale worker's reschedule changes nothing, payload included.
+    assert not store.complete(A, "c", "k", task.token, Reschedule(at, payload={"cursor": 99}))
+    # None is a payload (JSON null); the default keeps the payload.
+    store.add("c", "n", SOON, {"cursor": 1})
+    store.add("c", "kept", SOON, {"cursor": 1})
+    claimed = {t.key: t for t in store.claim(A, ["c"], 10, 30)}
+    assert store.complete_many(A, [("c", "n", claimed["n"].token, Reschedule(at, payload=None)),
+                                   ("c", "kept", claimed["kept"].token, Reschedule(at))]) == [True, True]  # fmt: skip
+    nulled, kept = store.get("c", "n"), store.get("c", "kept")
+    assert nulled is not None and nulled.payload is None
+    assert kept is not None and kept.payload == {"cursor": 1}
 
 
 @every_backend

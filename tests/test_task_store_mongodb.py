@@ -342,7 +342,7 @@ def test_an_unknown_write_outcome_raises_store_unavailable(flaky: Any, when: str
         with pytest.raises(StoreUnavailableError, match=f"{name} \\(outcome unknown\\)"):
             call()
     for name, method, call in (
-        ("cancel", "delete_one", lambda: store.cancel("c", "k")),
+        ("cancel", "update_one", lambda: store.cancel("c", "k")),  # a tombstone: an update
         ("retry", "update_one", lambda: store.retry("c", "k")),
     ):
         col.fail(method, when, wtimeout())

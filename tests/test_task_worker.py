@@ -118,6 +118,46 @@ def test_a_bad_return_value_fails_the_task_with_the_fix(harness: Harness, result
     assert task.last_error is not None and words in task.last_error and "return None" in task.last_error
 
 
+def test_a_bad_return_value_is_logged_like_a_raising_handler(harness: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 25 item 10: the task failed with no log line at all (a raising handler logs an ERROR)."""
+    caplog.set_level("INFO", logger="mutexcron")
+    harness.store.add("c", "k", NOW)
+    worker = harness.worker(Handler("c", lambda task: 42))
+    assert wait_for(lambda: worker.stats.failed == 1)
+    [line] = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert line.getMessage().startswith("task c/k attempt 1 failed: handler ") and "returned int 42" in line.getMessage()
+
+
+def test_a_handler_reschedules_itself_with_a_new_payload(harness: Harness) -> None:
+    """Issue 25 item 14: `return Reschedule(due, payload=...)`, one return value (before: an add
+    inside the handler, then `return None`)."""
+    from mutexcron import Reschedule
+
+    seen: list[Any] = []
+
+    def page(task: Task) -> Any:
+        seen.append(task.payload["cursor"])
+        if task.payload["cursor"] >= 3:
+            return None
+        return Reschedule(timedelta(0), payload={"cursor": task.payload["cursor"] + 1})
+
+    harness.store.add("c", "k", NOW, {"cursor": 1})
+    worker = harness.worker(Handler("c", page))
+    assert wait_for(lambda: worker.stats.done == 1)
+    assert seen == [1, 2, 3] and worker.stats.rescheduled == 2 and harness.store.get("c", "k") is None
+
+
+def test_a_reschedule_with_a_payload_that_is_not_json_fails_the_task_saying_so(harness: Harness) -> None:
+    from mutexcron import Reschedule
+
+    harness.store.add("c", "k", NOW, {"cursor": 1})
+    worker = harness.worker(Handler("c", lambda task: Reschedule(timedelta(hours=1), payload={"at": datetime(2030, 1, 1)})))
+    assert wait_for(lambda: worker.stats.failed == 1)
+    task = harness.store.get("c", "k")
+    assert task is not None and task.state == "failed" and task.payload == {"cursor": 1}
+    assert task.last_error is not None and "payload of task 'c'/'k'" in task.last_error and "'at'" in task.last_error
+
+
 def test_a_coroutine_handler_runs_to_completion(harness: Harness) -> None:
     seen: list[str] = []
 
@@ -346,8 +386,8 @@ def test_a_node_serving_only_triggers_looks_once_a_second_and_with_a_handler_as_
     """Every node with guarded jobs serves `mutexcron trigger`: on SQLite (and the stores without
     notices) that alone must not cost a look at the store every 25 ms; a delayed-task handler of the
     user's keeps the store's own cadence."""
+    from mutexcron.guard.triggers import TRIGGER_POLL
     from mutexcron.tasks.wakeup_sqlite import VERSION_POLL, SQLiteWaker
-    from mutexcron.triggers import TRIGGER_POLL
 
     sched = MutexScheduler(lock_url=f"sqlite:///{tmp_path}/poll.db")
     sched.add_job(print, "interval", hours=1, id="job", mutex="lock")

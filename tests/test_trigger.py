@@ -1,4 +1,4 @@
-"""`mutexcron trigger JOB` against a cluster of real `mutexcron run` nodes (mutexcron/triggers.py)."""
+"""`mutexcron trigger JOB` against a cluster of real `mutexcron run` nodes (mutexcron/guard/triggers.py)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,10 @@ JOBS = textwrap.dedent(
     @sched.interval_schedule(hours=6, id="broken")
     def broken():
         raise RuntimeError("the report server said no")
+
+    @sched.interval_schedule(hours=6, id="plain")  # unguarded: no lock to run it through
+    def plain():
+        pass
     """
 )
 
@@ -64,6 +68,7 @@ def test_trigger_runs_the_job_once_on_the_holder_and_reports_the_outcome(kind: s
     ]
     try:
         time.sleep(3)  # started; the 6-hourly jobs are far from due, one node holds "reports"
+        # Never run yet: its lock's holder wrote it in the record with its trigger (issue 25 items 3, 7).
         done = _cli("trigger", "report", "--timeout", "30", env=env, cwd=tmp_path)
         assert done.returncode == 0, done.stdout + done.stderr
         assert "report: ran at fire time" in done.stdout and "success" in done.stdout
@@ -75,7 +80,18 @@ def test_trigger_runs_the_job_once_on_the_holder_and_reports_the_outcome(kind: s
         assert len({json.loads(line)["node"] for line in out.read_text().splitlines()}) == 1  # the holder ran both
         failed = _cli("trigger", "broken", "--timeout", "30", env=env, cwd=tmp_path)
         assert failed.returncode == 1 and "RuntimeError: the report server said no" in failed.stdout
-        unknown = _cli("trigger", "no-such-job", "--timeout", "2", env=env, cwd=tmp_path)
+        # Issue 25 item 7: answered at once, with the real reason (not after --timeout).
+        started = time.monotonic()
+        typo = _cli("trigger", "reprot", "--timeout", "30", env=env, cwd=tmp_path)
+        assert typo.returncode == 2 and "Did you mean 'report'?" in typo.stderr, typo.stderr
+        unguarded = _cli("trigger", "plain", "--force", "--timeout", "30", env=env, cwd=tmp_path)
+        assert unguarded.returncode == 2 and "job 'plain' has no lock" in unguarded.stderr, unguarded.stderr
+        assert _cli("pause", "reports", env=env, cwd=tmp_path).returncode == 0
+        paused = _cli("trigger", "report", "--timeout", "30", env=env, cwd=tmp_path)
+        assert paused.returncode == 5 and "lock 'reports' is paused" in paused.stderr, paused.stderr
+        assert _cli("resume", "reports", env=env, cwd=tmp_path).returncode == 0
+        assert time.monotonic() - started < 25, "each answered at once"
+        unknown = _cli("trigger", "no-such-job", "--force", "--timeout", "2", env=env, cwd=tmp_path)
         assert unknown.returncode == 3 and "no node ran it within 2s" in unknown.stderr
         listed = _cli("tasks", "list", "--json", env=env, cwd=tmp_path)
         assert json.loads(listed.stdout) == []  # no request left behind

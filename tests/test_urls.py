@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+import string
+from urllib.parse import quote, unquote
+
 import pytest
 
 from mutexcron.errors import ConfigurationError
@@ -103,3 +107,106 @@ def test_missing_driver_is_a_configuration_error_with_the_pip_hint(monkeypatch: 
     monkeypatch.delitem(sys.modules, "mutexcron.locks.redis", raising=False)
     with pytest.raises(ConfigurationError, match=r'pip install "mutexcron\[redis\]"'):
         lock_store_from_url("redis://127.0.0.1:6379/0")
+
+
+# -- the rule, not a list (issue 22, item 10) ---------------------------------------------------------
+@pytest.mark.parametrize(
+    ("url", "masked"),
+    [
+        ("mysql://u@h/db?ssl_key_password=kp4ss&ssl_key=/k.pem", "mysql://u@h/db?ssl_key_password=***&ssl_key=***"),
+        (
+            "mongodb://h/db?authMechanism=MONGODB-AWS&authMechanismProperties=AWS_SESSION_TOKEN:FQoGZXIv&authSource=$external",
+            "mongodb://h/db?authMechanism=MONGODB-AWS&authMechanismProperties=***&authSource=%24external",
+        ),
+        ("redis://h/0?X-Amz-Signature=abc123&namespace=ops", "redis://h/0?X-Amz-Signature=***&namespace=ops"),
+        ("postgresql://h/db?sslpassword=x1&table=t&history=5", "postgresql://h/db?sslpassword=***&table=t&history=5"),
+    ],
+)
+def test_secret_query_values_are_masked_by_the_name_rule(url: str, masked: str) -> None:
+    assert mask_url(url) == masked
+
+
+def test_redact_masks_every_url_inside_a_text() -> None:
+    text = "cannot connect to postgresql://app:hunter22@db/ops (via 'mongodb://u:pw99@h/db?token=t0k3n')"
+    assert redact(text) == "cannot connect to postgresql://app:***@db/ops (via 'mongodb://u:***@h/db?token=***')"
+
+
+def test_redact_leaves_a_url_with_nothing_to_hide_as_it_is() -> None:
+    """A dashboard page shows the masked store URL right before markup: re-encoding it swallowed
+    the markup (`&amp;b=2</span><form id="token">` became `&amp%3Bb=2%3C/span%3E%3Cform`)."""
+    page = '<span>postgresql://app:***@db/ops?table=t&amp;tasks_table=q</span><form id="token"><button>'
+    assert redact(page, "postgresql://app:hunter22@db/ops?table=t&tasks_table=q") == page
+    plain = "see sqlite:////var/lib/app.db?table=locks&history=5</td><td>x"
+    assert redact(plain) == plain
+    leaked = '<span>postgresql://app:hunter22@db/ops?table=t</span><form id="token">'
+    assert "hunter22" not in redact(leaked) and "app:***@db" in redact(leaked)
+
+
+_SECRET_NAMES = ("password", "ssl_key_password", "sslPassword", "authMechanismProperties", "access_token", "apiKey",
+                 "X-Amz-Credential", "client_secret", "sig", "session", "tlsCertificateKeyFilePassword", "PWD")  # fmt: skip
+_PLAIN_NAMES = ("table", "history", "namespace", "replicaSet", "authSource", "connect_timeout", "sslmode", "pool_size")
+
+
+def _generated_url(rng: random.Random) -> tuple[str, list[str], list[str]]:
+    """A URL with generated secrets in its user-info and query, (the URL, its secrets, its plain values).
+
+    Secrets start with ``Q9`` and plain parts use lower-case letters and digits only, so a secret
+    can only show up in the output where it was left unmasked."""
+    special = "/@:?#%&=+,;$!'*~. "
+    alphabet = string.ascii_letters + string.digits + special
+
+    def secret() -> str:
+        return "Q9" + "".join(rng.choice(alphabet) for _ in range(rng.randint(2, 16)))
+
+    def plain() -> str:
+        return "".join(rng.choice(string.ascii_lowercase + string.digits) for _ in range(rng.randint(1, 10)))
+
+    scheme = rng.choice(("mysql", "mysql+pymysql", "postgresql", "redis", "rediss", "redis+sentinel", "mongodb",
+                         "mongodb+srv", "https"))  # fmt: skip
+    secrets, plains, userinfo = [], [], ""
+    kind = rng.choice(("none", "user", "user+password", "password"))
+    if kind != "none":
+        user = plain() if kind != "password" else ""
+        password = secret().replace(" ", "") if kind != "user" else None
+        if password is not None and rng.random() < 0.5:
+            password = quote(password, safe="")  # escaped as the drivers document; raw otherwise
+        if password is not None:
+            secrets.append(password)
+        userinfo = (user if password is None else f"{user}:{password}") + "@"
+    hosts = ",".join(f"{plain()}:{rng.randint(1, 65535)}" for _ in range(rng.randint(1, 3)))
+    query = []
+    for _ in range(rng.randint(0, 4)):
+        if rng.random() < 0.5:
+            value = secret()
+            secrets.append(value)
+            query.append(f"{rng.choice(_SECRET_NAMES)}={quote(value, safe='')}")
+        else:
+            value = plain()
+            plains.append(value)
+            query.append(f"{rng.choice(_PLAIN_NAMES)}={value}")
+    url = f"{scheme}://{userinfo}{hosts}/{plain()}" + (f"?{'&'.join(query)}" if query else "")
+    return url, secrets, plains
+
+
+def _forms(secret: str) -> set[str]:
+    return {s for s in (secret, unquote(secret), quote(unquote(secret), safe="")) if len(s) >= 3}
+
+
+def test_no_generated_secret_survives_masking_or_redaction() -> None:
+    """Property-style: 3000 generated URLs (seeded, so a failure can be replayed): no form of a
+    secret is left in the masked URL, in a message quoting the URL, nor in a message quoting the
+    secret itself when the URL is known; plain query values stay readable."""
+    rng = random.Random(22)
+    for _ in range(3000):
+        url, secrets, plains = _generated_url(rng)
+        masked = mask_url(url)
+        quoted = redact(f"error: could not reach {url}, giving up", None)
+        told = redact(f"error: {' and '.join(secrets)} refused by {url}", url)
+        for secret in secrets:
+            for form in _forms(secret):
+                assert form not in masked, (url, masked)
+                assert form not in quoted, (url, quoted)
+                assert form not in told, (url, told)
+        query = masked.partition("?")[2]
+        for value in plains:
+            assert f"={value}" in query, (url, masked)

@@ -56,6 +56,9 @@ class Backend(ABC):
 
     def __init__(self, url: str) -> None:
         self.url = url
+        #: A reader that must not write (the dashboard): the stores create no table, index or
+        #: collection and fill no index on a read (SQL: a missing table is :class:`SchemaMissingError`).
+        self.read_only = False
 
     @property
     def masked_url(self) -> str:

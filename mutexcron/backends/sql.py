@@ -23,22 +23,25 @@ mistaken for an outage. A pooled connection the server dropped is replaced once,
 
 from __future__ import annotations
 
+import difflib
 import functools
 import logging
 import os
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
+from urllib.parse import parse_qsl
 
 import sqlalchemy
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine, make_url
 
-from ..errors import ConfigurationError, StoreError, StoreUnavailableError
-from ..urls import mask_url, pop_query
+from ..errors import ConfigurationError, SchemaMissingError, StoreError, StoreUnavailableError
+from ..urls import mask_url, pop_query, url_scheme
 from . import family_of
 from .base import Backend, UncertainOutcome
 from .sql_dialects import CONNECT_TIMEOUT, DIALECTS
@@ -73,15 +76,68 @@ _MYSQL_DISCONNECTS = frozenset({2006, 2013})  # server has gone away, lost conne
 _MYSQL_PACKET_CHECK_BYTES = 1 << 20
 _T = TypeVar("_T")
 
-_write_mutexes: dict[str, threading.RLock] = {}
-_write_mutexes_guard = threading.Lock()
+
+class WriteTurn:
+    """The turns of this process's writers to one SQLite file: a re-entrant mutex in :attr:`lock`.
+
+    A forked child gets a new mutex (:func:`_after_fork_in_child`): one held by a parent's thread
+    at the fork would never be released in the child, whose every write would then wait out the
+    busy timeout and fail as contention.
+    """
+
+    __slots__ = ("lock",)
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
 
 
-def write_mutex(path: str) -> threading.RLock:
-    """The mutex this process's writers to the SQLite file ``path`` queue on (one per file, whatever the spelling)."""
+_write_turns: dict[str, WriteTurn] = {}
+_write_turns_guard = threading.Lock()
+
+
+def write_mutex(path: str) -> WriteTurn:
+    """The turns this process's writers to the SQLite file ``path`` queue on (one per file, whatever the spelling)."""
     key = os.path.realpath(path)
-    with _write_mutexes_guard:
-        return _write_mutexes.setdefault(key, threading.RLock())
+    with _write_turns_guard:
+        return _write_turns.setdefault(key, WriteTurn())
+
+
+#: The SQL backends of this process, for :func:`_after_fork_in_child`.
+_live_backends: weakref.WeakSet[SQLBackend] = weakref.WeakSet()
+#: Pools a forked child inherited: kept, never used or closed (closing would end the parent's connections).
+_inherited_pools: list[Any] = []
+
+
+def _after_fork_in_child() -> None:
+    """A forked child: new write turns, and new (empty) connection pools for the engines it inherited.
+
+    A thread of the parent may have held a write turn or a pool's mutex at the fork, and a pooled
+    connection is the parent's (two processes on one SQLite handle or one server session corrupt
+    each other). The inherited pools are kept referenced so that no connection of the parent's is
+    closed from here.
+    """
+    global _write_turns_guard
+    _write_turns_guard = threading.Lock()
+    for turn in list(_write_turns.values()):
+        turn.lock = threading.RLock()
+    for backend in list(_live_backends):
+        _inherited_pools.append(backend.engine.pool)
+        backend.engine.dispose(close=False)
+
+
+def absolute_sqlite_url(url: str) -> str:
+    """``sqlite:///relative.db`` as ``sqlite:////<working directory>/relative.db`` (its query kept).
+
+    A relative SQLite path names a different file in each working directory; absolute, the logs and
+    ``status`` show which file joins the processes of a host. Other URLs come back unchanged.
+    """
+    head, sep, rest = url.partition(":///")
+    path, question, query = rest.partition("?")
+    if not sep or url_scheme(url) != "sqlite" or not path or path.startswith(("/", "file:")) or path == ":memory:":
+        return url
+    return f"{head}:///{os.path.abspath(path)}{question}{query}"
+
+
 
 class SQLBackend(Backend):
     """A SQLAlchemy engine on one database, and the table name from ``?table=``.
@@ -99,6 +155,8 @@ class SQLBackend(Backend):
     driver_errors = (sa_exc.DBAPIError, sa_exc.TimeoutError)
 
     def __init__(self, url: str, *, connect_timeout: float = CONNECT_TIMEOUT, **engine_options: Any) -> None:
+        # Absolute from here on: what the logs and `status` show, and the same file after a chdir.
+        url = absolute_sqlite_url(url)
         super().__init__(url)
         self._set_up: set[str] = set()  # tables the stores on this backend have created
         self._setup_lock = threading.Lock()
@@ -121,15 +179,35 @@ class SQLBackend(Backend):
             raise ConfigurationError(f"{mask_url(url)} is not a SQL URL")
         self.dialect = DIALECTS[family]
         self.kind = self.dialect.kind
+        self._check_options(rest)
         #: The database's clock in SQL.
         self.clock = self.dialect.clock
         self.engine: Engine = self._create_engine(rest, connect_timeout, engine_options)
         database = self.engine.url.database
         #: Where this process's writers queue (one-writer databases), and for how long at most.
         self._write_mutex = write_mutex(database) if self.dialect.one_writer and database else None
+        _live_backends.add(self)
         self._write_wait = connect_timeout
         # text() parses bind parameters with a regex on every call: build each statement once.
         self.text = functools.lru_cache(maxsize=256)(sqlalchemy.text)
+
+    def _check_options(self, rest: str) -> None:
+        """Refuse a query option neither mutexcron nor the driver knows, naming the accepted ones.
+
+        Raises:
+            ConfigurationError: ``?tabel=``, and every other typo.
+        """
+        given = [key for key, _ in parse_qsl(rest.partition("?")[2], keep_blank_values=True)]
+        accepted = self.dialect.url_options()
+        unknown = [key for key in given if key not in accepted]
+        if not unknown:
+            return
+        close = difflib.get_close_matches(unknown[0], [*OWN_OPTIONS, *accepted], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigurationError(
+            f"unknown option {unknown[0]!r} in the {self.kind} URL {self.masked_url}{hint}. mutexcron's options: "
+            f"{', '.join(OWN_OPTIONS)}; the {self.kind} driver's: {', '.join(sorted(accepted))}"
+        )
 
     def _create_engine(self, rest: str, connect_timeout: float, engine_options: dict[str, Any]) -> Engine:
         dialect = self.dialect
@@ -219,8 +297,11 @@ class SQLBackend(Backend):
         Raises:
             UncertainOutcome: no turn within the busy timeout.
         """
-        mutex = self._write_mutex
-        if mutex is not None and not mutex.acquire(timeout=self._write_wait):
+        turn = self._write_mutex
+        if turn is None:
+            return None
+        mutex = turn.lock  # the caller releases this one, even if a fork made a new one meanwhile
+        if not mutex.acquire(timeout=self._write_wait):
             raise UncertainOutcome(operation, f"other writers of this process held the file for {self._write_wait:g}s")
         return mutex
 
@@ -296,8 +377,39 @@ class SQLBackend(Backend):
             return
         with self._setup_lock:
             if key not in self._set_up:
-                self.setup(work, operation, hint)
+                if self.read_only:
+                    self._require_table(key)
+                else:
+                    self.setup(work, operation, hint)
                 self._set_up.add(key)
+
+    def _require_table(self, table: str) -> None:
+        """A read-only backend's :meth:`setup_once`: the table must exist already."""
+        missing = self.missing_schema(table)
+        if missing is not None:
+            raise SchemaMissingError(
+                f"{missing} in {self.masked_url}: no node has used this store yet, or the URL names another "
+                "file, database or table than the nodes use (a reader creates nothing)"
+            )
+
+    def missing_file(self) -> str | None:
+        """``no such file PATH`` for a SQLite database that does not exist (connecting would create
+        it), else None. Reads nothing from the store."""
+        database = self.engine.url.database
+        if self.dialect.file_only and database and not os.path.exists(database):
+            return f"no such file {database}"
+        return None
+
+    def missing_schema(self, table: str) -> str | None:
+        """What a reader of ``table`` would have to create first: ``no such file PATH`` (SQLite) or
+        ``no such table 'NAME'``; None when both exist. Only reads: the one check of every reader
+        that must not write (``status``, ``history``, the dashboard)."""
+        missing = self.missing_file()
+        if missing is not None:
+            return missing
+        if self.run(lambda conn: bool(sqlalchemy.inspect(conn).has_table(table)), "checking table"):
+            return None
+        return f"no such table {table!r}"
 
     def setup(self, work: Callable[[Connection], None], operation: str, hint: str) -> None:
         """Run a store's one-time set-up (its CREATE statements) on a fresh connection.
@@ -322,6 +434,54 @@ class SQLBackend(Backend):
         except (sa_exc.IntegrityError, sa_exc.ProgrammingError) as exc:
             # Two nodes creating the table at once (PostgreSQL's catalog race).
             log.debug("concurrent CREATE on %s: %s", self.masked_url, exc)
+
+    def key_collation(self, conn: Connection) -> str:
+        """The collation for names and keys on a MySQL/MariaDB server: binary and NO PAD, so
+        ``'1042'`` and ``'1042 '`` are two keys (``utf8mb4_bin`` pads: it ignores trailing spaces)."""
+        return "utf8mb4_nopad_bin" if self.is_mariadb(conn) else "utf8mb4_0900_bin"
+
+    def with_key_collation(self, conn: Connection, statement: str) -> str:
+        """``statement`` with :meth:`key_collation` as its tables' collation (MySQL/MariaDB only)."""
+        if conn.dialect.name != "mysql":
+            return statement
+        return statement.replace("COLLATE=utf8mb4_bin", f"COLLATE={self.key_collation(conn)}")
+
+    def pads_spaces(self, conn: Connection, table: str, column: str) -> bool:
+        """True if ``table.column`` (MySQL/MariaDB) compares ignoring trailing spaces (a PAD SPACE
+        collation, e.g. the ``utf8mb4_bin`` of a table an earlier mutexcron created); says so once in the log."""
+        if conn.dialect.name != "mysql":
+            return False
+        row = conn.execute(
+            self.text(
+                "SELECT COLLATION_NAME FROM information_schema.COLUMNS "
+                "WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = :t AND COLUMN_NAME = :c"
+            ),
+            {"t": table, "c": column},
+        ).fetchone()
+        name = str(row[0] or "") if row is not None else ""
+        pads = bool(name) and "nopad" not in name and "_0900_" not in name and name != "binary"
+        if pads:
+            log.warning(
+                "%s: table %s compares %s ignoring trailing spaces (created by an earlier mutexcron): names ending "
+                "with a space are refused; convert it once with ALTER TABLE %s CONVERT TO CHARACTER SET utf8mb4 "
+                "COLLATE utf8mb4_nopad_bin (MySQL 8: utf8mb4_0900_bin)",
+                self.masked_url,
+                table,
+                column,
+                table,
+            )
+        return pads
+
+    def refuse_padded(self, names: Iterable[str], what: str, table: str) -> None:
+        """ConfigurationError if a name ends with a space: on a table that pads, it is another name's row."""
+        for name in names:
+            if name.endswith(" "):
+                raise ConfigurationError(
+                    f"{what} {name!r} ends with a space, and table {table} on {self.masked_url} compares names ignoring "
+                    "trailing spaces (its collation pads), so it would be the same row as "
+                    f"{name.rstrip(' ')!r}. Drop the trailing space, or convert the table once: ALTER TABLE {table} "
+                    "CONVERT TO CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin (MySQL 8: utf8mb4_0900_bin)"
+                )
 
     @staticmethod
     def is_mariadb(conn: Connection) -> bool:
@@ -461,3 +621,7 @@ def _execute_patiently(cur: Any, statement: str, timeout: float) -> None:
             if "database is locked" not in str(exc) or time.monotonic() >= deadline:
                 raise
             time.sleep(0.02)
+
+
+if hasattr(os, "register_at_fork"):  # POSIX: prefork servers, multiprocessing's fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -85,6 +85,40 @@ def _no_session(_connect_timeout: float) -> tuple[str, ...]:
     return ()
 
 
+# The URL query options each driver stack accepts (SQLAlchemy's dialect, then the driver): any
+# other name is a typo, refused with this list instead of a driver traceback, a misleading
+# "create the table yourself", or (SQLite) a warning while the store runs on the default table.
+_PYSQLITE_OPTIONS = ("uri", "timeout", "isolation_level", "detect_types", "check_same_thread", "cached_statements")
+#: SQLite's own URI parameters, read only with ``?uri=true``.
+_SQLITE_URI_OPTIONS = ("mode", "cache", "vfs", "immutable", "nolock", "psow", "modeof")
+#: What the URL's user, password, host, port and path already say, or values a URL cannot carry.
+_NOT_URL_OPTIONS = frozenset({"self", "user", "password", "passwd", "host", "port", "database", "db", "dbname", "conv",
+                              "cursorclass", "ssl", "auth_plugin_map"})  # fmt: skip
+
+
+def _sqlite_options() -> frozenset[str]:
+    return frozenset((*_PYSQLITE_OPTIONS, *_SQLITE_URI_OPTIONS))
+
+
+def _mysql_options() -> frozenset[str]:
+    import inspect
+
+    import pymysql
+
+    names = set(inspect.signature(pymysql.connections.Connection.__init__).parameters)
+    # SQLAlchemy folds these into PyMySQL's ssl= dict
+    names |= {"ssl_ca", "ssl_key", "ssl_cert", "ssl_capath", "ssl_cipher", "ssl_check_hostname"}
+    return frozenset(names - _NOT_URL_OPTIONS)
+
+
+def _postgresql_options() -> frozenset[str]:
+    import psycopg
+
+    # libpq's own list of connection parameters (what it would refuse as "invalid connection option")
+    names = {option.keyword.decode() for option in psycopg.pq.Conninfo.get_defaults()}
+    return frozenset(names - _NOT_URL_OPTIONS)
+
+
 @dataclass(frozen=True)
 class SQLDialect:
     """What the backend needs to know about one database (one registry family)."""
@@ -102,6 +136,8 @@ class SQLDialect:
     #: One writer at a time for the whole database (a SQLite file): this process's writers queue on
     #: a mutex of the file's (:func:`mutexcron.backends.sql.write_mutex`) instead of in the driver.
     one_writer: bool = False
+    #: The names of the URL query options the driver stack accepts (imports the driver).
+    url_options: Callable[[], frozenset[str]] = frozenset
 
 
 DIALECTS: dict[str, SQLDialect] = {
@@ -119,6 +155,7 @@ DIALECTS: dict[str, SQLDialect] = {
         session=_sqlite_session,
         file_only=True,
         one_writer=True,
+        url_options=_sqlite_options,
     ),
     "mysql": SQLDialect(  # MySQL and MariaDB
         name="mysql",
@@ -135,6 +172,7 @@ DIALECTS: dict[str, SQLDialect] = {
         url_query={"charset": "utf8mb4"},
         engine_options={"pool_recycle": 1800},
         packet_limit="SELECT @@max_allowed_packet",
+        url_options=_mysql_options,
     ),
     "postgresql": SQLDialect(
         name="postgresql",
@@ -148,5 +186,6 @@ DIALECTS: dict[str, SQLDialect] = {
         ),
         connect_args=_postgresql_args,
         session=_no_session,
+        url_options=_postgresql_options,
     ),
 }

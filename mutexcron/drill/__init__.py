@@ -16,6 +16,12 @@ The task drill (``mutexcron drill --tasks``), the same faults against the task p
 :mod:`~mutexcron.drill.tasks_scenario` (:func:`run_task_drill`), :mod:`~mutexcron.drill.task_node_jobs`
 and :mod:`~mutexcron.drill.task_node_side` (the nodes' handler and recording store),
 :mod:`~mutexcron.drill.task_analysis` and :mod:`~mutexcron.drill.task_report` (:func:`format_task_report`).
+
+The shared-jobs drill (``mutexcron drill --shared-jobs``), the faults and a web app's changes against
+nodes sharing one APScheduler job store: :mod:`~mutexcron.drill.shared_scenario` (:func:`run_shared_drill`),
+:mod:`~mutexcron.drill.shared_node_jobs` (the nodes' scheduler), :mod:`~mutexcron.drill.shared_jobs`
+(the job store and the job, importable without side effects) and :mod:`~mutexcron.drill.shared_report`
+(:func:`format_shared_report`).
 """
 
 from __future__ import annotations
@@ -26,27 +32,33 @@ from .node_side import TimedLockStore, die_with_parent, timed_store_from_env
 from .records import NodeOps, Tick
 from .report import DrillReport, PhaseMark, format_report
 from .scenario import PHASES, check_drill_url, run_drill
+from .shared_report import SharedDrillReport, format_shared_report
+from .shared_scenario import SHARED_NODE_JOBS, run_shared_drill
 from .task_report import TaskDrillReport, format_task_report
 from .tasks_scenario import TASK_NODE_JOBS, run_task_drill
 
 __all__ = [
     "NODE_JOBS",
     "PHASES",
+    "SHARED_NODE_JOBS",
     "TASK_NODE_JOBS",
     "Cluster",
     "DrillReport",
     "NodeOps",
     "PhaseMark",
+    "SharedDrillReport",
     "TaskDrillReport",
     "Tick",
     "TimedLockStore",
     "check_drill_url",
     "die_with_parent",
     "format_report",
+    "format_shared_report",
     "format_task_report",
     "libfaketime",
     "percentile",
     "run_drill",
+    "run_shared_drill",
     "run_task_drill",
     "timed_store_from_env",
 ]

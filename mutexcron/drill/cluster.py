@@ -138,17 +138,18 @@ class Cluster:
         self.procs[node].send_signal(sig)
         return at
 
-    def freeze(self, node: str, attempts: int = 5) -> float:
+    def freeze(self, node: str, attempts: int = 5, also: tuple[str, ...] = ()) -> float:
         """SIGSTOP ``node``, on SQLite outside a write of its own; return when (``time.monotonic()``).
 
         A process stopped inside a SQLite write keeps the file's write lock, so every node stalls
         until it resumes or dies: no lease can be taken over meanwhile (the limit is documented in
         the guarantees). The drill is after the lease path, so if the stopped node holds the lock,
-        it is resumed at once and stopped again a moment later (and the progress says so).
+        it is resumed at once and stopped again a moment later (and the progress says so). ``also``:
+        more SQLite URLs to look at (a shared job store's file).
         """
         at = self.signal(node, signal.SIGSTOP)
         for _ in range(attempts - 1):
-            if not sqlite_write_lock_held(self.lock_url):
+            if not any(sqlite_write_lock_held(url) for url in (self.lock_url, *also)):
                 break
             self._say(f"freeze: {node} stopped inside a SQLite write (holding the file's write lock): resumed, to stop again")
             self.signal(node, signal.SIGCONT)

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import ConfigurationError, StoreError
 from ..locks import AcquireResult, BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, Presence, RunInfo, lock_store_from_url
-from ..record import LockRecord, NodePresence, RunRecord
+from ..locks.record import LockRecord, NodePresence, RunRecord
 from .records import OpTimings
 
 log = logging.getLogger(__name__)
@@ -97,13 +97,18 @@ class TimedLockStore(LockStore):
     def set_paused(self, name: str, paused: bool, by: str, *, catch_up: bool = False) -> LockRecord:
         return self.inner.set_paused(name, paused, by, catch_up=catch_up)
 
+    def set_zone(
+        self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None
+    ) -> bool:
+        return self.inner.set_zone(name, node, token, zone, triggers)
+
     def history_many(
         self, locks: Iterable[str], job: str | None = None, limit: int | None = None
     ) -> dict[str, list[RunRecord]]:
         return self.inner.history_many(locks, job, limit)
 
-    def nodes(self) -> list[NodePresence]:
-        return self.inner.nodes()
+    def nodes(self, *, prune: bool = True) -> list[NodePresence]:
+        return self.inner.nodes(prune=prune)
 
     def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
         with self._timed("claim_many"):

@@ -84,6 +84,15 @@ class DrillReport:
         }
 
 
+def closing_lines(cleanup: str, logs: str, failures: list[str]) -> list[str]:
+    """The last lines of a drill's report: what was cleaned up, where the kept logs are, the verdict."""
+    lines = [f"cleanup    {cleanup}"] if cleanup else []
+    if logs:
+        lines.append(f"logs       the nodes' logs and records are kept in {logs}")
+    lines.append("FAIL: " + "; ".join(failures) if failures else "PASS")
+    return lines
+
+
 def format_gap(gap: float | None) -> str:
     return "never (timed out)" if gap is None else f"{gap:.2f}s"
 

@@ -184,6 +184,14 @@ class RecordingTaskStore(TaskStore):
         self.events.write(
             {"event": "release", "tasks": [[k, t] for _c, k, t in tasks], "count": count, "sent": sent, "mono": time.monotonic()}
         )
+        if len(tasks) == 1 and count == 0:
+            # A run that ended after this node lost its lease is handed back, never recorded (one
+            # task at a time): refused, it is a stale attempt's end the store refused, as a completion.
+            _code, key, token = tasks[0]
+            self.events.write(
+                {"event": "complete", "key": key, "token": token, "ok": False, "outcome": "HandBack", "sent": sent,
+                 "mono": time.monotonic()}
+            )  # fmt: skip
         return count
 
     def renew(self, node: str, tokens: Mapping[tuple[str, str], int], lease: float) -> set[tuple[str, str]]:

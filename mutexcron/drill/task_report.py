@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .report import TERM_LIMIT, format_gap
+from .report import TERM_LIMIT, closing_lines, format_gap
 
 #: Seconds allowed on top of lease + 1 s for a task to restart after SIGKILL or SIGSTOP: the
 #: other nodes' wake-up (a notice, or a poll) and their claim round trip.
@@ -200,11 +200,7 @@ def format_task_report(report: TaskDrillReport) -> str:
             f"latency    store round trip p50 {lat['p50']:.2f} ms  p99 {lat['p99']:.2f} ms  "
             f"({lat['calls']} task operations timed in the nodes)"
         )
-    if report.cleanup:
-        lines.append(f"cleanup    {report.cleanup}")
-    if report.logs:
-        lines.append(f"logs       the nodes' logs and records are kept in {report.logs}")
-    lines.append("PASS" if report.passed else "FAIL: " + "; ".join(report.failures))
+    lines += closing_lines(report.cleanup, report.logs, report.failures)
     return "\n".join(lines)
 
 

@@ -34,12 +34,18 @@ Rules every implementation follows (the contract suite in ``tests/test_contract.
 * Presence: ``renew_many(..., presence=Presence(...))`` also upserts the node's presence, in the
   same round trip where the store allows it; ``nodes()`` lists those seen within
   :data:`PRESENCE_TTL` seconds (older ones are pruned).
+* Forget: ``forget`` is an operator's write, one conditional operation: unless forced, it changes
+  nothing while a holder's lease is live by the store's clock. A record no node ever held (token
+  0) is deleted; any other record is deleted only where the store keeps its tokens apart from the
+  records (Redis), else cleared to a released record that keeps its token: either way the next
+  holder's token is above every token issued before. ``forget_node`` deletes a node's presence.
 """
 
 from __future__ import annotations
 
 import builtins
 import json
+import re
 import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -49,9 +55,9 @@ from json.encoder import encode_basestring
 from typing import Any
 
 from ..errors import ConfigurationError
-from ..record import LockRecord, NodePresence, RunRecord, newest_first
 from ..timeutil import MICROSECONDS, as_utc, us_from_datetime
 from ..urls import mask_url, pop_query
+from .record import LockRecord, NodePresence, RunRecord, newest_first
 
 
 @dataclass(frozen=True)
@@ -95,12 +101,16 @@ class RunInfo:
     #: in a plain text column of the lock row, appended without parsing the row's JSON.
     sole_job: bool = False
 
+    def __post_init__(self) -> None:
+        if self.error is not None:  # the one place every store's hand-off text goes through
+            object.__setattr__(self, "error", store_text(self.error))
+
     def history_entry(self, node: Node, token: int) -> dict[str, Any]:
         """The run's history entry as every store keeps it, but for ``started``/``ended`` (the store stamps them).
 
         Only what a run has is written: no ``fire_us`` for a run without a fire time, and
         ``outcome``/``error`` only for a failed run (an entry without them is a success, see
-        :meth:`mutexcron.record.RunRecord.from_stored`). Every store rewrites a job's kept runs with
+        :meth:`mutexcron.locks.record.RunRecord.from_stored`). Every store rewrites a job's kept runs with
         each run, so each byte left out is saved N times per run.
         """
         entry: dict[str, Any] = {"node": node.node_id, "ip": node.ip, "token": token}
@@ -111,7 +121,7 @@ class RunInfo:
         return entry
 
     def history_tail(self, node: Node, token: int, job: str | None = None) -> str:
-        """The run's history line (:data:`mutexcron.record.HISTORY_LINE`) after its end time, as
+        """The run's history line (:data:`mutexcron.locks.record.HISTORY_LINE`) after its end time, as
         the SQL and Redis stores send it: ``,"node","ip",token,fire_us,duration_us]``, with the
         error if the run failed, and ``job`` (the SQL ``runs`` column's line of a job not named as
         its lock). The store writes ``[`` and the end time (its clock, epoch ms) before it."""
@@ -124,6 +134,16 @@ class RunInfo:
         return tail + "]"  # written by hand: a third of what a JSON encoder takes for so short a list
 
 
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def store_text(text: str) -> str:
+    """``text`` as every store's text columns take it: NUL (refused by PostgreSQL in text and in
+    jsonb) and lone surrogates (which no driver can encode, e.g. from a surrogate-escaped file
+    name) become U+FFFD. Text without them is returned as it is."""
+    return _UNSTORABLE.sub("\ufffd", text)
+
+
 #: A str as JSON text, non-ASCII kept as is (the json module's own, C-accelerated).
 _json_text: Callable[[str], str] = encode_basestring
 
@@ -133,6 +153,15 @@ DEFAULT_HISTORY, MIN_HISTORY, MAX_HISTORY = 20, 0, 1000
 HISTORY_ERROR_LIMIT = 500
 #: A node's presence is dropped once it is older than this many seconds (store clock).
 PRESENCE_TTL = 600
+
+#: What :meth:`LockStore.forget` did: the record is gone ...
+FORGET_DELETED = "deleted"
+#: ... it is a released record that keeps only its name and fencing token (the store keeps the token there) ...
+FORGET_CLEARED = "cleared"
+#: ... nothing: a holder's lease is live by the store's clock (and ``force`` was not given) ...
+FORGET_HELD = "held"
+#: ... nothing: there is no such record.
+FORGET_MISSING = "missing"
 
 
 def history_option(url: str, history: int | str | None = None) -> tuple[str, int]:
@@ -414,6 +443,36 @@ class LockStore(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot pause locks")
 
+    def set_zone(
+        self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None
+    ) -> bool:
+        """Record the time zone the holder computes the lock's fire times in, and its jobs of the
+        lock with their triggers (``{job: trigger text}``): one write, conditional on holder and
+        token (nothing else changes). False if ``node`` does not hold ``name`` with ``token``."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no time zone")
+
+    def forget(self, name: str, *, force: bool = False) -> str:
+        """Forget the lock ``name``: its holder, attrs, fire times, run history and pause, in one
+        conditional write.
+
+        Unless ``force``, nothing changes while a holder's lease is live by the store's clock (its
+        heartbeat is younger than its ttl). A forced forget of a live lease takes it from its
+        holder: the holder's next renewal fails and it stops running the lock's jobs, as after a
+        takeover; its writes are fenced.
+
+        Returns:
+            :data:`FORGET_DELETED` (a record never held, or a store that keeps tokens apart from
+            records), :data:`FORGET_CLEARED` (a released record keeps the token, so that the next
+            holder's is greater), :data:`FORGET_HELD` or :data:`FORGET_MISSING`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot forget locks")
+
+    def forget_node(self, node_id: str, *, min_age: float = 0.0) -> bool:
+        """Delete the presence record of ``node_id`` if it was last seen at least ``min_age`` seconds
+        ago by the store's clock: one conditional delete. True if a record was deleted. A node that
+        still runs publishes its presence again with its next renewal."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no node presence")
+
     def history(self, lock: str, job: str | None = None, limit: int | None = None) -> builtins.list[RunRecord]:
         """The runs kept for ``lock`` (only ``job``'s if given), newest first, at most ``limit``."""
         return self.history_many([lock], job, limit).get(lock, [])
@@ -434,8 +493,12 @@ class LockStore(ABC):
         """``{lock: {job: [entry, ...] oldest first}}`` as stored, for the locks that have a record."""
         raise NotImplementedError(f"{type(self).__name__} keeps no run history")
 
-    def nodes(self) -> builtins.list[NodePresence]:
-        """The nodes that published their presence within :data:`PRESENCE_TTL` seconds, by node id."""
+    def nodes(self, *, prune: bool = True) -> builtins.list[NodePresence]:
+        """The nodes that published their presence within :data:`PRESENCE_TTL` seconds, by node id.
+
+        ``prune``: also delete the older presences (a write); ``False`` for a reader that must not
+        write (the dashboard), which gets the same answer.
+        """
         raise NotImplementedError(f"{type(self).__name__} keeps no node presence")
 
     @abstractmethod

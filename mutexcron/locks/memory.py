@@ -14,8 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends.memory import MemoryBackend
-from ..record import LockRecord, NodePresence, dump_attrs
 from .base import (
+    FORGET_CLEARED,
+    FORGET_DELETED,
+    FORGET_HELD,
+    FORGET_MISSING,
     PRESENCE_TTL,
     AcquireResult,
     BatchClaimResult,
@@ -30,6 +33,7 @@ from .base import (
     group_claims,
     history_option,
 )
+from .record import LockRecord, NodePresence, dump_attrs
 
 
 @dataclass
@@ -48,6 +52,8 @@ class _Row:
     paused_at: float | None = None
     paused_by: str | None = None
     resume_catch_up: bool = False
+    zone: str | None = None
+    triggers: dict[str, str] | None = None
     #: ``{job: [entry, ...]}``, oldest first; ``started``/``ended`` as aware datetimes.
     history: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
@@ -111,6 +117,8 @@ class MemoryLockStore(LockStore):
             paused_at=wall(row.paused_at, now),
             paused_by=row.paused_by,
             resume_catch_up=row.resume_catch_up,
+            zone=row.zone,
+            triggers=None if row.triggers is None else dict(row.triggers),
         )
 
     # -- LockStore ---------------------------------------------------------------------------
@@ -187,14 +195,16 @@ class MemoryLockStore(LockStore):
         for node_id in [n for n, r in self._nodes.items() if now - r.seen > PRESENCE_TTL]:
             del self._nodes[node_id]
 
-    def nodes(self) -> list[NodePresence]:
+    def nodes(self, *, prune: bool = True) -> list[NodePresence]:
         with self.backend.mutex:
             now = self.clock()
-            self._prune(now)
+            if prune:
+                self._prune(now)
             wall = self.backend.wall
             return [
                 NodePresence(node_id, r.ip, r.version, wall(r.seen, now), max(0.0, now - r.seen), r.clock_offset, r.locks)
                 for node_id, r in sorted(self._nodes.items())
+                if now - r.seen <= PRESENCE_TTL
             ]
 
     def set_paused(self, name: str, paused: bool, by: str, *, catch_up: bool = False) -> LockRecord:
@@ -207,6 +217,28 @@ class MemoryLockStore(LockStore):
             row.paused, row.paused_at, row.paused_by = paused, now, by
             row.resume_catch_up = catch_up and not paused
             return self._record(name, row, now)
+
+    def forget(self, name: str, *, force: bool = False) -> str:
+        with self.backend.mutex:
+            now = self.clock()
+            row = self._rows.get(name)
+            if row is None:
+                return FORGET_MISSING
+            if row.holder is not None and now - row.hb <= row.ttl and not force:
+                return FORGET_HELD
+            if row.token == 0:
+                del self._rows[name]
+                return FORGET_DELETED
+            self._rows[name] = _Row(holder=None, active_ip=None, token=row.token, hb=row.hb, ttl=row.ttl)
+            return FORGET_CLEARED
+
+    def forget_node(self, node_id: str, *, min_age: float = 0.0) -> bool:
+        with self.backend.mutex:
+            row = self._nodes.get(node_id)
+            if row is None or self.clock() - row.seen < min_age:
+                return False
+            del self._nodes[node_id]
+            return True
 
     def _stored_history(self, locks: Sequence[str]) -> dict[str, Mapping[str, Any]]:
         with self.backend.mutex:
@@ -242,6 +274,16 @@ class MemoryLockStore(LockStore):
             if row is None or row.holder != node.node_id or row.token != token:
                 return False
             row.holder = None
+            return True
+
+    def set_zone(
+        self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None
+    ) -> bool:
+        with self.backend.mutex:
+            row = self._rows.get(name)
+            if row is None or row.holder != node.node_id or row.token != token:
+                return False
+            row.zone, row.triggers = zone, None if triggers is None else dict(triggers)
             return True
 
     def read(self, name: str) -> LockRecord | None:

@@ -16,7 +16,7 @@ A release never deletes the document (holder null, hb at the epoch), so the fenc
 growing. Every write is one command (``find_one_and_update`` with an update pipeline, or an
 ``update_many``/``update_one``) judged by the server's clock, ``$$NOW``: a holder is stale when
 ``hb < $$NOW - ttl``, with the ttl the *holder* stored. Attrs are stored as the JSON text
-:func:`~mutexcron.record.dump_attrs` makes, so every JSON value round-trips exactly (``$``-prefixed
+:func:`~mutexcron.locks.record.dump_attrs` makes, so every JSON value round-trips exactly (``$``-prefixed
 and dotted keys, integers beyond 64 bits) on every server version.
 
 ``claim_many`` is one ``bulk_write`` (one ``update`` command): per lock an ``update_one`` filtered on
@@ -48,9 +48,12 @@ from pymongo import ReturnDocument, UpdateMany, UpdateOne
 
 from ..backends.base import UncertainOutcome
 from ..backends.mongodb import MongoDBBackend
-from ..record import LockRecord, NodePresence, dump_attrs, load_attrs, load_locks, optional_float
 from ..timeutil import EPOCH, as_utc
 from .base import (
+    FORGET_CLEARED,
+    FORGET_DELETED,
+    FORGET_HELD,
+    FORGET_MISSING,
     PRESENCE_TTL,
     AcquireResult,
     BatchClaimResult,
@@ -65,6 +68,16 @@ from .base import (
     group_claims,
     history_option,
     won_claims,
+)
+from .record import (
+    LockRecord,
+    NodePresence,
+    dump_attrs,
+    dump_triggers,
+    load_attrs,
+    load_locks,
+    load_triggers,
+    optional_float,
 )
 
 log = logging.getLogger(__name__)
@@ -176,6 +189,8 @@ class MongoDBLockStore(LockStore):
             paused_at=as_utc(doc.get("paused_at")),
             paused_by=doc.get("paused_by"),
             resume_catch_up=bool(doc.get("resume_catch_up")),
+            zone=doc.get("zone"),
+            triggers=load_triggers(doc.get("triggers")),
         )
 
     def _aggregate(self, match: Mapping[str, Any] | None, op: str, *, committed: bool = False) -> list[dict[str, Any]]:
@@ -351,8 +366,8 @@ class MongoDBLockStore(LockStore):
         values = {k: {"$literal": v} for k, v in fields.items()}
         return UpdateOne({"_id": {"node": node.node_id}}, [{"$set": {**values, "seen": now}}], upsert=True)
 
-    def nodes(self) -> builtins.list[NodePresence]:
-        """One ``aggregate`` of the presence documents; those older than the TTL are deleted (a second command)."""
+    def nodes(self, *, prune: bool = True) -> builtins.list[NodePresence]:
+        """One ``aggregate`` of the presence documents; those older than the TTL are deleted (a second command, if ``prune``)."""
         pipeline = [
             {"$match": _nodes()},
             {"$addFields": {"_age_ms": {"$subtract": [self.now_expr(), "$seen"]}}},
@@ -361,7 +376,7 @@ class MongoDBLockStore(LockStore):
         with self.backend.errors("nodes"):
             docs = [dict(doc) for doc in self.collection.aggregate(pipeline)]
         old = [doc for doc in docs if doc.get("_age_ms") is None or float(doc["_age_ms"]) > PRESENCE_TTL * 1000]
-        if old:
+        if old and prune:
             with self.backend.errors("nodes (prune)"):  # a node that wrote again since keeps its document
                 self.collection.delete_many({"$or": [{"_id": doc["_id"], "seen": doc.get("seen")} for doc in old]})
         return [_presence(doc) for doc in docs if doc not in old]
@@ -387,6 +402,36 @@ class MongoDBLockStore(LockStore):
         if doc is None:
             raise self.backend.failed(None, "set_paused", why=f"lock {name!r} vanished right after it was written")
         return self._record(doc)
+
+    def forget(self, name: str, *, force: bool = False) -> str:
+        """A ``delete_one`` of a document never held (token 0), else an ``update_one`` clearing it
+        to a released one that keeps its token (conditional on no live lease unless ``force``),
+        else a read of whether it is held or missing: each command alone decides."""
+        stale = {"$expr": {"$lt": ["$hb", {"$subtract": [self.now_expr(), "$ttl"]}]}}
+        query: dict[str, Any] = {"_id": name} if force else {"_id": name, "$or": [{"holder": None}, stale]}
+        cleared: dict[str, Any] = {"holder": None, "hb": EPOCH, "attrs": "{}", "fires": {}, "history": {}, "paused": False,
+                   "resume_catch_up": False}  # fmt: skip
+        gone = dict.fromkeys(
+            ("last_run_started", "last_run_finished", "last_error", "paused_at", "paused_by", "zone", "triggers"), ""
+        )
+        try:
+            with self.backend.errors("forget", write=True):
+                if self.collection.delete_one({"_id": name, "token": {"$in": [0, None]}}).deleted_count:
+                    return FORGET_DELETED
+                if self.collection.update_one(query, {"$set": cleared, "$unset": gone}).matched_count:
+                    return FORGET_CLEARED
+        except UncertainOutcome as exc:
+            raise self.backend.uncertain(exc) from exc
+        with self.backend.errors("forget (read)"):
+            return FORGET_HELD if self.collection.find_one({"_id": name}, {"_id": True}) else FORGET_MISSING
+
+    def forget_node(self, node_id: str, *, min_age: float = 0.0) -> bool:
+        old = {"$expr": {"$lte": ["$seen", {"$subtract": [self.now_expr(), int(min_age * 1000)]}]}}
+        try:
+            with self.backend.errors("forget_node", write=True):
+                return bool(self.collection.delete_one({"_id": {"node": node_id}, **old}).deleted_count)
+        except UncertainOutcome as exc:
+            raise self.backend.uncertain(exc) from exc
 
     def _stored_history(self, locks: Sequence[str]) -> dict[str, Mapping[str, Any]]:
         with self.backend.errors("history"):
@@ -437,6 +482,17 @@ class MongoDBLockStore(LockStore):
         fires = {doc["_id"]: doc.get("fires") for doc in ours}
         paused = frozenset(doc["_id"] for doc in ours if doc.get("paused"))
         return BatchClaimResult(frozenset(fires), won_claims(groups, fires), paused)
+
+    def set_zone(
+        self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None
+    ) -> bool:
+        query = {"_id": name, "holder": node.node_id, "token": token}
+        fields = {"zone": zone, "triggers": dump_triggers(triggers)}
+        try:
+            with self.backend.errors("set_zone", write=True):
+                return bool(self.collection.update_one(query, {"$set": fields}).matched_count == 1)
+        except UncertainOutcome as exc:  # written again at the next acquisition
+            raise self.backend.uncertain(exc) from exc
 
     def release(self, name: str, node: Node, token: int) -> bool:
         query = {"_id": name, "holder": node.node_id, "token": token}

@@ -24,7 +24,6 @@ from redis.cluster import RedisCluster
 from redis.sentinel import Sentinel
 
 from ..backends.redis import RedisBackend, now_ms
-from ..record import LockRecord, NodePresence, dump_attrs, load_attrs, load_locks, optional_float
 from ..timeutil import MILLISECONDS, as_utc
 from .base import (
     PRESENCE_TTL,
@@ -41,17 +40,31 @@ from .base import (
     group_claims,
     history_option,
 )
+from .record import (
+    LockRecord,
+    NodePresence,
+    dump_attrs,
+    dump_triggers,
+    load_attrs,
+    load_locks,
+    load_triggers,
+    optional_float,
+)
 from .redis_scripts import (
     ACQUIRE_LUA,
     CLAIM_MANY_LUA,
+    FORGET_LUA,
+    FORGET_NODE_LUA,
     HAND_OFF_LUA,
     HISTORY_LUA,
     NODES_LUA,
+    NODES_READ_LUA,
     READ_LUA,
     RELEASE_LUA,
     RENEW_MANY_LUA,
     RENEW_PRESENCE_LUA,
     SET_PAUSED_LUA,
+    SET_ZONE_LUA,
 )
 
 __all__ = ["RedisLockStore"]
@@ -86,11 +99,15 @@ class RedisLockStore(LockStore):
         self._renew_many = backend.script(RENEW_MANY_LUA)
         self._claim_many = backend.script(CLAIM_MANY_LUA)
         self._release = backend.script(RELEASE_LUA)
+        self._set_zone = backend.script(SET_ZONE_LUA)
         self._read = backend.script(READ_LUA)
         self._renew_presence = backend.script(RENEW_PRESENCE_LUA)
         self._nodes = backend.script(NODES_LUA)
+        self._nodes_read = backend.script(NODES_READ_LUA)
         self._set_paused = backend.script(SET_PAUSED_LUA)
         self._history = backend.script(HISTORY_LUA)
+        self._forget = backend.script(FORGET_LUA)
+        self._forget_node = backend.script(FORGET_NODE_LUA)
         self._floor: dict[str, int] = {}
         self._floor_mutex = threading.Lock()
 
@@ -187,6 +204,8 @@ class RedisLockStore(LockStore):
             paused_at=as_utc(fields.get("paused_at"), epoch_unit=MILLISECONDS),
             paused_by=fields.get("paused_by"),
             resume_catch_up=fields.get("resume_catch_up") == "1",
+            zone=fields.get("zone") or None,
+            triggers=load_triggers(fields.get("triggers")),
         )
 
     @staticmethod
@@ -256,9 +275,10 @@ class RedisLockStore(LockStore):
         fields["locks"] = presence.held(leases)
         return json.dumps(fields, ensure_ascii=False, separators=(",", ":"))
 
-    def nodes(self) -> list[NodePresence]:
+    def nodes(self, *, prune: bool = True) -> list[NodePresence]:
+        script = self._nodes if prune else self._nodes_read
         with self.backend.errors("nodes"):
-            reply = self._nodes(keys=self._presence_keys, args=[PRESENCE_TTL * 1000], client=self.backend.client)
+            reply = script(keys=self._presence_keys, args=[PRESENCE_TTL * 1000], client=self.backend.client)
         now, flat = json.loads(reply)
         fields = self._pairs(flat) if isinstance(flat, list) else {}  # cjson: an empty table is {}
         return [self._presence(node_id, text, int(now)) for node_id, text in sorted(fields.items())]
@@ -283,6 +303,21 @@ class RedisLockStore(LockStore):
             reply = self._set_paused(keys=[self._lock_key(name), self._names_key], args=args, client=self.backend.client)
         now, flat = json.loads(reply)
         return self._record(name, self._pairs(flat), int(now))
+
+    def forget(self, name: str, *, force: bool = False) -> str:
+        """Two round trips: the jobs of the history hash (their runs lists' keys), then the script,
+        which alone decides. A run recorded in between leaves its list behind (a few bytes)."""
+        with self.backend.errors("forget"):
+            jobs = self.backend.client.hkeys(self._history_key(name))
+            keys = [self._lock_key(name), self._token_key(name), self._names_key, self._history_key(name)]
+            keys += [self._runs_key(name, job.decode() if isinstance(job, bytes) else job) for job in jobs]
+            outcome = self._forget(keys=keys, args=[name, "1" if force else "0"], client=self.backend.client)
+        return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+
+    def forget_node(self, node_id: str, *, min_age: float = 0.0) -> bool:
+        with self.backend.errors("forget_node"):
+            args: list[str | int] = [node_id, int(min_age * 1000)]
+            return bool(self._forget_node(keys=self._presence_keys, args=args, client=self.backend.client))
 
     def _stored_history(self, locks: Sequence[str]) -> dict[str, Mapping[str, Any]]:
         keys = [key for name in locks for key in (self._lock_key(name), self._history_key(name))]
@@ -323,6 +358,13 @@ class RedisLockStore(LockStore):
     def release(self, name: str, node: Node, token: int) -> bool:
         with self.backend.errors("release"):
             return bool(self._release(keys=[self._lock_key(name)], args=[node.node_id, token], client=self.backend.client))
+
+    def set_zone(
+        self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None
+    ) -> bool:
+        with self.backend.errors("set_zone"):
+            args: list[str | int] = [node.node_id, token, zone or "", dump_triggers(triggers) or ""]
+            return bool(self._set_zone(keys=[self._lock_key(name)], args=args, client=self.backend.client))
 
     def read(self, name: str) -> LockRecord | None:
         return self.read_many([name]).get(name)

@@ -12,9 +12,12 @@ from ..backends.redis import LUA_NOW
 __all__ = [
     "ACQUIRE_LUA",
     "CLAIM_MANY_LUA",
+    "FORGET_LUA",
+    "FORGET_NODE_LUA",
     "HAND_OFF_LUA",
     "HISTORY_LUA",
     "NODES_LUA",
+    "NODES_READ_LUA",
     "READ_LUA",
     "RELEASE_LUA",
     "RENEW_MANY_LUA",
@@ -82,7 +85,7 @@ return cjson.encode({acquired, string.format('%d', now), redis.call('HGETALL', K
 # hand_off: refresh the lease if ARGV[1] still holds it with token ARGV[2]; optionally store
 # attrs (ARGV[3]=='1', text ARGV[4]) and the last run (ARGV[5]=='1', duration_ms ARGV[6], error ARGV[7..8]),
 # appending the run to its job's history: the list KEYS[3] of the runs' history lines
-# (mutexcron.record.HISTORY_LINE), oldest first: RPUSH, then LTRIM to the last ARGV[11] (0: no
+# (mutexcron.locks.record.HISTORY_LINE), oldest first: RPUSH, then LTRIM to the last ARGV[11] (0: no
 # history written), whatever the number kept. The field ARGV[9] of the history hash KEYS[2] indexes
 # the job (set empty when its list is new); a non-empty field holds runs of the earlier forms
 # (lines, or a JSON array of entry texts), moved in front of the list by the job's first run here.
@@ -175,6 +178,23 @@ return cjson.encode({string.format('%d', now), redis.call('HGETALL', KEYS[1])})
 """
 )
 
+# nodes without the prune (a reader that must not write): the fresh presences only.
+# KEYS: nodes hash, seen zset. ARGV: ttl_ms. Returns JSON [now_ms, [node_id, presence, ...]].
+NODES_READ_LUA = (
+    LUA_NOW
+    + """
+local out = {}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], string.format('%d', now - tonumber(ARGV[1])), '+inf')) do
+  local value = redis.call('HGET', KEYS[1], id)
+  if value then
+    out[#out + 1] = id
+    out[#out + 1] = value
+  end
+end
+return cjson.encode({string.format('%d', now), out})
+"""
+)
+
 # set_paused: the operator's flag (ARGV[1] '1' or '0'), when (server clock), by whom (ARGV[2]) and
 # the resume's catch-up (ARGV[3]); creates the hash if missing (no holder, no token yet) and adds
 # the name (ARGV[4]) to the names set. Holder, token and lease are not touched.
@@ -186,6 +206,40 @@ redis.call('HSET', KEYS[1], 'paused', ARGV[1], 'paused_at', string.format('%d', 
            'resume_catch_up', ARGV[3])
 redis.call('SADD', KEYS[2], ARGV[4])
 return cjson.encode({string.format('%d', now), redis.call('HGETALL', KEYS[1])})
+"""
+)
+
+# forget: unless forced (ARGV[2] '1'), nothing while a holder's lease is live (the acquire's
+# staleness rule, reversed); else lift the token counter to the hash's token (so the next holder's
+# is greater), remove the name (ARGV[1]) from the names set and delete the hash, the history hash
+# and the jobs' runs lists. KEYS: hash, token counter, names set, history hash, runs lists...
+# Returns 'deleted', 'held' or 'missing'.
+FORGET_LUA = (
+    LUA_NOW
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 'missing' end
+local h = redis.call('HMGET', KEYS[1], 'holder', 'hb', 'ttl', 'token')
+local holder, hb, ttl, token = h[1], tonumber(h[2]), tonumber(h[3]), tonumber(h[4]) or 0
+if ARGV[2] ~= '1' and holder and holder ~= '' and hb and now - hb <= (ttl or 0) then return 'held' end
+local counter = tonumber(redis.call('GET', KEYS[2])) or 0
+if token > counter then redis.call('SET', KEYS[2], string.format('%d', token)) end
+redis.call('SREM', KEYS[3], ARGV[1])
+redis.call('DEL', KEYS[1])
+for i = 4, #KEYS do redis.call('DEL', KEYS[i]) end
+return 'deleted'
+"""
+)
+
+# forget_node: the node's presence (ARGV[1]) if last seen at least ARGV[2] ms ago (server clock).
+# KEYS: nodes hash, seen zset. Returns 1 if deleted, else 0.
+FORGET_NODE_LUA = (
+    LUA_NOW
+    + """
+local seen = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[1]))
+if not seen or now - seen < tonumber(ARGV[2]) then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
 """
 )
 
@@ -261,6 +315,16 @@ RELEASE_LUA = """
 local h = redis.call('HMGET', KEYS[1], 'holder', 'token')
 if h[1] ~= ARGV[1] or tonumber(h[2]) ~= tonumber(ARGV[2]) then return 0 end
 redis.call('HDEL', KEYS[1], 'holder')
+return 1
+"""
+
+# set_zone: the holder's time zone (ARGV[3]) and its jobs' triggers (ARGV[4], JSON text), conditional
+# on holder and token; an empty value removes the field.
+SET_ZONE_LUA = """
+local h = redis.call('HMGET', KEYS[1], 'holder', 'token')
+if h[1] ~= ARGV[1] or tonumber(h[2]) ~= tonumber(ARGV[2]) then return 0 end
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'zone', ARGV[3]) else redis.call('HDEL', KEYS[1], 'zone') end
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'triggers', ARGV[4]) else redis.call('HDEL', KEYS[1], 'triggers') end
 return 1
 """
 

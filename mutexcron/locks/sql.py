@@ -48,19 +48,12 @@ from sqlalchemy.engine import Connection, Engine
 from ..backends.base import UncertainOutcome
 from ..backends.sql import SQLBackend
 from ..errors import StoreError
-from ..record import (
-    LockRecord,
-    NodePresence,
-    dump_attrs,
-    entry_ended,
-    entry_job,
-    is_history_entry,
-    load_attrs,
-    load_locks,
-    optional_float,
-)
 from ..timeutil import as_utc
 from .base import (
+    FORGET_CLEARED,
+    FORGET_DELETED,
+    FORGET_HELD,
+    FORGET_MISSING,
     PRESENCE_TTL,
     AcquireResult,
     BatchClaimResult,
@@ -75,6 +68,19 @@ from .base import (
     group_claims,
     history_option,
     won_claims,
+)
+from .record import (
+    LockRecord,
+    NodePresence,
+    dump_attrs,
+    dump_triggers,
+    entry_ended,
+    entry_job,
+    is_history_entry,
+    load_attrs,
+    load_locks,
+    load_triggers,
+    optional_float,
 )
 from .sql_statements import HISTORY_COLUMN, HISTORY_NONE, HISTORY_OBJECT, MARIADB, NO_CLAIM, STATEMENTS
 from .sql_statements import json_path as _json_path
@@ -151,6 +157,7 @@ class SQLLockStore(LockStore):
         #: The presence table (the lock table's name + ``_nodes``).
         self.nodes_table = f"{self.table}_nodes"
         self._presence_rows: set[str] = set()  # nodes whose presence row this store object has written
+        self._pads = False  # set when the table is first used: a MySQL table whose collation ignores trailing spaces
 
     @property
     def engine(self) -> Engine:
@@ -165,7 +172,10 @@ class SQLLockStore(LockStore):
         """
         upgrade = "\n".join(f"--   {statement};" for statement in self._add_column_statements())
         note = f"-- a lock table created before the run history and the pause flag gets these columns:\n{upgrade}"
-        return [*self._sql.ddl, *self._sql.nodes_ddl, note]
+        tables = [s.replace("COLLATE=utf8mb4_bin", "COLLATE=utf8mb4_nopad_bin") for s in (*self._sql.ddl, *self._sql.nodes_ddl)]
+        if self._sql.dialect == "mysql":
+            tables.append("-- on MySQL 8, COLLATE=utf8mb4_0900_bin (a binary collation that does not ignore trailing spaces)")
+        return [*tables, note]
 
     def _add_column_statements(self, names: Iterable[str] | None = None) -> list[str]:
         wanted = None if names is None else set(names)
@@ -189,8 +199,9 @@ class SQLLockStore(LockStore):
         if self._use_mariadb_returning and self._sql.dialect == "mysql" and self.backend.is_mariadb(conn):
             self._sql = MARIADB.bind(self.table, self.backend.clock)
         for statement in (*self._sql.ddl, *self._sql.nodes_ddl):
-            self.backend.create(conn, statement)
+            self.backend.create(conn, self.backend.with_key_collation(conn, statement))
         self._add_columns(conn)
+        self._pads = self.backend.pads_spaces(conn, self.table, "name")
 
     def _columns(self, conn: Connection) -> set[str]:
         return {str(column["name"]).lower() for column in sqlalchemy.inspect(conn).get_columns(self.table)}
@@ -229,7 +240,7 @@ class SQLLockStore(LockStore):
     def _parse(self, row: Any) -> tuple[LockRecord, dict[str, Any]]:
         """A row -> (record, raw fires JSON incl. claim nonces)."""
         (name, holder, ip, token, hb, ttl_ms, attrs, fires, started, finished, error, *pause, age) = tuple(row)
-        paused, paused_at, paused_by, catch_up = pause
+        paused, paused_at, paused_by, catch_up, zone, triggers = pause
         if isinstance(fires, (str, bytes)):
             fires = json.loads(fires or "{}")
         record = LockRecord(
@@ -249,6 +260,8 @@ class SQLLockStore(LockStore):
             paused_at=as_utc(paused_at),
             paused_by=paused_by,
             resume_catch_up=bool(catch_up),
+            zone=zone,
+            triggers=load_triggers(triggers),
         )
         return record, fires or {}
 
@@ -260,6 +273,9 @@ class SQLLockStore(LockStore):
         self, name: str, node: Node, ttl: float, claim: FireClaim | None = None
     ) -> AcquireResult:
         job = claim.job_id if claim else ""
+        self._ensure_table()
+        if self._pads:  # a name ending with a space would be another lock's row
+            self.backend.refuse_padded([name], "lock name", self.table)
         params = {
             "name": name,
             "me": node.node_id,
@@ -405,9 +421,10 @@ class SQLLockStore(LockStore):
         self._ensure_table()
         return self.backend.run_in_transaction(work, self._sql.begin, what)
 
-    def nodes(self) -> list[NodePresence]:
+    def nodes(self, *, prune: bool = True) -> list[NodePresence]:
         params = {"dur": float(PRESENCE_TTL), "dur_us": PRESENCE_TTL * 1_000_000}
-        self._write(self._sql.presence_prune, params, "nodes (prune)")
+        if prune:  # the read below skips the old rows either way
+            self._write(self._sql.presence_prune, params, "nodes (prune)")
         rows, _ = self._execute(self._sql.nodes_read, params, "nodes")
         return [
             NodePresence(
@@ -426,6 +443,8 @@ class SQLLockStore(LockStore):
     def set_paused(self, name: str, paused: bool, by: str, *, catch_up: bool = False) -> LockRecord:
         params = {"name": name, "paused": bool(paused), "by": by, "catch_up": bool(catch_up and not paused)}
         self._ensure_table()  # first: it picks MariaDB's statements once it knows the server
+        if self._pads:
+            self.backend.refuse_padded([name], "lock name", self.table)
         if self._sql.acquire_returns_row:
             rows, _ = self._write(self._sql.set_paused, params, "set_paused")
         else:
@@ -434,6 +453,27 @@ class SQLLockStore(LockStore):
         if not rows:
             raise StoreError(f"lock {name!r} vanished from {self.table} on {self.masked_url} during set_paused")
         return self._record(rows[0])
+
+    def forget(self, name: str, *, force: bool = False) -> str:
+        """One transaction: delete a record never held, else clear it (conditional on no live
+        lease unless ``force``), else read whether it is held or missing."""
+        params = {"name": name, "force": bool(force), "off": False}
+
+        def work(conn: Connection) -> str:
+            text = self.backend.text
+            if conn.execute(text(self._sql.forget_unheld), {"name": name}).rowcount == 1:
+                return FORGET_DELETED
+            if conn.execute(text(self._sql.forget), params).rowcount == 1:
+                return FORGET_CLEARED
+            found = conn.execute(text(self._sql.read_one), {"name": name}).fetchall()
+            return FORGET_HELD if found else FORGET_MISSING
+
+        return self._transaction(work, "forget")
+
+    def forget_node(self, node_id: str, *, min_age: float = 0.0) -> bool:
+        params = {"node": node_id, "dur": float(min_age), "dur_us": int(min_age * 1_000_000)}
+        _, count = self._write(self._sql.forget_node, params, "forget_node")
+        return bool(count == 1)
 
     def _stored_history(self, locks: Sequence[str]) -> dict[str, Mapping[str, Any]]:
         params = {f"n{i}": n for i, n in enumerate(locks)}
@@ -476,6 +516,13 @@ class SQLLockStore(LockStore):
     def release(self, name: str, node: Node, token: int) -> bool:
         _, count = self._write(self._sql.release, {"name": name, "me": node.node_id, "token": token}, "release")
         return bool(count == 1)
+
+    def set_zone(
+        self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None
+    ) -> bool:
+        params = {"name": name, "me": node.node_id, "token": token, "zone": zone, "triggers": dump_triggers(triggers)}
+        _, count = self._write(self._sql.set_zone, params, "set_zone")
+        return count == 1
 
     def read(self, name: str) -> LockRecord | None:
         rows, _ = self._execute(self._sql.read_one, {"name": name}, "read")

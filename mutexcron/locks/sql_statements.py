@@ -28,7 +28,7 @@ from .base import LockClaims
 
 COLUMNS = (
     "name, holder, active_ip, token, hb, ttl_ms, attrs, fires, last_run_started, last_run_finished, last_error, "
-    "paused, paused_at, paused_by, resume_catch_up"
+    "paused, paused_at, paused_by, resume_catch_up, zone, triggers"
 )
 #: The presence columns ``nodes`` reads (then the age of ``seen``).
 NODE_COLUMNS = "node_id, ip, version, seen, clock_offset, locks"
@@ -114,7 +114,7 @@ _HAND_OFFS: Mapping[tuple[bool, bool, str], str] = {
 }
 
 # Run history: one JSON object per lock row, ``{job: runs}``, where a job's runs are its history
-# lines (``mutexcron.record.HISTORY_LINE``: JSON arrays, which never hold a raw newline) one per
+# lines (``mutexcron.locks.record.HISTORY_LINE``: JSON arrays, which never hold a raw newline) one per
 # line, oldest first, cut to the newest :hn in the same UPDATE. Appending and cutting are string
 # operations: only the row's object is parsed (to find the job's text and to write it back), never
 # the lines. Parameters: :hjob (the job), :hpath (its JSON path), :htail (the line after its end
@@ -252,6 +252,19 @@ class LockStatements:
     claim_read: str = ""
     hand_off: Mapping[tuple[bool, bool, str], str] = field(default_factory=lambda: dict(_HAND_OFFS))
     release: str = "UPDATE {t} SET holder = NULL WHERE name = :name AND holder = :me AND token = :token"
+    set_zone: str = "UPDATE {t} SET zone = :zone, triggers = :triggers WHERE name = :name AND holder = :me AND token = :token"
+    #: ``forget`` of a record no node ever held (token 0, e.g. paused by name only): it goes.
+    forget_unheld: str = "DELETE FROM {t} WHERE name = :name AND token = 0"
+    #: ``forget`` of any other record: cleared to a released one that keeps its token (a deleted
+    #: row would restart the tokens at 1), unless a holder's lease is live and :force is false.
+    forget: str = (
+        "UPDATE {t} SET holder = NULL, attrs = '{{}}', fires = '{{}}', history = '{{}}', runs = NULL, "
+        "last_run_started = NULL, last_run_finished = NULL, last_error = NULL, paused = :off, paused_at = NULL, "
+        "paused_by = NULL, resume_catch_up = :off, zone = NULL, triggers = NULL "
+        "WHERE name = :name AND (holder IS NULL OR {stale} OR :force)"
+    )
+    #: ``forget_node``: the node's presence row, if last seen at least :dur seconds ago.
+    forget_node: str = "DELETE FROM {n} WHERE node_id = :node AND seen <= {cutoff}"
     read_one: str = "SELECT {cols}, {age} AS age FROM {t} WHERE name = :name"
     read_many: str = "SELECT {cols}, {age} AS age FROM {t} WHERE name IN ({names})"
     read_all: str = "SELECT {cols}, {age} AS age FROM {t} ORDER BY name"
@@ -309,6 +322,8 @@ POSTGRESQL = LockStatements(
     paused_at         timestamptz,
     paused_by         varchar(255),
     resume_catch_up   boolean      NOT NULL DEFAULT false,
+    zone              varchar(64),
+    triggers          text,
     history           jsonb        NOT NULL DEFAULT '{{}}',
     runs              text
 )""",
@@ -332,6 +347,8 @@ POSTGRESQL = LockStatements(
         ("resume_catch_up", "boolean NOT NULL DEFAULT false"),
         ("history", "jsonb NOT NULL DEFAULT '{{}}'"),
         ("runs", "text"),
+        ("zone", "varchar(64)"),
+        ("triggers", "text"),
     ),
     history_set=_PG_HISTORY,
     runs_set=_PG_RUNS,
@@ -479,6 +496,8 @@ MYSQL = LockStatements(
     paused_at         DATETIME(6)  NULL,
     paused_by         VARCHAR(255) NULL,
     resume_catch_up   BOOLEAN      NOT NULL DEFAULT FALSE,
+    zone              VARCHAR(64)  NULL,
+    triggers          LONGTEXT     NULL,
     history           LONGTEXT     NULL,
     runs              LONGTEXT     NULL,
     INDEX {t}_holder (holder)
@@ -502,6 +521,8 @@ MYSQL = LockStatements(
         ("resume_catch_up", "BOOLEAN NOT NULL DEFAULT FALSE"),
         ("history", "LONGTEXT NULL"),
         ("runs", "LONGTEXT NULL"),
+        ("zone", "VARCHAR(64) NULL"),
+        ("triggers", "LONGTEXT NULL"),
     ),
     history_set=_MY_HISTORY,
     runs_set=_MY_RUNS,
@@ -558,6 +579,8 @@ SQLITE = LockStatements(
     paused_at         TEXT,
     paused_by         TEXT,
     resume_catch_up   INTEGER NOT NULL DEFAULT 0,
+    zone              TEXT,
+    triggers          TEXT,
     history           TEXT,
     runs              TEXT
 )""",
@@ -581,6 +604,8 @@ SQLITE = LockStatements(
         ("resume_catch_up", "INTEGER NOT NULL DEFAULT 0"),
         ("history", "TEXT"),
         ("runs", "TEXT"),
+        ("zone", "TEXT"),
+        ("triggers", "TEXT"),
     ),
     history_set=_SQLITE_HISTORY,
     runs_set=_SQLITE_RUNS,

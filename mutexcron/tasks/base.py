@@ -27,6 +27,14 @@ object ("end_promotion", "sku-123"). Rules every implementation follows (the con
   claim takes it). A claim sets ``running``, the owner, ``token + 1``, ``attempt + 1`` (the count
   is kept across a rescue, so a task that kills its worker still reaches its handler's
   ``max_attempts``), ``lease_until`` and ``run_at`` (the lease's end).
+* Tokens only go up, across every occurrence of a ``(code, key)``: a task added again after it
+  finished or was cancelled starts from the highest token its earlier occurrences reached (the SQL
+  and MongoDB stores keep a *tombstone*, the row in state ``done`` holding only its token; Redis
+  and memory keep one store-wide floor, raised by every delete), so a stale attempt of an earlier
+  occurrence can never pass the fence of a later one. ``occurrence`` records the token at which
+  an occurrence began.
+* Due times are within :data:`~mutexcron.tasks.checks.MIN_DUE` and
+  :data:`~mutexcron.tasks.checks.MAX_DUE` (every store holds them); others are refused.
 * Fencing: :meth:`TaskStore.renew`, :meth:`TaskStore.complete` and :meth:`TaskStore.release`
   change a task only while it is running, owned by the caller, with the caller's token. A worker
   whose lease expired and whose task another worker claimed (token + 1) gets False: its write never
@@ -57,6 +65,7 @@ from ..urls import mask_url
 from .wakeup import DEFAULT_POLL, PollWaker, Waker
 
 __all__ = [
+    "KEEP",
     "ON_CONFLICT",
     "STATES",
     "AddResult",
@@ -118,6 +127,8 @@ class TaskRecord:
         pending_due / pending_payload: a re-add while running, applied when the attempt ends.
         cancel_requested: cancelled while running: dropped when the attempt ends.
         created / updated: when the task was first added and last changed.
+        occurrence: the token when this occurrence began (see :attr:`idempotency_key`); None for a
+            task last queued by an earlier mutexcron.
     """
 
     code: str
@@ -136,17 +147,22 @@ class TaskRecord:
     cancel_requested: bool = False
     created: datetime | None = None
     updated: datetime | None = None
+    occurrence: int | None = None
 
     @property
     def idempotency_key(self) -> str:
-        """``code:key:due``: the same for every attempt of one occurrence (a :class:`Retry`, a
-        rescue after a dead worker, a hand-back, a retry by hand keep ``due``), new for a
-        rescheduled or re-added one.
+        """``code:key:due#occurrence``: the same for every attempt of one occurrence (a
+        :class:`Retry`, a rescue after a dead worker, a hand-back, a retry by hand), and different
+        for every occurrence that ran: a rescheduled one, or one added again, even with the same due.
 
-        A handler's own writes keyed on it (a unique constraint, an upsert) happen once even if the
-        task runs twice (at-least-once delivery: a worker stalled past its lease).
+        ``occurrence`` is the task's token when the occurrence began; tokens only go up across
+        occurrences, so no two occurrences that reached a handler share it. A handler's own writes
+        keyed on it (a unique constraint, an upsert) happen once even if the task runs twice
+        (at-least-once delivery: a worker stalled past its lease). A task last queued by an
+        earlier mutexcron has no occurrence yet: its key is ``code:key:due`` until it is queued again.
         """
-        return f"{self.code}:{self.key}:{self.due.isoformat()}"
+        base = f"{self.code}:{self.key}:{self.due.isoformat()}"
+        return base if self.occurrence is None else f"{base}#{self.occurrence}"
 
     @property
     def pending(self) -> bool:
@@ -181,11 +197,29 @@ class Done:
     """The task ran: drop it (or queue its pending re-add)."""
 
 
+class _Keep:
+    """The payload of a :class:`Reschedule` that keeps the task's payload (None is a JSON payload)."""
+
+    def __repr__(self) -> str:
+        return "KEEP"
+
+
+#: ``Reschedule(due)``'s default payload: the task keeps the one it has.
+KEEP: Any = _Keep()
+
+
 @dataclass(frozen=True)
 class Reschedule:
-    """Run the task again at ``due`` (seed 000's "next time"): a new occurrence, attempts reset."""
+    """Run the task again at ``due`` (seed 000's "next time"): a new occurrence, attempts reset.
+
+    A handler may return it: ``return Reschedule(timedelta(hours=1), payload={"cursor": 42})``
+    runs the task again in an hour with the new payload, written in the same fenced completion
+    (a stale worker changes nothing). Without ``payload`` the task keeps its payload, as when the
+    handler returns the ``timedelta`` alone.
+    """
 
     due: Due
+    payload: Any = KEEP
 
 
 @dataclass(frozen=True)

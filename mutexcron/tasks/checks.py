@@ -7,17 +7,29 @@ Everything here runs before a store is contacted, so bad input stores nothing, a
 from __future__ import annotations
 
 import json
+import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, TypeVar
 
-from ..errors import AttrsError, ConfigurationError
+from ..errors import AttrsError, ConfigurationError, StoreError
 from ..names import check_name
-from .base import ON_CONFLICT, STATES, AddResult, Done, Fail, Outcome, Reschedule, Retry
+from .base import KEEP, ON_CONFLICT, STATES, AddResult, Done, Fail, Outcome, Reschedule, Retry, TaskRecord, TaskStore
+
+log = logging.getLogger(__name__)
+_Row = TypeVar("_Row")
 
 #: ``last_error`` keeps at most this many characters (a traceback's head is what a reader needs).
 MAX_ERROR_LENGTH = 4000
+
+#: The due times every store holds (Redis keeps epoch microseconds exact in a Lua double up to
+#: 2**53, about 285 years either side of 1970; MySQL's DATETIME starts at 1000, SQLite's text
+#: form has four-digit years): from 1900 up to, not including, 2200, in UTC. An ``add``, a
+#: :class:`~mutexcron.tasks.base.Reschedule`, a :class:`~mutexcron.tasks.base.Retry` (a ``Defer``)
+#: outside it is refused before anything reaches the store.
+MIN_DUE = datetime(1900, 1, 1, tzinfo=timezone.utc)
+MAX_DUE = datetime(2200, 1, 1, tzinfo=timezone.utc)
 
 _JSON_RULE = "dicts with string keys, lists, strings, finite numbers, booleans and None"
 
@@ -46,11 +58,31 @@ def check_due(due: object, what: str = "due") -> tuple[datetime | None, float | 
                 f"{what}={due!r} is a naive datetime: the store cannot tell which time zone it is in. Pass an aware "
                 "datetime (datetime(..., tzinfo=timezone.utc), or .astimezone() for local time) or a timedelta from now"
             )
+        try:
+            inside = MIN_DUE <= due < MAX_DUE
+        except OverflowError:
+            inside = False
+        if not inside:
+            raise ConfigurationError(_out_of_range(what, due.isoformat()))
         return due.astimezone(timezone.utc), None
     if isinstance(due, timedelta):
+        # By this node's clock: the store's is seconds away at most, the range centuries wide.
+        try:
+            inside = MIN_DUE <= datetime.now(timezone.utc) + due < MAX_DUE
+        except OverflowError:
+            inside = False
+        if not inside:
+            raise ConfigurationError(_out_of_range(what, f"now + {due}"))
         return None, due.total_seconds()
     raise ConfigurationError(
         f"{what}={due!r} is a {type(due).__name__}: pass an aware datetime (absolute) or a timedelta (from the store's clock)"
+    )
+
+
+def _out_of_range(what: str, shown: str) -> str:
+    return (
+        f"{what}={shown} is outside the due times every store holds ({MIN_DUE:%Y-%m-%d} to {MAX_DUE:%Y-%m-%d} UTC): "
+        "give a time in that range (for a task that should never run, cancel it instead)"
     )
 
 
@@ -58,9 +90,12 @@ def check_time(value: object, what: str) -> datetime:
     """An aware datetime as UTC (a filter such as ``due_before``), else ConfigurationError."""
     if not isinstance(value, datetime):
         raise ConfigurationError(f"{what}={value!r} is a {type(value).__name__}: pass an aware datetime")
-    at, _ = check_due(value, what)
-    assert at is not None
-    return at
+    if value.tzinfo is None or value.utcoffset() is None:
+        check_due(value, what)  # raises: the message says what to pass
+    try:  # a bound beyond the times a store holds reads as the range's own end
+        return min(max(value, MIN_DUE), MAX_DUE).astimezone(timezone.utc)
+    except OverflowError:
+        return MAX_DUE if value.year > MAX_DUE.year else MIN_DUE
 
 
 def resolve_due(due: datetime | None, delay: float | None, now: datetime) -> datetime:
@@ -102,6 +137,17 @@ def check_outcome(outcome: object) -> Outcome:
     elif not isinstance(outcome, (Done, Fail)):
         raise ConfigurationError(f"outcome {outcome!r} is not Done(), Reschedule(due), Retry(due, error) or Fail(error)")
     return outcome
+
+
+def reschedule_payload(outcome: Outcome, code: str, key: str) -> str | None:
+    """The new payload of a :class:`Reschedule` as stored JSON text, or None (the task keeps its own).
+
+    Raises:
+        AttrsError: a payload that is not plain JSON (before anything is written).
+    """
+    if not isinstance(outcome, Reschedule) or outcome.payload is KEEP:
+        return None
+    return dump_payload(outcome.payload, code, key)
 
 
 def error_text(error: object) -> str:
@@ -187,3 +233,34 @@ def decide_add(state: str, due: datetime, pending_due: datetime | None, new_due:
 
 def _wins(mode: str, new_due: datetime, old_due: datetime) -> bool:
     return new_due < old_due if mode == "earliest" else new_due > old_due
+
+
+def decode_claimed(
+    store: TaskStore,
+    node: str,
+    rows: Sequence[_Row],
+    decode: Callable[[_Row], TaskRecord],
+    ident: Callable[[_Row], tuple[str, str, int]],
+) -> list[TaskRecord]:
+    """The claimed rows as records; a row that cannot be read is failed alone, with its error.
+
+    The claim is already committed: a row that raised here would take its whole batch down with it
+    (claimed, never run, never handed back). It is kept as ``failed`` instead (fenced: the claim's
+    token), and the healthy ones are returned.
+    """
+    records: list[TaskRecord] = []
+    poison: list[tuple[str, str, int, Outcome]] = []
+    for row in rows:
+        try:
+            records.append(decode(row))
+        except Exception as exc:  # noqa: BLE001 - any value a record cannot hold: fail this task, not the batch
+            code, key, token = ident(row)
+            error = f"the stored task cannot be read ({type(exc).__name__}: {exc}); not run. Add it again or cancel it"
+            log.error("task %s/%s on %s: %s", code, key, store.masked_url, error)
+            poison.append((code, key, token, Fail(error_text(error))))
+    if poison:
+        try:
+            store.complete_many(node, poison)
+        except StoreError as exc:  # it stays claimed until its lease ends, then the next claim fails it
+            log.warning("could not record %d unreadable task(s) as failed on %s: %s", len(poison), store.masked_url, exc)
+    return records

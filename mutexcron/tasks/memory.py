@@ -32,6 +32,7 @@ from .checks import (
     dump_payload,
     error_text,
     load_payload,
+    reschedule_payload,
     resolve_due,
 )
 from .wakeup import DEFAULT_POLL, PollWaker, Waker
@@ -56,13 +57,14 @@ class _Row:
     pending_due: datetime | None = None
     pending_payload: str | None = None
     cancel_requested: bool = False
+    occurrence: int = 0
 
     def fenced(self, node: str, token: int) -> bool:
         return self.state == "running" and self.owner == node and self.token == token
 
     def queue(self, due: datetime, now: datetime) -> None:
-        """A new occurrence, due at ``due``."""
-        self.due = due
+        """A new occurrence, due at ``due``: named by the token it begins at."""
+        self.due, self.occurrence = due, self.token
         self.wait(due, now)
 
     def wait(self, run_at: datetime, now: datetime) -> None:
@@ -97,6 +99,8 @@ class MemoryTaskStore(TaskStore):
         # The space's tables are untyped dicts: this one is keyed by (code, key).
         self._rows = cast("dict[tuple[str, str], _Row]", backend.table("tasks"))
         self._wakers = cast("dict[str, list[Waker]]", backend.table("tasks_wakers"))
+        # The highest token of a deleted task: a task added again starts from it (tokens only go up).
+        self._floor = cast("dict[str, int]", backend.table("tasks_token_floor"))
         origin = backend.table("tasks_clock")
         with backend.mutex:
             origin.setdefault("origin", (datetime.now(timezone.utc), backend.clock()))
@@ -124,7 +128,13 @@ class MemoryTaskStore(TaskStore):
             cancel_requested=row.cancel_requested,
             created=row.created,
             updated=row.updated,
+            occurrence=row.occurrence,
         )
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        """Delete a task (under the mutex), raising the store's token floor to its token."""
+        row = self._rows.pop(key)
+        self._floor["token"] = max(self._floor.get("token", 0), row.token)
 
     # -- producers ---------------------------------------------------------------------------
     def add(self, code: str, key: str, due: Due, payload: Any = None, *, on_conflict: str = "replace") -> AddResult:
@@ -137,7 +147,10 @@ class MemoryTaskStore(TaskStore):
             new_due = resolve_due(at, delay, now)
             row = self._rows.get((code, key))
             if row is None:
-                self._rows[code, key] = _Row(due=new_due, run_at=new_due, payload=text, created=now, updated=now)
+                floor = self._floor.get("token", 0)
+                self._rows[code, key] = _Row(
+                    due=new_due, run_at=new_due, payload=text, created=now, updated=now, token=floor, occurrence=floor
+                )
                 self._notify(code)
                 return AddResult.INSERTED
             result = decide_add(row.state, row.due, row.pending_due, new_due, mode)
@@ -157,7 +170,7 @@ class MemoryTaskStore(TaskStore):
             if row is None:
                 return False
             if row.state != "running":
-                del self._rows[code, key]
+                self._drop((code, key))
             else:
                 row.cancel_requested, row.pending_due, row.pending_payload, row.updated = True, None, None, self._now()
             return True
@@ -222,12 +235,16 @@ class MemoryTaskStore(TaskStore):
             for _, key in due:
                 row = self._rows[key]
                 if row.state == "running" and row.cancel_requested:
-                    del self._rows[key]  # its worker died after a cancel: nothing is left to finish
+                    self._drop(key)  # its worker died after a cancel: nothing is left to finish
                     continue
                 row.state, row.owner, row.token, row.attempt = "running", node, row.token + 1, row.attempt + 1
                 row.lease_until, row.updated = now + timedelta(seconds=lease), now
                 row.run_at = row.lease_until
-                claimed.append(self._record(key, row))
+                try:
+                    claimed.append(self._record(key, row))
+                except ValueError as exc:  # an unreadable payload: failed alone, the batch goes on
+                    row.state, row.run_at, row.lease_until = "failed", None, None
+                    row.last_error = error_text(f"the stored task cannot be read ({type(exc).__name__}: {exc}); not run")
         return claimed
 
     def renew(self, node: str, tokens: Mapping[tuple[str, str], int], lease: float) -> set[tuple[str, str]]:
@@ -244,24 +261,27 @@ class MemoryTaskStore(TaskStore):
 
     def complete(self, node: str, code: str, key: str, token: int, outcome: Outcome) -> bool:
         check_outcome(outcome)
+        payload = reschedule_payload(outcome, code, key)
         with self.backend.mutex:
-            return self._complete(node, code, key, token, outcome)
+            return self._complete(node, code, key, token, outcome, payload)
 
     def complete_many(self, node: str, completions: Sequence[tuple[str, str, int, Outcome]]) -> builtins.list[bool]:
         """Every completion under the mutex once, in order (each fenced on its own)."""
-        for *_, outcome in completions:
-            check_outcome(outcome)
+        payloads = [reschedule_payload(check_outcome(outcome), code, key) for code, key, _, outcome in completions]
         with self.backend.mutex:
-            return [self._complete(node, code, key, token, outcome) for code, key, token, outcome in completions]
+            return [
+                self._complete(node, code, key, token, outcome, payload)
+                for (code, key, token, outcome), payload in zip(completions, payloads, strict=True)
+            ]
 
-    def _complete(self, node: str, code: str, key: str, token: int, outcome: Outcome) -> bool:
-        """One completion, under the mutex."""
+    def _complete(self, node: str, code: str, key: str, token: int, outcome: Outcome, payload: str | None = None) -> bool:
+        """One completion, under the mutex (``payload``: a Reschedule's new one, as JSON text)."""
         row = self._rows.get((code, key))
         if row is None or not row.fenced(node, token):
             return False
         now = self._now()
         if row.cancel_requested or (isinstance(outcome, Done) and row.pending_due is None):
-            del self._rows[code, key]
+            self._drop((code, key))
             return True
         if row.pending_due is not None:
             row.apply_pending(now)
@@ -272,6 +292,8 @@ class MemoryTaskStore(TaskStore):
         elif isinstance(outcome, Reschedule):
             row.queue(resolve_due(*check_due(outcome.due), now), now)  # a new occurrence
             row.attempt, row.last_error = 0, None
+            if payload is not None:
+                row.payload = payload
         elif isinstance(outcome, Retry):
             row.wait(resolve_due(*check_due(outcome.due), now), now)  # the same occurrence: due kept
             row.last_error = error_text(outcome.error)
@@ -289,7 +311,7 @@ class MemoryTaskStore(TaskStore):
                     continue
                 count += 1
                 if row.cancel_requested:
-                    del self._rows[code, key]
+                    self._drop((code, key))
                     continue
                 row.token += 1  # a claim made with the old token can no longer write
                 if row.pending_due is not None:

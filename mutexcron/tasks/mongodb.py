@@ -58,7 +58,7 @@ from typing import Any
 from urllib.parse import unquote
 
 import pymongo.errors
-from pymongo import ASCENDING, DeleteOne, ReturnDocument, UpdateOne
+from pymongo import ASCENDING, ReturnDocument, UpdateOne
 
 from ..backends.base import UncertainOutcome
 from ..backends.mongodb import MongoDBBackend
@@ -76,9 +76,11 @@ from .checks import (
     check_state,
     check_task,
     check_time,
+    decode_claimed,
     dump_payload,
     error_text,
     load_payload,
+    reschedule_payload,
 )
 from .mongodb_pipelines import (
     add_pipeline,
@@ -92,6 +94,7 @@ from .mongodb_pipelines import (
     release_pipeline,
     retry_pipeline,
     summary_pipeline,
+    tombstone_pipeline,
 )
 
 __all__ = ["DEFAULT_TASKS_COLLECTION", "MongoDBTaskStore"]
@@ -182,6 +185,7 @@ def _record(doc: Mapping[str, Any]) -> TaskRecord:
         cancel_requested=bool(doc.get("cancel_requested")),
         created=as_utc(doc.get("created")),
         updated=as_utc(doc.get("updated")),
+        occurrence=None if doc.get("occurrence") is None else int(doc["occurrence"]),
     )
 
 
@@ -235,7 +239,7 @@ class MongoDBTaskStore(TaskStore):
 
     def _tasks(self) -> Any:
         """The collection, its indexes created on first use (idempotent on the server)."""
-        if not self._indexed:
+        if not self._indexed and not self.backend.read_only:  # a reader creates no index
             with self._index_lock:
                 if not self._indexed:
                     self._create_indexes()
@@ -366,9 +370,12 @@ class MongoDBTaskStore(TaskStore):
         code, key = check_task(code, key)
         task = {"code": code, "key": key}
         pipeline = cancel_pipeline(self.now_expr())
+        tombstone = tombstone_pipeline(self.now_expr())
         for _ in range(_ROUNDS):
-            dropped = self._write("cancel", lambda: self._tasks().delete_one({**task, "state": {"$ne": "running"}}))
-            if dropped.deleted_count:
+            dropped = self._write(
+                "cancel", lambda: self._tasks().update_one({**task, "state": {"$in": ["queued", "failed"]}}, tombstone)
+            )
+            if dropped.matched_count:
                 return True
             marked = self._write("cancel", lambda: self._tasks().update_one({**task, "state": "running"}, pipeline))
             if marked.matched_count:
@@ -380,7 +387,7 @@ class MongoDBTaskStore(TaskStore):
     def get(self, code: str, key: str) -> TaskRecord | None:
         code, key = check_task(code, key)
         with self.backend.errors("get"):
-            doc = self._tasks().find_one({"code": code, "key": key})
+            doc = self._tasks().find_one({"code": code, "key": key, "state": {"$ne": "done"}})
         return None if doc is None else _record(doc)
 
     def list(
@@ -401,8 +408,7 @@ class MongoDBTaskStore(TaskStore):
             query["key"] = {"$regex": re.escape(key_contains)}  # a plain, case-sensitive substring
         if due_before is not None:
             query["due"] = {"$lt": check_time(due_before, "due_before")}
-        if state is not None:
-            query["state"] = check_state(state)
+        query["state"] = {"$ne": "done"} if state is None else check_state(state)
         limit = int(limit)
         if limit <= 0:  # pymongo reads limit=0 as "no limit"
             return []
@@ -452,10 +458,13 @@ class MongoDBTaskStore(TaskStore):
                 break
             if doc is None:
                 break
-            task = _record(doc)
+            [*decoded] = decode_claimed(self, node, [doc], _record, lambda d: (str(d["code"]), str(d["key"]), int(d["token"])))
+            if not decoded:  # unreadable: failed alone
+                continue
+            task = decoded[0]
             if task.cancel_requested:  # cancelled, then its worker died: drop it, never run it
                 drop = fence(task.code, task.key, node, task.token)
-                self._write("claim (drop cancelled)", partial(collection.delete_one, drop))
+                self._write("claim (drop cancelled)", partial(collection.update_one, drop, tombstone_pipeline(self.now_expr())))
                 continue
             claimed.append(task)
         return claimed
@@ -479,7 +488,8 @@ class MongoDBTaskStore(TaskStore):
         check_outcome(outcome)
         node = _check_node(node)
         code, key = check_task(code, key)
-        return self._settle(node, [(code, key, int(token))], self._outcome_steps(node, outcome), "complete") == 1
+        steps = self._outcome_steps(node, outcome, reschedule_payload(outcome, code, key))
+        return self._settle(node, [(code, key, int(token))], steps, "complete") == 1
 
     def complete_many(self, node: str, completions: Sequence[tuple[str, str, int, Outcome]]) -> builtins.list[bool]:
         """One ``find`` (which tasks are still ``node``'s) and one ``bulk_write`` (both exclusive
@@ -487,6 +497,7 @@ class MongoDBTaskStore(TaskStore):
         as one call after the other would see them. One completion is :meth:`complete`."""
         node = _check_node(node)
         items = [(*check_task(code, key), int(token), check_outcome(outcome)) for code, key, token, outcome in completions]
+        payloads = [reschedule_payload(outcome, code, key) for code, key, _, outcome in items]  # checked before any write
         if len(items) <= 1:
             return [self.complete(node, *item) for item in items]
         results = [False] * len(items)
@@ -504,7 +515,7 @@ class MongoDBTaskStore(TaskStore):
             for _ in range(_ROUNDS):
                 if not todo:
                     break
-                steps = {i: self._outcome_steps(node, items[i][3]) for i in todo}
+                steps = {i: self._outcome_steps(node, items[i][3], payloads[i]) for i in todo}
                 matched = self._bulk([step(tasks[i]) for i in todo for step in steps[i]], "complete")
                 if matched == len(todo):  # one write matched per task: each was settled
                     for i in todo:
@@ -549,9 +560,9 @@ class MongoDBTaskStore(TaskStore):
             log.debug("complete on %s: %d write(s) matched, %d task(s) look settled by them", self.masked_url, matched, settled)
         return again
 
-    def _outcome_steps(self, node: str, outcome: Outcome) -> builtins.list[Step]:
+    def _outcome_steps(self, node: str, outcome: Outcome, payload: str | None = None) -> builtins.list[Step]:
         """The two writes recording ``outcome`` on a fenced task: they exclude each other, and each
-        takes the task out of the fence."""
+        takes the task out of the fence (``payload``: a Reschedule's new one, as JSON text)."""
         now = self.now_expr()
         steps: builtins.list[Step]
         if isinstance(outcome, Done):
@@ -559,16 +570,16 @@ class MongoDBTaskStore(TaskStore):
             done = {"$or": [{"cancel_requested": True}, {"pending_due": None}]}
             readd = {"cancel_requested": {"$ne": True}, "pending_due": {"$ne": None}}
             steps = [
-                lambda t: DeleteOne({**_fence(node, t), **done}),
+                lambda t: UpdateOne({**_fence(node, t), **done}, tombstone_pipeline(now)),
                 lambda t: UpdateOne({**_fence(node, t), **readd}, pending_pipeline(now)),
             ]
         else:
             error = error_text(outcome.error) if isinstance(outcome, (Retry, Fail)) else None
             due = None if isinstance(outcome, Fail) else due_expr(now, *check_due(outcome.due))
-            pipeline = outcome_pipeline(now, outcome, due, error)
+            pipeline = outcome_pipeline(now, outcome, due, error, payload)
             steps = [
                 lambda t: UpdateOne({**_fence(node, t), "cancel_requested": {"$ne": True}}, pipeline),
-                lambda t: DeleteOne({**_fence(node, t), "cancel_requested": True}),
+                lambda t: UpdateOne({**_fence(node, t), "cancel_requested": True}, tombstone_pipeline(now)),
             ]
         return steps
 
@@ -580,7 +591,7 @@ class MongoDBTaskStore(TaskStore):
         pipeline = release_pipeline(self.now_expr())
         steps: builtins.list[Step] = [
             lambda t: UpdateOne({**_fence(node, t), "cancel_requested": {"$ne": True}}, pipeline),
-            lambda t: DeleteOne({**_fence(node, t), "cancel_requested": True}),
+            lambda t: UpdateOne({**_fence(node, t), "cancel_requested": True}, tombstone_pipeline(self.now_expr())),
         ]
         return self._settle(node, items, steps, "release")
 

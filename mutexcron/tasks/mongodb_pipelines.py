@@ -36,6 +36,7 @@ __all__ = [
     "release_pipeline",
     "retry_pipeline",
     "summary_pipeline",
+    "tombstone_pipeline",
 ]
 
 #: The fields of a task document, besides ``_id``, ``code`` and ``key``.
@@ -55,6 +56,7 @@ FIELDS = (
     "created",
     "updated",
     "last_add",
+    "occurrence",
 )
 
 Expr = Any
@@ -105,7 +107,8 @@ def add_pipeline(now: Expr, new_due: Expr, payload: str, mode: str) -> Pipeline:
     ``pending``), reading the document as it was (no ``state``: the upsert is inserting it); the
     second applies it. The document returned after the write says what this add did.
     """
-    missing = _is_null("$state")
+    # No task, or the tombstone of a finished one (its token kept: tokens only go up).
+    missing = {"$or": [_is_null("$state"), {"$eq": ["$state", "done"]}]}
     if mode == "keep":
         decision: Expr = _cond(missing, AddResult.INSERTED.value, AddResult.KEPT.value)
     else:
@@ -141,7 +144,8 @@ def add_pipeline(now: Expr, new_due: Expr, payload: str, mode: str) -> Pipeline:
                 "attempt": _cond(fresh, 0, "$attempt"),
                 "lease_until": _cond(fresh, None, "$lease_until"),
                 "last_error": _cond(fresh, None, "$last_error"),
-                "token": _cond(inserted, 0, "$token"),
+                "token": {"$ifNull": ["$token", 0]},
+                "occurrence": _cond(fresh, {"$ifNull": ["$token", 0]}, "$occurrence"),
                 "owner": _cond(inserted, None, "$owner"),
                 # Running: the new values wait for the attempt's end; the later word (this add) wins over a cancel.
                 "pending_due": _cond(pending, new_due, _cond(inserted, None, "$pending_due")),
@@ -196,8 +200,15 @@ def _wait(now: Expr, run_at: Expr) -> dict[str, Expr]:
 
 
 def _queue(now: Expr, due: Expr) -> dict[str, Expr]:
-    """Queued as a new occurrence, due at ``due``."""
-    return {**_wait(now, due), "due": due}
+    """Queued as a new occurrence, due at ``due``, named by the token it begins at."""
+    return {**_wait(now, due), "due": due, "occurrence": "$token"}
+
+
+def tombstone_pipeline(now: Expr) -> Pipeline:
+    """A finished or cancelled task: a *tombstone* (state ``done``) that keeps only its token, so a
+    task added again goes on from it. Every read skips it; ``run_at`` null keeps it out of claims."""
+    cleared = ("run_at", "owner", "lease_until", "last_error", "pending_due", "pending_payload")
+    return [{"$set": {"state": "done", "payload": "null", "cancel_requested": False, "updated": now, **dict.fromkeys(cleared)}}]
 
 
 def _apply_pending(now: Expr) -> dict[str, Expr]:
@@ -227,14 +238,17 @@ def pending_pipeline(now: Expr) -> Pipeline:
     return [{"$set": _apply_pending(now)}]
 
 
-def outcome_pipeline(now: Expr, outcome: Outcome, due: Expr, error: str | None) -> Pipeline:
+def outcome_pipeline(now: Expr, outcome: Outcome, due: Expr, error: str | None, payload: str | None = None) -> Pipeline:
     """Record a Reschedule, Retry or Fail (``due``: the Reschedule's new due or the Retry's time;
-    ``error``: the stored error), unless a pending re-add waits: it wins over any outcome."""
+    ``error``: the stored error; ``payload``: a Reschedule's new payload as JSON text, None to keep
+    it), unless a pending re-add waits: it wins over any outcome."""
     fields: dict[str, Expr]
     if isinstance(outcome, Fail):
         fields = {"state": "failed", "run_at": None, "lease_until": None, "last_error": {"$literal": error}, "updated": now}
     elif isinstance(outcome, Reschedule):
         fields = {**_queue(now, due), "attempt": 0, "last_error": None}
+        if payload is not None:
+            fields["payload"] = {"$literal": payload}
     elif isinstance(outcome, Retry):
         fields = {**_wait(now, due), "last_error": {"$literal": error}}  # the same occurrence: due kept
     else:  # pragma: no cover - Done deletes the task (or applies the pending re-add)
@@ -247,6 +261,7 @@ def release_pipeline(now: Expr) -> Pipeline:
     attempt not counted (or its pending re-add queued, attempts reset)."""
     fields = _pending_or(now, {**_wait(now, now), "attempt": {"$subtract": ["$attempt", 1]}})
     fields["token"] = {"$add": ["$token", 1]}  # a claim made with the old token can no longer write
+    fields["occurrence"] = _cond(_not_null("$pending_due"), {"$add": ["$token", 1]}, "$occurrence")
     return [{"$set": fields}]
 
 
@@ -258,7 +273,8 @@ def summary_pipeline(now: Expr, codes: list[str] | None) -> Pipeline:
     def count(test: Expr) -> Expr:
         return {"$sum": _cond(test, 1, 0)}
 
-    stages: Pipeline = [{"$match": {"code": {"$in": codes}}}] if codes is not None else []
+    live = {"state": {"$ne": "done"}}
+    stages: Pipeline = [{"$match": {**live, "code": {"$in": codes}}} if codes is not None else {"$match": live}]
     stages += [
         {
             "$group": {

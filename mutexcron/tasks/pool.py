@@ -7,7 +7,6 @@ scheduler's pool (``sched.tasks``) are run there by a :class:`~mutexcron.tasks.w
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from datetime import datetime
@@ -15,18 +14,18 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from ..errors import ConfigurationError
-from ..locks import DEFAULT_LOCK_URL
+from ..locks import default_lock_url
 from ..urls import mask_url
 from . import task_store_from_url
 from .base import AddResult, Due, TaskRecord, TaskStore
-from .handlers import DEFAULT_MAX_ATTEMPTS, DEFAULT_TASK_LEASE, Handler, Task
+from .handlers import DEFAULT_MAX_ATTEMPTS, DEFAULT_TASK_LEASE, Handler, Task, public_codes
 
 F = TypeVar("F", bound=Callable[[Task], Any])
 
 __all__ = ["TaskPool"]
 
-#: The environment variable every mutexcron command reads the store URL from.
-URL_ENV = "MUTEXCRON_LOCK_URL"
+#: Tasks a bulk operation (``retry_failed``, ``cancel_many``) lists at a time.
+BULK_PAGE = 1000
 
 
 class TaskPool:
@@ -56,7 +55,7 @@ class TaskPool:
                 raise TypeError("options belong to the store: build it with them, or pass a URL")
             self._store = url
         else:
-            self._url = url or os.environ.get(URL_ENV) or DEFAULT_LOCK_URL
+            self._url = url or default_lock_url("TaskPool()")
             self.store  # noqa: B018 - a bad URL fails here, not at the first add
 
     @classmethod
@@ -123,18 +122,40 @@ class TaskPool:
         self.handlers[handler.code] = handler
 
     def codes(self) -> list[str]:
-        """The codes with a handler in this pool."""
-        return sorted(self.handlers)
+        """The codes with a handler in this pool (mutexcron's own, such as the trigger requests', left out)."""
+        return public_codes(self.handlers)
 
-    def add(self, code: str, key: str, due: Due, payload: Any = None, *, on_conflict: str = "replace") -> AddResult:
-        """Add the task ``(code, key)`` or update it (see :meth:`TaskStore.add`): inserted, replaced, kept or pending."""
+    def add(
+        self, code: str, key: str, due: Due, payload: Any = None, *, on_conflict: str = "replace", transaction: Any = None
+    ) -> AddResult:
+        """Add the task ``(code, key)`` or update it (see :meth:`TaskStore.add`): inserted, replaced, kept or pending.
+
+        Args:
+            transaction: your open transaction on the store's database (SQL stores): a SQLAlchemy
+                ``Connection`` or ``Session``, a DB-API connection (psycopg, PyMySQL, sqlite3...), or
+                Django's ``connection`` inside ``transaction.atomic()``. The task is written with
+                your writes and exists if and only if your transaction commits
+                (:mod:`mutexcron.tasks.transactions`).
+        """
+        if transaction is not None:
+            from .transactions import add_in
+
+            return add_in(self.store, transaction, code, key, due, payload, on_conflict=on_conflict)
         result = self.store.add(code, key, due, payload, on_conflict=on_conflict)
         if self._on_add is not None and code in self.handlers:
             self._on_add(code)
         return result
 
-    def cancel(self, code: str, key: str) -> bool:
-        """Drop the task (a running one when its attempt ends). False if there is no such task."""
+    def cancel(self, code: str, key: str, *, transaction: Any = None) -> bool:
+        """Drop the task (a running one when its attempt ends). False if there is no such task.
+
+        ``transaction``: your open transaction on the store's database, as for :meth:`add`: the
+        cancel commits with it, or not at all.
+        """
+        if transaction is not None:
+            from .transactions import cancel_in
+
+            return cancel_in(self.store, transaction, code, key)
         return self.store.cancel(code, key)
 
     def get(self, code: str, key: str) -> TaskRecord | None:
@@ -156,6 +177,31 @@ class TaskPool:
     def retry(self, code: str, key: str) -> bool:
         """Queue a failed task again, due now. False if it is not failed."""
         return self.store.retry(code, key)
+
+    def retry_failed(self, *, code: str | None = None, key_contains: str | None = None) -> int:
+        """Queue every failed task (of ``code``, whose key contains ``key_contains``) again, due
+        now, attempts reset, one :meth:`retry` each. Returns how many were queued again."""
+        return self._each(lambda t: self.store.retry(t.code, t.key), code=code, key_contains=key_contains, state="failed")
+
+    def cancel_many(self, *, code: str, key_contains: str | None = None, state: str | None = None) -> int:
+        """:meth:`cancel` every task of ``code`` whose key contains ``key_contains`` (in ``state``,
+        if given); running ones are dropped when their attempt ends. Returns how many were cancelled."""
+        return self._each(lambda t: self.store.cancel(t.code, t.key), code=code, key_contains=key_contains, state=state)
+
+    def _each(self, act: Callable[[TaskRecord], bool], **where: Any) -> int:
+        """``act`` on every task :meth:`list` finds with ``where``, a page at a time, each task once."""
+        done, seen = 0, set[tuple[str, str]]()
+        while True:
+            # Acted-on tasks usually leave the filter, but not all (a running task being cancelled,
+            # an act that changed nothing): ask for the seen ones plus a page, so a page of seen
+            # tasks never hides the rest.
+            rows = self.store.list(**where, limit=len(seen) + BULK_PAGE)
+            page = [t for t in rows if (t.code, t.key) not in seen]
+            if not page:  # fewer rows than the limit, all seen: nothing left
+                return done
+            for task in page:
+                seen.add((task.code, task.key))
+                done += bool(act(task))
 
     def close(self) -> None:
         """Release the store's connections."""

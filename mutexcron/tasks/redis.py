@@ -26,6 +26,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from ..backends.redis import RedisBackend
+from ..errors import StoreError
 from .base import AddResult, CodeSummary, Done, Due, Fail, Outcome, Reschedule, Retry, TaskRecord, TaskStore
 from .checks import (
     check_claim,
@@ -37,15 +38,18 @@ from .checks import (
     check_state,
     check_task,
     check_time,
+    decode_claimed,
     dump_payload,
     error_text,
     load_payload,
+    reschedule_payload,
 )
 from .redis_scripts import (
     ADD_LUA,
     CANCEL_LUA,
     CLAIM_LUA,
     COMPLETE_LUA,
+    INDEX_DUES_LUA,
     LIST_LUA,
     NEXT_DUE_LUA,
     NOW_LUA,
@@ -56,7 +60,10 @@ from .redis_scripts import (
 )
 from .wakeup import Waker
 
-__all__ = ["RedisTaskStore"]
+__all__ = ["LIST_PAGE", "RedisTaskStore"]
+
+#: The most index members one ``list`` script reads (a script blocks the server while it runs).
+LIST_PAGE = 500
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
@@ -87,8 +94,10 @@ def _due_args(due: Due) -> tuple[str, str]:
 
 
 def _completion_args(code: str, key: str, token: int, outcome: Outcome) -> tuple[Any, ...]:
-    """One completion's arguments of the complete script: code, key, token, kind, due_us, delay_us, error."""
+    """One completion's arguments of the complete script: code, key, token, kind, due_us, delay_us, error,
+    and a Reschedule's new payload ('' keeps the task's)."""
     check_outcome(outcome)
+    payload = reschedule_payload(outcome, code, key)
     at, delay, error = "", "", ""
     if isinstance(outcome, Done):
         kind = "done"
@@ -99,7 +108,21 @@ def _completion_args(code: str, key: str, token: int, outcome: Outcome) -> tuple
         kind = "reschedule" if isinstance(outcome, Reschedule) else "retry"
         if isinstance(outcome, Retry):
             error = error_text(outcome.error)
-    return code, key, int(token), kind, at, delay, error
+    return code, key, int(token), kind, at, delay, error, "" if payload is None else payload
+
+
+def _ident(fields: Mapping[str, str]) -> tuple[str, str, int]:
+    return fields["code"], fields["key"], int(fields.get("token") or 0)
+
+
+def _decoded(fields: Mapping[str, str]) -> TaskRecord:
+    """A task hash as a record; one holding a value no record can hold is a StoreError naming the task."""
+    try:
+        return _record(fields)
+    except (ValueError, OverflowError, KeyError) as exc:
+        raise StoreError(
+            f"task {fields.get('code')!r}/{fields.get('key')!r} cannot be read: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _fields(flat: Sequence[Any]) -> dict[str, str]:
@@ -133,6 +156,7 @@ def _record(fields: Mapping[str, str]) -> TaskRecord:
         cancel_requested=fields.get("cancel_requested") == "1",
         created=_from_us(fields.get("created")),
         updated=_from_us(fields.get("updated")),
+        occurrence=int(fields["occurrence"]) if fields.get("occurrence") else None,
     )
 
 
@@ -163,6 +187,7 @@ class RedisTaskStore(TaskStore):
                 ("cancel", CANCEL_LUA),
                 ("retry", RETRY_LUA),
                 ("list", LIST_LUA),
+                ("index_dues", INDEX_DUES_LUA),
                 ("claim", CLAIM_LUA),
                 ("renew", RENEW_LUA),
                 ("complete", COMPLETE_LUA),
@@ -198,7 +223,7 @@ class RedisTaskStore(TaskStore):
         code, key = check_task(code, key)
         with self.backend.errors("get"):
             flat = self.backend.client.hgetall(self.backend.key(f"task:{_escape(code)}:{key}"))
-        return _record({str(k): str(v) for k, v in flat.items()}) if flat else None
+        return _decoded({str(k): str(v) for k, v in flat.items()}) if flat else None
 
     def list(
         self,
@@ -212,12 +237,52 @@ class RedisTaskStore(TaskStore):
         before = str(_to_us(check_time(due_before, "due_before"))) if due_before is not None else ""
         if state is not None:
             check_state(state)
+        limit = max(0, int(limit))
+        if limit == 0:
+            return []
         if code is not None:
-            code = check_codes([code])[0]
-        _, rows = json.loads(self._run("list", code or "", key_contains or "", before, state or ""))
-        records = [_record(_fields(flat)) for flat in rows]
+            codes = check_codes([code])
+        else:
+            with self.backend.errors("list"):
+                codes = sorted(str(c) for c in self.backend.client.smembers(self._codes_key))
+        records: list[TaskRecord] = []
+        for one in codes:  # each code's first `limit` by due, then the first `limit` of them all
+            records.extend(self._list_code(one, key_contains or "", before, state or "", limit))
         records.sort(key=lambda r: (r.due, r.code, r.key))
-        return records[: max(0, limit)]
+        return records[:limit]
+
+    def _list_code(self, code: str, contains: str, before: str, state: str, limit: int) -> builtins.list[TaskRecord]:
+        """One code's first ``limit`` matching tasks by due, in pages of at most :data:`LIST_PAGE` members per script."""
+        self._index_dues(code)
+        found: builtins.list[TaskRecord] = []
+        cursor, seen = "", 0
+        while len(found) < limit:
+            rows, cursor, seen = json.loads(
+                self._run("list", code, contains, before, state, limit - len(found), LIST_PAGE, cursor, seen)
+            )
+            found.extend(_decoded(_fields(flat)) for flat in rows)
+            if cursor == "":
+                break
+        return found
+
+    def _index_dues(self, code: str) -> None:
+        """Fill the code's dues index if tasks written by an earlier mutexcron are missing from it (bounded pages).
+        A reader that must not write leaves it to the nodes (its list may miss such tasks until then)."""
+        if self.backend.read_only:
+            return
+        with self.backend.errors("list"):
+            pipe = self.backend.client.pipeline(transaction=False)
+            pipe.zcard(self.backend.key(f"due:{code}"))
+            pipe.zcard(self.backend.key(f"dues:{code}"))
+            tasks, indexed = pipe.execute()
+        if int(tasks) == int(indexed):
+            return
+        offset = 0
+        while True:
+            read = int(self._run("index_dues", code, offset, LIST_PAGE))
+            offset += read
+            if read < LIST_PAGE:
+                return
 
     def retry(self, code: str, key: str) -> bool:
         code, key = check_task(code, key)
@@ -230,7 +295,7 @@ class RedisTaskStore(TaskStore):
         if not wanted:
             return []
         _, rows = json.loads(self._run("claim", node, limit, round(lease * 1_000_000), *wanted))
-        return [_record(_fields(flat)) for flat in rows]
+        return decode_claimed(self, node, [_fields(flat) for flat in rows], _record, _ident)
 
     def renew(self, node: str, tokens: Mapping[tuple[str, str], int], lease: float) -> set[tuple[str, str]]:
         lease = check_lease(lease)
@@ -261,10 +326,10 @@ class RedisTaskStore(TaskStore):
         wanted = check_codes(codes)
         if not wanted:
             return None
-        now, best = (int(v) for v in json.loads(self._run("next_due", *wanted)))
-        if best < 0:
+        now, best = json.loads(self._run("next_due", *wanted))
+        if best == "":
             return None
-        return max(0.0, (best - now) / 1_000_000)
+        return max(0.0, (int(best) - int(now)) / 1_000_000)
 
     def summary(self, codes: Iterable[str] | None = None) -> builtins.list[CodeSummary]:
         """Counts per code in one script (:data:`~mutexcron.tasks.redis_scripts.SUMMARY_LUA`).

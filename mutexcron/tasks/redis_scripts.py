@@ -26,6 +26,7 @@ __all__ = [
     "CANCEL_LUA",
     "CLAIM_LUA",
     "COMPLETE_LUA",
+    "INDEX_DUES_LUA",
     "LIST_LUA",
     "NEXT_DUE_LUA",
     "NOW_LUA",
@@ -44,6 +45,11 @@ local function us(x) return string.format('%d', x) end
 -- The code is escaped (% and : as %25 and %3A) so that the first ':' after it ends it.
 local function hkey(code, key) return P .. 'task:' .. code:gsub('%%', '%%25'):gsub(':', '%%3A') .. ':' .. key end
 local function zkey(code) return P .. 'due:' .. code end
+-- The code's tasks by due (list pages through it in due order).
+local function dkey(code) return P .. 'dues:' .. code end
+-- The highest token of a deleted task: a task added again starts from it (tokens only go up).
+local FLOOR = P .. 'task_token_floor'
+local function floor() return tonumber(redis.call('GET', FLOOR)) or 0 end
 -- Fenced: running, owned by node, with token.
 local function fenced(h, node, token)
   local f = redis.call('HMGET', h, 'state', 'owner', 'token')
@@ -54,14 +60,18 @@ local function wait_at(h, code, key, run_at)
   redis.call('HSET', h, 'state', 'queued', 'run_at', us(run_at), 'lease_until', '', 'updated', us(now))
   redis.call('ZADD', zkey(code), run_at, key)
 end
--- Queued as a new occurrence, due at `due`.
+-- Queued as a new occurrence, due at `due`, named by the token it begins at.
 local function queue(h, code, key, due)
-  redis.call('HSET', h, 'due', us(due))
+  redis.call('HSET', h, 'due', us(due), 'occurrence', redis.call('HGET', h, 'token'))
+  redis.call('ZADD', dkey(code), due, key)
   wait_at(h, code, key, due)
 end
 local function drop(h, code, key)
+  local token = tonumber(redis.call('HGET', h, 'token')) or 0
+  if token > floor() then redis.call('SET', FLOOR, us(token)) end
   redis.call('DEL', h)
   redis.call('ZREM', zkey(code), key)
+  redis.call('ZREM', dkey(code), key)
 end
 -- A task queued at `due` wakes the sleeping workers of its code (tasks.wakeup_redis) only if it
 -- is due before the head of the code's due ZSET was claimable (`before`: read before the write;
@@ -106,10 +116,12 @@ local function wins(old_due)
 end
 local before = head(code)
 if not state then
+  local token = us(floor())
   redis.call('HSET', h, 'code', code, 'key', key, 'state', 'queued', 'due', us(due), 'run_at', us(due), 'payload', ARGV[6],
-             'attempt', '0', 'token', '0', 'owner', '', 'lease_until', '', 'last_error', '', 'pending_due', '',
-             'pending_payload', '', 'cancel_requested', '0', 'created', us(now), 'updated', us(now))
+             'attempt', '0', 'token', token, 'occurrence', token, 'owner', '', 'lease_until', '', 'last_error', '',
+             'pending_due', '', 'pending_payload', '', 'cancel_requested', '0', 'created', us(now), 'updated', us(now))
   redis.call('ZADD', zkey(code), due, key)
+  redis.call('ZADD', dkey(code), due, key)
   redis.call('SADD', KEYS[1], code)
   wake(code, due, before)
   return 'inserted'
@@ -165,28 +177,52 @@ return 1
 """
 )
 
-# list: every task of the codes (all codes if none given) that passes the filters; the client sorts.
-# KEYS: codes set. ARGV: prefix, code or '', key_contains or '', due_before_us or '', state or ''.
-# Returns JSON: [now, [hgetall, ...]].
+# list: one page of one code's tasks in due order (the code's dues ZSET), filtered, from a cursor:
+# it stops after `limit` matches or `budget` members read, so no call blocks the server long.
+# KEYS: codes set. ARGV: prefix, code, key_contains or '', due_before_us or '', state or '', limit,
+# budget, cursor score or '' (from the start), members of that score already read.
+# Returns JSON: [[hgetall, ...], next cursor score or '' (no more), members of it read].
 LIST_LUA = (
     LUA_NOW_US
     + """
-local codes
-if ARGV[2] ~= '' then codes = {ARGV[2]} else codes = redis.call('SMEMBERS', KEYS[1]) end
-local before = tonumber(ARGV[4])
-local out = {}
-for _, code in ipairs(codes) do
-  for _, key in ipairs(redis.call('ZRANGE', zkey(code), 0, -1)) do
-    if ARGV[3] == '' or string.find(key, ARGV[3], 1, true) then
-      local h = hkey(code, key)
-      local f = redis.call('HMGET', h, 'due', 'state')
-      if f[1] and ((not before) or tonumber(f[1]) < before) and (ARGV[5] == '' or f[2] == ARGV[5]) then
-        out[#out + 1] = redis.call('HGETALL', h)
-      end
+local code, contains, before, state = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local limit, budget = tonumber(ARGV[6]), tonumber(ARGV[7])
+local from, skip = '-inf', 0
+if ARGV[8] ~= '' then from, skip = ARGV[8], tonumber(ARGV[9]) end
+local upto = '+inf'
+if before then upto = '(' .. us(before) end
+local got = redis.call('ZRANGEBYSCORE', dkey(code), from, upto, 'WITHSCORES', 'LIMIT', skip, budget)
+local out, cursor, seen = {}, ARGV[8], skip
+for j = 1, #got, 2 do
+  local key, score = got[j], got[j + 1]
+  if score == cursor then seen = seen + 1 else cursor, seen = score, 1 end
+  if contains == '' or string.find(key, contains, 1, true) then
+    local h = hkey(code, key)
+    local f = redis.call('HMGET', h, 'due', 'state')
+    if f[1] and (state == '' or f[2] == state) then
+      out[#out + 1] = redis.call('HGETALL', h)
+      if #out >= limit then return cjson.encode({out, cursor, seen}) end
     end
   end
 end
-return cjson.encode({us(now), out})
+if #got < 2 * budget then cursor = '' end
+return cjson.encode({out, cursor, seen})
+"""
+)
+
+# index_dues: fill the code's dues ZSET from its due ZSET and hashes (tasks written by an earlier
+# mutexcron have no entry), one bounded page at a time. KEYS: codes set. ARGV: prefix, code,
+# offset, count. Returns the number of members read (fewer than count: the end).
+INDEX_DUES_LUA = (
+    LUA_NOW_US
+    + """
+local code, offset, count = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local keys = redis.call('ZRANGE', zkey(code), offset, offset + count - 1)
+for _, key in ipairs(keys) do
+  local due = redis.call('HGET', hkey(code, key), 'due')
+  if due then redis.call('ZADD', dkey(code), due, key) end
+end
+return #keys
 """
 )
 
@@ -252,14 +288,15 @@ return out
 
 # complete: record the outcome of each attempt node still runs with its token (each fenced on its own,
 # in order). KEYS: codes set. ARGV: prefix, node, then per completion: code, key, token, kind
-# (done|reschedule|retry|fail), due_us or '', delay_us or '', error. Returns 1 or 0 (fenced out:
+# (done|reschedule|retry|fail), due_us or '', delay_us or '', error, a reschedule's new payload or ''
+# (keep it). Returns 1 or 0 (fenced out:
 # nothing changed) per completion. A task queued again publishes its code as add does (see wake).
 COMPLETE_LUA = (
     LUA_NOW_US
     + """
 local node = ARGV[2]
 local out = {}
-for i = 3, #ARGV, 7 do
+for i = 3, #ARGV, 8 do
   local code, key, kind = ARGV[i], ARGV[i + 1], ARGV[i + 3]
   local h = hkey(code, key)
   local ok = 0
@@ -281,6 +318,7 @@ for i = 3, #ARGV, 7 do
       if kind == 'reschedule' then
         queue(h, code, key, at)  -- a new occurrence
         redis.call('HSET', h, 'attempt', '0', 'last_error', '')
+        if ARGV[i + 7] ~= '' then redis.call('HSET', h, 'payload', ARGV[i + 7]) end
       else
         wait_at(h, code, key, at)  -- the same occurrence: its due is kept
         redis.call('HSET', h, 'last_error', ARGV[i + 6])
@@ -328,16 +366,17 @@ return count
 )
 
 # next_due: the earliest claimable time of the codes. KEYS: codes set. ARGV: prefix, code...
-# Returns JSON: [now, earliest or -1 (none)].
+# Returns JSON: [now, earliest or '' (none)].
 NEXT_DUE_LUA = (
     LUA_NOW_US
     + """
-local best = -1
+local best = nil
 for i = 2, #ARGV do
   local head = redis.call('ZRANGE', zkey(ARGV[i]), 0, 0, 'WITHSCORES')
   local score = tonumber(head[2])
-  if score and head[2] ~= 'inf' and score ~= math.huge and (best < 0 or score < best) then best = score end
+  if score and head[2] ~= 'inf' and score ~= math.huge and (best == nil or score < best) then best = score end
 end
+if best == nil then return cjson.encode({us(now), ''}) end  -- none: a due before 1970 is a negative score
 return cjson.encode({us(now), us(best)})
 """
 )

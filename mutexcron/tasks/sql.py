@@ -40,11 +40,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
+import sqlalchemy
 from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection
 
 from ..backends.base import UncertainOutcome
-from ..backends.sql import TABLE_RE, SQLBackend
+from ..backends.sql import TABLE_RE, SQLBackend, absolute_sqlite_url
 from ..errors import ConfigurationError, StoreError, StoreUnavailableError
 from ..timeutil import as_utc
 from ..urls import mask_url, pop_query
@@ -60,12 +62,14 @@ from .checks import (
     check_task,
     check_time,
     decide_add,
+    decode_claimed,
     dump_payload,
     error_text,
     load_payload,
+    reschedule_payload,
     resolve_due,
 )
-from .sql_statements import STATEMENTS
+from .sql_statements import ADDED_COLUMNS, STATEMENTS
 from .wakeup import DEFAULT_POLL, PollWaker, Waker
 from .wakeup_listen import LOCAL_WAKERS, RegisteredPollWaker
 
@@ -104,7 +108,7 @@ class SQLTaskStore(TaskStore):
                 raise TypeError("connection options belong to the backend: SQLBackend(url, connect_timeout=..., ...)")
             backend, shown = url, url.url
         else:
-            shown = url
+            shown = url = absolute_sqlite_url(url)  # the file the logs name, whatever the working directory
             url, options = pop_query(url, "tasks_table")  # the backend would hand it to the driver
             tasks_table = tasks_table or options.get("tasks_table")
             extra = {} if connect_timeout is None else {"connect_timeout": connect_timeout}
@@ -123,10 +127,14 @@ class SQLTaskStore(TaskStore):
         self._sql = STATEMENTS[backend.dialect.name].bind(self.table)
         #: The task table in this process's registry of wakers (tasks.wakeup_listen.LOCAL_WAKERS).
         self._wake_key = self._table_identity()
+        self._pads = False  # set when the table is first used: a MySQL table whose collation ignores trailing spaces
 
     def ddl(self) -> list[str]:
-        """The CREATE statements for this table and database."""
-        return list(self._sql.ddl)
+        """The CREATE statements for this table and database (MySQL: MariaDB's collation, with MySQL 8's in a note)."""
+        statements = [s.replace("COLLATE=utf8mb4_bin", "COLLATE=utf8mb4_nopad_bin") for s in self._sql.ddl]
+        if self.backend.dialect.name == "mysql":
+            statements.append("-- on MySQL 8, COLLATE=utf8mb4_0900_bin (a binary collation that does not ignore trailing spaces)")
+        return statements
 
     # -- plumbing ----------------------------------------------------------------------------
     def _ensure_table(self) -> None:
@@ -139,7 +147,32 @@ class SQLTaskStore(TaskStore):
 
     def _create_table(self, conn: Connection) -> None:
         for statement in self._sql.ddl:
-            self.backend.create(conn, statement)
+            self.backend.create(conn, self.backend.with_key_collation(conn, statement))
+        self._add_columns(conn)
+        self._pads = self.backend.pads_spaces(conn, self.table, "task_key")
+
+    def _check_names(self, *names: str) -> None:
+        """On a MySQL table whose collation pads, a name ending with a space would be another task's row: refused."""
+        self._ensure_table()
+        if self._pads:
+            self.backend.refuse_padded(names, "task code or key", self.table)
+
+    def _add_columns(self, conn: Connection) -> None:
+        """Add the columns a table created by an earlier mutexcron lacks (another node may add them at the same time)."""
+
+        def present() -> set[str]:
+            return {str(column["name"]).lower() for column in sqlalchemy.inspect(conn).get_columns(self.table)}
+
+        missing = [(name, definition) for name, definition in ADDED_COLUMNS if name not in present()]
+        for name, definition in missing:
+            statement = f"ALTER TABLE {self.table} ADD COLUMN {name} {definition}"
+            try:
+                conn.execute(self.backend.text(statement))  # autocommit, as every statement here
+            except sa_exc.DBAPIError:
+                if name not in present():  # not a concurrent ALTER that added it: a real failure
+                    raise
+                continue
+            log.info("%s: %s", self.masked_url, statement)
 
     def _read(self, sql: str, params: Mapping[str, Any], what: str) -> list[Any]:
         self._ensure_table()
@@ -163,7 +196,7 @@ class SQLTaskStore(TaskStore):
 
     def _record(self, row: Any) -> TaskRecord:
         (code, key, due, payload, state, attempt, token, owner, lease_until, last_error) = tuple(row[:10])
-        (pending_due, pending_payload, cancel_requested, created, updated, run_at) = tuple(row[10:16])
+        (pending_due, pending_payload, cancel_requested, created, updated, run_at, occurrence) = tuple(row[10:17])
         return TaskRecord(
             code=code,
             key=key,
@@ -181,6 +214,7 @@ class SQLTaskStore(TaskStore):
             cancel_requested=bool(cancel_requested),
             created=as_utc(created),
             updated=as_utc(updated),
+            occurrence=None if occurrence is None else int(occurrence),
         )
 
     # -- producers ---------------------------------------------------------------------------
@@ -189,13 +223,14 @@ class SQLTaskStore(TaskStore):
         at, delay = check_due(due)
         mode = check_on_conflict(on_conflict)
         text = dump_payload(payload, code, key)
+        self._check_names(code, key)
         params = {"code": code, "key": key, "due": self._time(at), "delay": delay, "payload": text}
         for _ in range(_ROUNDS):
             if self._insert(params):
                 self._wake_local(code)
                 return AddResult.INSERTED
             result = self._transaction(lambda conn: self._update_existing(conn, params, at, delay, mode), "add")
-            if result is AddResult.REPLACED:
+            if result in (AddResult.REPLACED, AddResult.INSERTED):
                 self._wake_local(code)
             if result is not None:
                 return result
@@ -222,8 +257,13 @@ class SQLTaskStore(TaskStore):
             return None
         state, due, pending_due, now = tuple(row)
         new_due = resolve_due(at, delay, _utc(now))
-        result = decide_add(state, _utc(due), as_utc(pending_due), new_due, mode)
         values = {**key, "due": self._time(new_due), "payload": params["payload"]}
+        if state == "done":  # the tombstone of a finished task: added anew, its token kept
+            conn.execute(text(self._sql.revive), values)
+            if self._sql.notify:
+                conn.execute(text(self._sql.notify), key)
+            return AddResult.INSERTED
+        result = decide_add(state, _utc(due), as_utc(pending_due), new_due, mode)
         if result is AddResult.REPLACED:
             conn.execute(text(self._sql.replace), values)
             if self._sql.notify:
@@ -234,6 +274,7 @@ class SQLTaskStore(TaskStore):
 
     def cancel(self, code: str, key: str) -> bool:
         code, key = check_task(code, key)
+        self._check_names(code, key)
         params = {"code": code, "key": key}
         for _ in range(_ROUNDS):
             if self._write(self._sql.cancel_drop, params, "cancel")[1]:
@@ -246,6 +287,7 @@ class SQLTaskStore(TaskStore):
 
     def get(self, code: str, key: str) -> TaskRecord | None:
         code, key = check_task(code, key)
+        self._check_names(code, key)
         rows = self._read(self._sql.read_one, {"code": code, "key": key}, "get")
         return self._record(rows[0]) if rows else None
 
@@ -277,6 +319,7 @@ class SQLTaskStore(TaskStore):
 
     def retry(self, code: str, key: str) -> bool:
         code, key = check_task(code, key)
+        self._check_names(code, key)
         rows, count = self._write(self._sql.retry, {"code": code, "key": key}, "retry")
         retried = (len(rows) if self._sql.notify else count) == 1  # PostgreSQL's returns the notice's row
         if retried:
@@ -295,9 +338,14 @@ class SQLTaskStore(TaskStore):
             rows = self._write(sql, {**params, **listed}, "claim")[0]
         else:
             rows = self._transaction(lambda conn: self._pick_and_take(conn, wanted, params), "claim")
-        claimed = sorted(map(self._record, rows), key=lambda r: (r.due, r.code, r.key))
-        # Cancelled, then its worker died: drop it, never run it.
-        self.complete_many(node, [(t.code, t.key, t.token, Done()) for t in claimed if t.cancel_requested])
+        decoded = decode_claimed(self, node, rows, self._record, lambda r: (str(r[0]), str(r[1]), int(r[6])))
+        claimed = sorted(decoded, key=lambda r: (r.due, r.code, r.key))
+        cancelled = [(t.code, t.key, t.token, Done()) for t in claimed if t.cancel_requested]
+        if cancelled:  # cancelled, then its worker died: drop it, never run it
+            try:
+                self.complete_many(node, cancelled)
+            except StoreError as exc:  # the claim stands: the healthy tasks run; these are dropped by a later claim
+                log.warning("claim on %s: could not drop %d cancelled task(s): %s", self.masked_url, len(cancelled), exc)
         return [task for task in claimed if not task.cancel_requested]
 
     def _pick_and_take(self, conn: Connection, codes: Sequence[str], params: Mapping[str, Any]) -> builtins.list[Any]:
@@ -330,7 +378,7 @@ class SQLTaskStore(TaskStore):
         return {(r[0], r[1]) for r in self._read(sql, {"me": node, **listed}, "renew")}
 
     def complete(self, node: str, code: str, key: str, token: int, outcome: Outcome) -> bool:
-        steps = self._outcome_steps(check_outcome(outcome))
+        steps = self._outcome_steps(check_outcome(outcome), reschedule_payload(outcome, code, key))
         return self._finish(steps, {"code": code, "key": key, "me": node, "token": token}, "complete")
 
     def complete_many(self, node: str, completions: Sequence[tuple[str, str, int, Outcome]]) -> builtins.list[bool]:
@@ -340,7 +388,8 @@ class SQLTaskStore(TaskStore):
         transaction). Each item is settled as :meth:`complete` settles it, in ``(code, key)`` order.
         """
         items = [
-            (code, key, int(token), self._outcome_steps(check_outcome(outcome))) for code, key, token, outcome in completions
+            (code, key, int(token), self._outcome_steps(check_outcome(outcome), reschedule_payload(outcome, code, key)))
+            for code, key, token, outcome in completions
         ]
         if len(items) <= 1:
             return [self._finish(steps, {"code": c, "key": k, "me": node, "token": t}, "complete") for c, k, t, steps in items]
@@ -355,8 +404,9 @@ class SQLTaskStore(TaskStore):
 
         return self._transaction(work, "complete")
 
-    def _outcome_steps(self, outcome: Outcome) -> builtins.list[tuple[str, dict[str, Any]]]:
-        """The fenced statements that record ``outcome`` (they exclude each other), and their parameters."""
+    def _outcome_steps(self, outcome: Outcome, payload: str | None = None) -> builtins.list[tuple[str, dict[str, Any]]]:
+        """The fenced statements that record ``outcome`` (they exclude each other), and their parameters
+        (``payload``: a Reschedule's new payload as JSON text, None to keep the task's)."""
         sql = self._sql
         steps: builtins.list[tuple[str, dict[str, Any]]]
         if isinstance(outcome, Done):
@@ -367,7 +417,7 @@ class SQLTaskStore(TaskStore):
             at, delay = check_due(outcome.due)
             due = {"due": self._time(at), "delay": delay}
             if isinstance(outcome, Reschedule):
-                steps = [(sql.reschedule, due)]
+                steps = [(sql.reschedule, {**due, "payload": payload})]
             else:
                 steps = [(sql.retry_later, {**due, "err": error_text(outcome.error)})]
             steps += [(sql.apply_pending, {}), (sql.drop_cancelled, {})]

@@ -43,8 +43,24 @@ __all__ = ["STATEMENTS", "TaskStatements"]
 
 COLUMNS = (
     "code, task_key, due, payload, state, attempt, token, owner, lease_until, last_error, "
-    "pending_due, pending_payload, cancel_requested, created, updated, run_at"
+    "pending_due, pending_payload, cancel_requested, created, updated, run_at, occurrence"
 )
+#: A finished or cancelled task: a *tombstone* in state ``done`` that keeps only its token, so a task
+#: added again goes on from it (tokens only go up across occurrences). Every read but the add's
+#: lock skips it; ``run_at`` NULL keeps it out of claims. One UPDATE: the same cost as the DELETE it
+#: replaces, and one small row per finished (code, key).
+TOMBSTONE = (
+    "state = 'done', run_at = NULL, payload = 'null', owner = NULL, lease_until = NULL, last_error = NULL, "
+    "pending_due = NULL, pending_payload = NULL, cancel_requested = 0, updated = {now}"
+)
+#: A tombstone (or a new row's conflict with one) becomes the task again: as a fresh insert, the token kept.
+REVIVE = (
+    "state = 'queued', due = {new}due, run_at = {new}due, payload = {new}payload, attempt = 0, owner = NULL, "
+    "lease_until = NULL, last_error = NULL, pending_due = NULL, pending_payload = NULL, cancel_requested = 0, "
+    "created = {now}, updated = {now}, occurrence = {t}.token"
+)
+#: Columns a task table created by an earlier mutexcron lacks; the store adds them.
+ADDED_COLUMNS = (("occurrence", "BIGINT NULL"),)
 #: A summary's counts over one code's rows: queued, due now (``run_at`` has come: queued and due,
 #: or running with its lease run out), running, failed, and the seconds from now to the oldest due
 #: of the due ones (negative: overdue; NULL if none is due). ``run_at`` is in the (code, run_at)
@@ -159,11 +175,11 @@ class TaskStatements:
     renew: str = ""
     renew_read: str = ""
     leases_shape: ListShape | None = None
-    read_one: str = "SELECT {cols} FROM {t} WHERE code = :code AND task_key = :key"
+    read_one: str = "SELECT {cols} FROM {t} WHERE code = :code AND task_key = :key AND state <> 'done'"
     #: Reads ``state, owner, token`` of one task, locking it until the transaction ends (the fence
     #: check of a batch of completions or hand-backs, when none of an item's writes matched).
     lock_fence: str = "SELECT state, owner, token FROM {t} WHERE code = :code AND task_key = :key FOR UPDATE"
-    list_tasks: str = "SELECT {cols} FROM {t} WHERE {where} ORDER BY due, code, task_key LIMIT :limit"
+    list_tasks: str = "SELECT {cols} FROM {t} WHERE state <> 'done' AND {where} ORDER BY due, code, task_key LIMIT :limit"
     select_now: str = "SELECT {now}"
     #: Seconds until the earliest ``run_at`` of the codes: one index seek per code (``next_due_part``).
     next_due: str = "SELECT {until_min} FROM ({each_code}) AS m"
@@ -174,21 +190,23 @@ class TaskStatements:
     #: notice (PostgreSQL's ``NOTIFY``), or "".
     notify: str = ""
     #: Counts per code of every code with a task (``{counts}``: see :data:`COUNTS`), one GROUP BY.
-    summary_all: str = "SELECT code, {counts} FROM {t} GROUP BY code"
+    summary_all: str = "SELECT code, {counts} FROM {t} WHERE state <> 'done' GROUP BY code"
     #: Counts of the listed codes, one row each (zeros for a code without tasks): ``summary_part``
     #: once per code (``{each_code}``), or PostgreSQL's LATERAL join over the codes.
     summary: str = "{each_code}"
-    summary_part: str = "SELECT :pcode, {counts} FROM {t} WHERE code = :pcode"
+    summary_part: str = "SELECT :pcode, {counts} FROM {t} WHERE code = :pcode AND state <> 'done'"
     replace: str = (
         "UPDATE {t} SET due = :due, run_at = :due, payload = :payload, state = 'queued', attempt = 0, lease_until = NULL, "
-        "last_error = NULL, pending_due = NULL, pending_payload = NULL, cancel_requested = 0, updated = {now} "
-        "WHERE code = :code AND task_key = :key"
+        "last_error = NULL, pending_due = NULL, pending_payload = NULL, cancel_requested = 0, updated = {now}, "
+        "occurrence = token WHERE code = :code AND task_key = :key"
     )
+    #: A tombstone added again (MySQL's add, after the insert met it): the task anew, its token kept.
+    revive: str = "UPDATE {t} SET {revive} WHERE code = :code AND task_key = :key AND state = 'done'"
     set_pending: str = (
         "UPDATE {t} SET pending_due = :due, pending_payload = :payload, cancel_requested = 0, updated = {now} "
         "WHERE code = :code AND task_key = :key"
     )
-    cancel_drop: str = "DELETE FROM {t} WHERE code = :code AND task_key = :key AND state <> 'running'"
+    cancel_drop: str = "UPDATE {t} SET {tombstone} WHERE code = :code AND task_key = :key AND state IN ('queued', 'failed')"
     cancel_mark: str = (
         "UPDATE {t} SET cancel_requested = 1, pending_due = NULL, pending_payload = NULL, updated = {now} "
         "WHERE code = :code AND task_key = :key AND state = 'running'"
@@ -201,16 +219,17 @@ class TaskStatements:
     # The ends of an attempt. The three cases of a fenced row exclude each other (cancelled; a
     # pending re-add; neither), so each outcome is a short list of conditional writes of which
     # exactly one matches a row still fenced (see SQLTaskStore._finish).
-    done: str = "DELETE FROM {t} WHERE {fence} AND (cancel_requested = 1 OR pending_due IS NULL)"
-    drop_cancelled: str = "DELETE FROM {t} WHERE {fence} AND cancel_requested = 1"
+    done: str = "UPDATE {t} SET {tombstone} WHERE {fence} AND (cancel_requested = 1 OR pending_due IS NULL)"
+    drop_cancelled: str = "UPDATE {t} SET {tombstone} WHERE {fence} AND cancel_requested = 1"
     apply_pending: str = (
         "UPDATE {t} SET state = 'queued', due = pending_due, run_at = pending_due, payload = pending_payload, "
-        "attempt = 0, last_error = NULL, lease_until = NULL, pending_due = NULL, pending_payload = NULL, "
+        "occurrence = token, attempt = 0, last_error = NULL, lease_until = NULL, pending_due = NULL, pending_payload = NULL, "
         "updated = {now} WHERE {fence} AND cancel_requested = 0 AND pending_due IS NOT NULL"
     )
     reschedule: str = (
-        "UPDATE {t} SET state = 'queued', due = {due}, run_at = {due}, attempt = 0, last_error = NULL, "
-        "lease_until = NULL, updated = {now} WHERE {fence} AND cancel_requested = 0 AND pending_due IS NULL"
+        "UPDATE {t} SET state = 'queued', due = {due}, run_at = {due}, attempt = 0, last_error = NULL, occurrence = token, "
+        "payload = COALESCE(:payload, payload), lease_until = NULL, updated = {now} "
+        "WHERE {fence} AND cancel_requested = 0 AND pending_due IS NULL"
     )
     # The same occurrence again: due (and so the idempotency key) kept, claimable from the retry's time.
     retry_later: str = (
@@ -229,7 +248,7 @@ class TaskStatements:
         "updated = {now} WHERE {fence} AND cancel_requested = 0 AND pending_due IS NULL"
     )
     release_pending: str = (
-        "UPDATE {t} SET state = 'queued', token = token + 1, due = pending_due, run_at = pending_due, "
+        "UPDATE {t} SET state = 'queued', occurrence = token + 1, token = token + 1, due = pending_due, run_at = pending_due, "
         "payload = pending_payload, attempt = 0, last_error = NULL, lease_until = NULL, pending_due = NULL, "
         "pending_payload = NULL, updated = {now} WHERE {fence} AND cancel_requested = 0 AND pending_due IS NOT NULL"
     )
@@ -239,6 +258,9 @@ class TaskStatements:
         due = f"COALESCE({self.due_param}, {self.plus.replace('{p}', 'delay')})"
         oldest = self.until.replace("{m}", "MIN(CASE WHEN run_at <= {now} THEN due END)")
         fill = {
+            "{tombstone}": TOMBSTONE,
+            "{revive}": REVIVE.replace("{new}", ":"),
+            "{revive_excluded}": REVIVE.replace("{new}due", "excluded.due").replace("{new}", "excluded."),
             "{counts}": COUNTS.replace("{oldest}", oldest),
             "{fence}": FENCE,
             "{cols}": COLUMNS,
@@ -286,6 +308,7 @@ POSTGRESQL = TaskStatements(
     cancel_requested smallint     NOT NULL DEFAULT 0,
     created          timestamptz  NOT NULL,
     updated          timestamptz  NOT NULL,
+    occurrence       bigint,
     PRIMARY KEY (code, task_key)
 )""",
         "CREATE INDEX IF NOT EXISTS {t}_run_at ON {t} (code, run_at)",
@@ -300,9 +323,9 @@ POSTGRESQL = TaskStatements(
     contains="strpos(task_key, :contains) > 0",
     insert="""
 WITH ins AS (
-    INSERT INTO {t} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated)
-    VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, 0, 0, {now}, {now})
-    ON CONFLICT (code, task_key) DO NOTHING
+    INSERT INTO {t} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated, occurrence)
+    VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, 0, 0, {now}, {now}, 0)
+    ON CONFLICT (code, task_key) DO UPDATE SET {revive_excluded} WHERE {t}.state = 'done'
     RETURNING code
 )
 SELECT pg_notify('{t}', code) FROM ins""",
@@ -343,7 +366,7 @@ CROSS JOIN LATERAL (
 ) AS m""",
     summary="""
 SELECT k.code, s.* FROM unnest(CAST(:codes AS text[])) AS k(code)
-CROSS JOIN LATERAL (SELECT {counts} FROM {t} WHERE {t}.code = k.code) AS s""",
+CROSS JOIN LATERAL (SELECT {counts} FROM {t} WHERE {t}.code = k.code AND {t}.state <> 'done') AS s""",
     summary_part="",
 )
 
@@ -367,6 +390,7 @@ MYSQL = TaskStatements(
     cancel_requested TINYINT      NOT NULL DEFAULT 0,
     created          DATETIME(6)  NOT NULL,
     updated          DATETIME(6)  NOT NULL,
+    occurrence       BIGINT       NULL,
     PRIMARY KEY (code, task_key),
     INDEX {t}_run_at (code, run_at)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
@@ -382,8 +406,8 @@ MYSQL = TaskStatements(
     # No ON DUPLICATE KEY: with the found-rows flag SQLAlchemy sets, its row count cannot tell an
     # insert from an unchanged row. A duplicate key raises, and the store takes the update path.
     insert="""
-INSERT INTO {t} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated)
-VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, 0, 0, {now}, {now})""",
+INSERT INTO {t} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated, occurrence)
+VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, 0, 0, {now}, {now}, 0)""",
     lock_row="SELECT state, due, pending_due, {now} FROM {t} WHERE code = :code AND task_key = :key FOR UPDATE",
     # MySQL 8 and MariaDB >= 10.6 lock with SKIP LOCKED in a SELECT only (MariaDB's UPDATE has no
     # RETURNING either): pick, take and read back in one short READ COMMITTED transaction. The
@@ -430,6 +454,7 @@ SQLITE = TaskStatements(
     cancel_requested INTEGER NOT NULL DEFAULT 0,
     created          TEXT    NOT NULL,
     updated          TEXT    NOT NULL,
+    occurrence       INTEGER,
     PRIMARY KEY (code, task_key)
 )""",
         "CREATE INDEX IF NOT EXISTS {t}_run_at ON {t} (code, run_at)",
@@ -447,9 +472,9 @@ SQLITE = TaskStatements(
     codes_shape=_union_per_code,
     contains="instr(task_key, :contains) > 0",
     insert="""
-INSERT INTO {t} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated)
-VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, 0, 0, {now}, {now})
-ON CONFLICT (code, task_key) DO NOTHING""",
+INSERT INTO {t} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated, occurrence)
+VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, 0, 0, {now}, {now}, 0)
+ON CONFLICT (code, task_key) DO UPDATE SET {revive_excluded} WHERE {t}.state = 'done'""",
     lock_row="SELECT state, due, pending_due, {now} FROM {t} WHERE code = :code AND task_key = :key",
     lock_fence="SELECT state, owner, token FROM {t} WHERE code = :code AND task_key = :key",
     # One writer at a time: the subquery picks and the UPDATE takes under the database's write lock.

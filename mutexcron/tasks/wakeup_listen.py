@@ -99,6 +99,8 @@ class ListeningWaker(Waker):
 
     #: What the connection listens with, for log lines ("LISTEN", "the subscription").
     what = "the listening connection"
+    #: What the notices are about, for log lines.
+    about = "task notices"
 
     def __init__(self, codes: Iterable[str], where: str, errors: tuple[type[BaseException], ...]) -> None:
         super().__init__()
@@ -219,9 +221,10 @@ class ListeningWaker(Waker):
             if not self._lost:
                 self._lost = True
                 log.warning(
-                    "%s: cannot open %s for task notices (%s); polling every %gs, trying again in %gs",
+                    "%s: cannot open %s for %s (%s); polling every %gs, trying again in %gs",
                     self.where,
                     self.what,
+                    self.about,
                     self._detail(exc),
                     DEFAULT_POLL,
                     self._delay,
@@ -232,15 +235,16 @@ class ListeningWaker(Waker):
         self._listening, self._delay = True, 0.0
         if self._lost:
             self._lost = False
-            log.info("%s: %s for task notices is back", self.where, self.what)
+            log.info("%s: %s for %s is back", self.where, self.what, self.about)
         return True
 
     def _broken(self, exc: BaseException) -> None:
         """The listening connection failed: log one line, close it, poll; reconnect on the next wait."""
         log.warning(
-            "%s: %s for task notices was lost (%s); polling every %gs until it is back",
+            "%s: %s for %s was lost (%s); polling every %gs until it is back",
             self.where,
             self.what,
+            self.about,
             self._detail(exc),
             DEFAULT_POLL,
         )

@@ -22,17 +22,26 @@ point the URL at the server, or expect the poll's latency (:data:`~mutexcron.tas
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import psycopg
 from sqlalchemy import exc as sa_exc
 
 from .wakeup_listen import ListeningWaker
 
-if TYPE_CHECKING:
-    from ..backends.sql import SQLBackend
-
 __all__ = ["PostgreSQLWaker"]
+
+
+class Listenable(Protocol):
+    """What the waker needs of a store: its SQLAlchemy engine (a psycopg one), and its log wording
+    (a :class:`~mutexcron.backends.sql.SQLBackend`, or a shared job store's side)."""
+
+    engine: Any
+
+    @property
+    def masked_url(self) -> str: ...
+
+    def detail(self, exc: BaseException) -> str: ...
 
 
 class PostgreSQLWaker(ListeningWaker):
@@ -47,7 +56,7 @@ class PostgreSQLWaker(ListeningWaker):
 
     what = "the LISTEN connection"
 
-    def __init__(self, backend: SQLBackend, channel: str, codes: Iterable[str], where: str | None = None) -> None:
+    def __init__(self, backend: Listenable, channel: str, codes: Iterable[str], where: str | None = None) -> None:
         super().__init__(codes, where or backend.masked_url, (sa_exc.SQLAlchemyError, psycopg.Error))
         self.backend = backend
         self.channel = channel

@@ -20,14 +20,11 @@ back, and the worker's backstop poll remains).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import redis
 
 from .wakeup_listen import ListeningWaker
-
-if TYPE_CHECKING:
-    from ..backends.redis import RedisBackend
 
 __all__ = ["WAKE_CHANNEL", "RedisWaker"]
 
@@ -35,12 +32,29 @@ __all__ = ["WAKE_CHANNEL", "RedisWaker"]
 WAKE_CHANNEL = "task_wake"
 
 
+class Subscribable(Protocol):
+    """What the waker needs of a store: a redis-py client, its timeout and log wording, and its
+    channel names (a :class:`~mutexcron.backends.redis.RedisBackend`, or a shared job store's side)."""
+
+    socket_timeout: float
+
+    @property
+    def client(self) -> Any: ...
+
+    @property
+    def masked_url(self) -> str: ...
+
+    def detail(self, exc: BaseException) -> str: ...
+
+    def key(self, suffix: str) -> str: ...
+
+
 class RedisWaker(ListeningWaker):
     """Woken by a message on the namespace's wake channel whose data is one of ``codes``."""
 
     what = "the Redis subscription"
 
-    def __init__(self, backend: RedisBackend, codes: Iterable[str]) -> None:
+    def __init__(self, backend: Subscribable, codes: Iterable[str]) -> None:
         super().__init__(codes, backend.masked_url, (redis.exceptions.RedisError, redis.exceptions.RedisClusterException))
         self.backend = backend
         self.channel = backend.key(WAKE_CHANNEL)
@@ -49,7 +63,7 @@ class RedisWaker(ListeningWaker):
             self._ensure_listening()  # from now on no notice is missed, even before the first wait
 
     def _open(self) -> None:
-        pubsub = self.backend.client.pubsub()  # type: ignore[no-untyped-call]
+        pubsub = self.backend.client.pubsub()
         self._pubsub = pubsub
         pubsub.subscribe(self.channel)
         # The subscription is confirmed by the server's first reply: wait for it, so that a notice

@@ -45,7 +45,8 @@ class SQLiteWaker(Waker):
         path: the database file.
         table: the registry key of the task table (:data:`~mutexcron.tasks.wakeup_listen.LOCAL_WAKERS`).
         codes: the codes it wakes for.
-        earliest: ``(sql, parameters)`` reading the earliest ``run_at`` of ``codes`` (NULL if none).
+        earliest: ``(sql, parameters)`` reading the earliest ``run_at`` of ``codes`` (NULL if none);
+            None: every commit of another connection wakes it (a shared job store's watcher).
         where: the store, for log lines.
         busy_timeout: seconds a read waits for a lock (a checkpoint) before failing.
         version_poll: seconds between two reads of the version (None: :data:`VERSION_POLL`).
@@ -56,7 +57,7 @@ class SQLiteWaker(Waker):
         path: str,
         table: str,
         codes: Iterable[str],
-        earliest: tuple[str, Mapping[str, Any]],
+        earliest: tuple[str, Mapping[str, Any]] | None,
         where: str,
         *,
         busy_timeout: float = 5.0,
@@ -66,7 +67,8 @@ class SQLiteWaker(Waker):
         self.path = path
         self.codes = tuple(codes)
         self.where = where
-        self._earliest_sql, self._earliest_params = earliest[0], dict(earliest[1])
+        self._earliest_sql: str | None = earliest[0] if earliest else None
+        self._earliest_params: dict[str, Any] = dict(earliest[1]) if earliest else {}
         self._busy_timeout = busy_timeout
         self.version_poll = version_poll or VERSION_POLL
         self._conn: sqlite3.Connection | None = None
@@ -114,7 +116,9 @@ class SQLiteWaker(Waker):
             version = int(self._conn.execute("PRAGMA data_version").fetchone()[0])
             if version == self._version:
                 return False
-            self._version = version
+            first, self._version = self._version is None, version
+            if self._earliest_sql is None:
+                return not first
             row = self._conn.execute(self._earliest_sql, self._earliest_params).fetchone()
         except sqlite3.Error as exc:
             self._broken(exc)

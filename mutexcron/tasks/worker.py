@@ -27,18 +27,21 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-from ..errors import Defer, FailTask, StoreError, StoreUnavailableError
+from ..backends.health import StoreHealth
+from ..errors import ConfigurationError, Defer, FailTask, StaleTaskError, StoreError, StoreUnavailableError
 from ..events import Emit, log_event
-from ..health import StoreHealth
-from .base import Fail, Outcome, TaskRecord, TaskStore
+from .base import Done, Fail, Outcome, Reschedule, TaskRecord, TaskStore
 from .completions import CompletionBatcher
-from .handlers import Handler, Task
+from .handlers import Handler, Task, public_codes
 from .wakeup import BACKSTOP_POLL, Waker
 
 __all__ = ["DEFAULT_CONCURRENCY", "LAG_BUCKETS", "LagStats", "TaskWorker", "WorkerStats"]
 
 log = logging.getLogger(__name__)
+
+_W = TypeVar("_W")
 
 #: Handler threads per node unless configured.
 DEFAULT_CONCURRENCY = 8
@@ -95,6 +98,11 @@ class _Run:
     started: bool = False
     handed_back: bool = False
     lost: bool = False
+    #: the handler returned: its outcome is being recorded (a renewal refused now is no loss)
+    ending: bool = False
+    #: the handler ended the attempt in its own transaction (Task.complete): the outcome's name,
+    #: or "refused" if the fence failed there. The worker records nothing more for this attempt.
+    self_completed: str | None = None
     task_key: tuple[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -180,7 +188,8 @@ class TaskWorker:
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="mutexcron-task")
         self._thread = threading.Thread(target=self._loop, name="mutexcron-tasks", daemon=True)
         self._thread.start()
-        log.info("node %s runs task handlers for %s (%d threads)", self.node_id, ", ".join(self.codes), self.concurrency)
+        if shown := public_codes(self.codes):  # a node serving only trigger requests has nothing to announce
+            log.info("node %s runs task handlers for %s (%d threads)", self.node_id, ", ".join(shown), self.concurrency)
 
     def notify(self) -> None:
         """Look at the store now (a task was added in this process)."""
@@ -224,12 +233,16 @@ class TaskWorker:
             self._waker.close()
 
     def _hand_back(self, runs: list[_Run]) -> None:
-        if not runs:
+        self._release([r.record for r in runs])
+
+    def _release(self, records: list[TaskRecord]) -> None:
+        """Hand back claimed tasks that were not started (fenced: token + 1, the claim not counted)."""
+        if not records:
             return
         try:
-            count = self.store.release(self.node_id, [(r.record.code, r.record.key, r.record.token) for r in runs])
+            count = self.store.release(self.node_id, [(r.code, r.key, r.token) for r in records])
         except (StoreUnavailableError, StoreError) as exc:
-            log.warning("could not hand back %d unstarted task(s) (%s): they run again after their lease", len(runs), exc)
+            log.warning("could not hand back %d unstarted task(s) (%s): they run again after their lease", len(records), exc)
             return
         self._bump("released", count)
         log.info("handed back %d claimed task(s) that had not started", count)
@@ -272,17 +285,65 @@ class TaskWorker:
             sent_at = self.clock()
             records = self.store.claim(self.node_id, codes, free, lease)
             free -= len(records)
-            runs.extend(self._submit(record, sent_at) for record in records)
+            runs.extend(self._start_all(records, sent_at))
         return runs
 
-    def _submit(self, record: TaskRecord, sent_at: float) -> _Run:
-        handler = self.handlers[record.code]
+    def _start_all(self, records: list[TaskRecord], sent_at: float) -> list[_Run]:
+        """Start every claimed task; whatever fails on the way, the ones not started are handed back.
+
+        The claim is committed in the store: a task left out here would stay ``running`` under this
+        node, never run, until its lease ran out, and again at every claim (its healthy neighbours
+        in the batch too) until ``max_attempts`` failed them without a run.
+        """
+        runs: list[_Run] = []
+        for i, record in enumerate(records):
+            try:
+                run = self._start(record, sent_at)
+            except Exception:
+                log.exception("task %s/%s: could not start the claimed task; handing it back", record.code, record.key)
+                self._release(records[i:])
+                break
+            if run is not None:
+                runs.append(run)
+        return runs
+
+    def _start(self, record: TaskRecord, sent_at: float) -> _Run | None:
+        handler = self.handlers.get(record.code)
+        if handler is None:  # the store matched another code (a MySQL table that pads trailing spaces)
+            self._fail_alone(
+                record,
+                f"claimed for the handlers of {', '.join(map(repr, self.codes))}, but its code is {record.code!r}: "
+                "no handler runs it (a MySQL/MariaDB table whose collation ignores trailing spaces matches such "
+                "codes; see the tasks docs)",
+            )
+            return None
+        return self._submit(record, handler, sent_at)
+
+    def _fail_alone(self, record: TaskRecord, error: str) -> None:
+        """Keep one claimed task as failed with ``error``, without running it (fenced)."""
+        log.error("task %s/%s (token %d): failed without running: %s", record.code, record.key, record.token, error)
+        try:
+            recorded = self.completions.complete(record.code, record.key, record.token, Fail(error))
+        except (StoreUnavailableError, StoreError) as exc:
+            log.warning("task %s/%s: could not record its failure (%s); handing it back", record.code, record.key, exc)
+            self._release([record])
+            return
+        if recorded:
+            self._bump("failed")
+
+    def _submit(self, record: TaskRecord, handler: Handler, sent_at: float) -> _Run:
         run = _Run(record, handler, sent_at + handler.lease, sent_at + handler.lease / 3)
         with self._mutex:
             self._runs[run.task_key] = run
-        self._bump("claimed")
         assert self._pool is not None
-        self._pool.submit(self._run, run)
+        try:
+            self._pool.submit(self._run, run)
+        except BaseException:
+            with self._mutex:
+                if self._runs.get(run.task_key) is run:
+                    del self._runs[run.task_key]
+            raise
+        self._bump("claimed")
         if self.on_renew_needed is not None:
             self.on_renew_needed()
         return run
@@ -298,7 +359,15 @@ class TaskWorker:
                 return
             self._record_lag(run.record)
             outcome = run.handler.exhausted(run.record) or self._call(run)
-            self._complete(run, outcome)
+            if outcome is None:
+                self._settled_by_handler(run)
+                return
+            with self._mutex:
+                run.ending = True
+            if isinstance(outcome, (Done, Reschedule)) and self._is_lost(run):
+                self._give_back_lost(run, outcome)
+            else:
+                self._complete(run, outcome)
         except Exception:  # a bug here must not leave the slot taken
             log.exception("task %s/%s: the worker failed", *run.task_key)
         finally:
@@ -336,19 +405,69 @@ class TaskWorker:
         with self._mutex:
             self.lags.setdefault(record.code, LagStats()).add(max(0.0, lag))
 
-    def _call(self, run: _Run) -> Outcome:
-        task = Task(run.record, lambda: self._is_lost(run))
+    def _call(self, run: _Run) -> Outcome | None:
+        """The handler's outcome; None if it ended the attempt in its own transaction (:meth:`Task.complete`)
+        and returned, or if the fence failed there (whatever it did next)."""
+        task = Task(run.record, lambda: self._is_lost(run), lambda tx, outcome: self._complete_in(run, tx, outcome))
         try:
             result = run.handler.call(task)
-        except Exception as exc:
+        except BaseException as exc:  # CancelledError, SystemExit...: a failed attempt too
+            if run.self_completed == "refused":
+                return None
             outcome = run.handler.failure(run.record, exc)
             if isinstance(exc, (Defer, FailTask)):  # the handler's own decision: no traceback
                 log.debug("task %s/%s attempt %d: %s", task.code, task.key, task.attempt, exc)
                 return outcome
             level = logging.ERROR if isinstance(outcome, Fail) else logging.WARNING
-            log.log(level, "task %s/%s attempt %d failed: %s", task.code, task.key, task.attempt, exc, exc_info=True)
+            note = "" if isinstance(exc, Exception) else " (a handler cannot stop the node: recorded as a failed attempt)"
+            log.log(level, "task %s/%s attempt %d failed: %r%s", task.code, task.key, task.attempt, exc, note, exc_info=True)
             return outcome
-        return run.handler.outcome(run.record, result)
+        if run.self_completed is not None:
+            if result is not None:
+                log.warning(
+                    "task %s/%s: the handler completed the task itself; its return value %r is ignored", *run.task_key, result
+                )
+            return None
+        outcome = run.handler.outcome(run.record, result)
+        if isinstance(outcome, Fail):  # a return value that says nothing a task can do: as loud as a raise
+            log.error("task %s/%s attempt %d failed: %s", task.code, task.key, task.attempt, outcome.error)
+        return outcome
+
+    def _complete_in(self, run: _Run, transaction: Any, outcome: Outcome) -> None:
+        """``task.complete(transaction)``: the fenced completion, run in the handler's transaction.
+
+        From then on the run is ending (a renewal refused is its own completion, once committed)
+        and not renewed (the renewal would wait on the row the handler's transaction holds).
+        Whether the transaction then commits is the handler's: if it raises, the worker records its
+        failure as usual (fenced: refused if the completion did commit)."""
+        from .transactions import complete_in
+
+        record = run.record
+        if run.self_completed is not None:
+            raise ConfigurationError(f"task {record.code}/{record.key}: task.complete() was called already in this attempt")
+        try:
+            complete_in(self.store, transaction, self.node_id, record.code, record.key, record.token, outcome)
+        except StaleTaskError:
+            with self._mutex:
+                run.self_completed, run.ending = "refused", True
+            raise
+        with self._mutex:
+            run.self_completed, run.ending = type(outcome).__name__, True
+
+    def _settled_by_handler(self, run: _Run) -> None:
+        """Count (and for a refusal, log) an attempt the handler ended in its own transaction."""
+        record = run.record
+        if run.self_completed == "refused":
+            self._bump("refused")
+            log.warning(
+                "task %s/%s (token %d): completion refused in the handler's transaction: this node's lease ran out and "
+                "a newer attempt took the task over; the handler's transaction was rolled back",
+                record.code,
+                record.key,
+                record.token,
+            )
+            return
+        self._bump("rescheduled" if run.self_completed == "Reschedule" else "done")
 
     def _is_lost(self, run: _Run) -> bool:
         with self._mutex:
@@ -362,28 +481,81 @@ class TaskWorker:
         if self._waker is not None:
             self._waker.notify()  # a handler thread is free
 
-    def _complete(self, run: _Run, outcome: Outcome) -> None:
-        """One fenced write, tried even if this node thinks the lease is gone (the store decides:
-        a task nobody took over is still ours), and retried for up to one lease if the store is
-        briefly unreachable."""
+    def _patiently(self, run: _Run, write: Callable[[], _W], what: str) -> _W | None:
+        """``write`` (one fenced store call), retried for up to one lease while the store is briefly
+        unreachable; None (logged, counted) if it never got through."""
         record, delay, give_up = run.record, 0.2, self.clock() + run.handler.lease
         while True:
             try:
-                recorded = self.completions.complete(record.code, record.key, record.token, outcome)
-                break
+                return write()
             except StoreUnavailableError as exc:
                 if self.clock() + delay >= give_up or (self._stopping and self._is_lost(run)):
                     self._bump("unrecorded")
                     log.error(
-                        "task %s/%s (token %d): could not record its outcome (%s); it runs again after its lease",
+                        "task %s/%s (token %d): could not record %s (%s); it runs again after its lease",
                         record.code,
                         record.key,
                         record.token,
+                        what,
                         exc,
                     )
-                    return
+                    return None
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+    def _give_back_lost(self, run: _Run, outcome: Outcome) -> None:
+        """The handler ended with a result (Done, Reschedule) after this node lost the lease (a renewal
+        refused, or none got through within the lease): it may have stopped half-way because
+        ``task.lost`` said so. Never record that as the task's end: hand it back, fenced (claimable
+        at once, the attempt not counted). If nobody took it over, it runs again; if somebody did,
+        the hand-back is refused and the newer attempt is kept."""
+        record = run.record
+        count = self._patiently(
+            run, lambda: self.store.release(self.node_id, [(record.code, record.key, record.token)]), "its hand-back"
+        )
+        if count is None:
+            return
+        if count:
+            self._bump("released", count)
+            log.warning(
+                "task %s/%s (token %d): the handler returned %s after this node lost the lease: handed back, not "
+                "recorded (it runs again)",
+                record.code,
+                record.key,
+                record.token,
+                type(outcome).__name__,
+            )
+        else:
+            self._bump("refused")
+            log.warning(
+                "task %s/%s (token %d): completion refused: this node lost the lease and the task was taken over or "
+                "cancelled; the store keeps the newer state",
+                record.code,
+                record.key,
+                record.token,
+            )
+
+    def _complete(self, run: _Run, outcome: Outcome) -> None:
+        """One fenced write, tried even if this node thinks the lease is gone (the store decides:
+        a task nobody took over is still ours), and retried for up to one lease if the store is
+        briefly unreachable. An outcome the store refuses as bad input (it should have been caught
+        before) fails the task instead of leaving it to run again every lease."""
+        record = run.record
+
+        def write() -> bool:
+            try:
+                return self.completions.complete(record.code, record.key, record.token, outcome)
+            except StoreUnavailableError:
+                raise
+            except (StoreError, ConfigurationError) as exc:
+                if isinstance(outcome, Fail):
+                    raise
+                log.error("task %s/%s: the store refused its outcome %r (%s): failing it", record.code, record.key, outcome, exc)
+                return self.completions.complete(record.code, record.key, record.token, Fail(f"{outcome!r} refused: {exc}"))
+
+        recorded = self._patiently(run, write, "its outcome")
+        if recorded is None:
+            return
         if not recorded:
             self._bump("refused")
             log.warning(
@@ -408,14 +580,14 @@ class TaskWorker:
         """
         now = self.clock()
         with self._mutex:
-            due = [r for r in self._runs.values() if now >= r.renew_at and not r.lost]
+            due = [r for r in self._runs.values() if now >= r.renew_at and not r.lost and r.self_completed is None]
         groups: dict[float, list[_Run]] = {}
         for run in due:
             groups.setdefault(run.handler.lease, []).append(run)
         for lease, runs in groups.items():
             self._renew(lease, runs)
         with self._mutex:
-            waits = [r.renew_at for r in self._runs.values() if not r.lost]
+            waits = [r.renew_at for r in self._runs.values() if not r.lost and r.self_completed is None]
         return None if not waits else max(0.0, min(waits) - self.clock())
 
     def _renew(self, lease: float, runs: list[_Run]) -> None:
@@ -434,7 +606,7 @@ class TaskWorker:
             for run in runs:
                 if run.task_key in renewed:
                     run.deadline, run.renew_at = sent_at + lease, sent_at + lease / 3
-                elif not run.lost:
+                elif not run.lost and not run.ending:  # an ending run's completion may have landed first
                     run.lost = True
                     self.stats.lost += 1
                     log.warning(

@@ -1,7 +1,8 @@
 """A jobs file for tests/test_scale_cluster.py: N every-second guarded jobs, each with its own lock.
 
 Each node appends ``<job> <fire time> <node>`` per run to ``$MANY_JOBS_DIR/runs-<pid>.txt``,
-buffered and flushed twice a second so that recording costs the job almost nothing.
+buffered and flushed twice a second so that recording costs the job almost nothing, and writes
+``$MANY_JOBS_DIR/ready-<pid>`` once its scheduler has started (the test's window starts after all).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import collections
 import os
 import threading
 import time
+
+from apscheduler.events import EVENT_SCHEDULER_STARTED, SchedulerEvent
 
 from mutexcron import MutexScheduler, current_lease
 
@@ -29,6 +32,14 @@ def flush_forever() -> None:
 
 threading.Thread(target=flush_forever, daemon=True).start()
 sched = MutexScheduler()
+
+
+def started(_event: SchedulerEvent) -> None:
+    with open(os.path.join(os.environ["MANY_JOBS_DIR"], f"ready-{os.getpid()}"), "w", encoding="utf-8"):
+        pass
+
+
+sched.add_listener(started, EVENT_SCHEDULER_STARTED)
 
 
 def make(j: int):  # type: ignore[no-untyped-def]

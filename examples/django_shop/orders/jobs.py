@@ -24,7 +24,7 @@ import django  # noqa: E402
 django.setup()  # the app registry must be ready before any model is imported
 
 from django.conf import settings  # noqa: E402
-from django.db import close_old_connections  # noqa: E402
+from django.db import close_old_connections, connection, transaction  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
 from mutexcron import MutexScheduler  # noqa: E402
@@ -39,19 +39,24 @@ sched = MutexScheduler(lock_url=settings.MUTEXCRON_LOCK_URL)  # `mutexcron run -
 def close_unpaid_order(task):
     """Close the order ``task.key`` if it is still unpaid.
 
-    One conditional UPDATE: it closes only an unpaid order, so a payment that lands first wins, and
-    a second run of the task (at-least-once delivery) changes nothing. A missing order (deleted,
-    or its creation rolled back) is not an error.
+    One conditional UPDATE: it closes only an unpaid order, so a payment that lands first wins. It
+    commits with the task's completion (``task.complete(connection)``), so a run whose lease was
+    taken over changes nothing. A missing order is not an error.
     """
     close_old_connections()  # handler threads live long: drop connections Django would not reuse
     try:
-        closed = Order.objects.filter(pk=int(task.key), status=Order.Status.UNPAID).update(
-            status=Order.Status.CLOSED, closed_at=timezone.now()
-        )
+        with transaction.atomic():  # the close and the end of the task commit together
+            closed = Order.objects.filter(pk=int(task.key), status=Order.Status.UNPAID).update(
+                status=Order.Status.CLOSED, closed_at=timezone.now()
+            )
+            # The fenced completion the worker would run after the handler, in this transaction: if
+            # this node's lease ran out and another node took the task over, it raises
+            # StaleTaskError and the close above rolls back with it.
+            task.complete(connection)
     finally:
         close_old_connections()
     if closed:
         log.info("closed unpaid order %s (%s cents), due %s", task.key, task.payload["amount_cents"], task.due.isoformat())
     else:
         log.info("order %s is paid, closed already, or gone: nothing to close", task.key)
-    return None  # done: the task is dropped
+    return None  # completed above: the worker records nothing more

@@ -1,4 +1,5 @@
-"""JSON views: create an order (its close_unpaid_order task is added), pay it (the task is cancelled).
+"""JSON views: create an order (its close_unpaid_order task is added in the same transaction), pay it
+(the task is cancelled in the same transaction).
 
 They are csrf_exempt only so the README's curl commands work: keep CSRF protection in a real app.
 """
@@ -7,6 +8,7 @@ import json
 import logging
 
 from django.conf import settings
+from django.db import DatabaseError, connection, transaction
 from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
@@ -34,19 +36,25 @@ def create_order(request: HttpRequest) -> JsonResponse:
         amount = 0
     if amount <= 0:
         return JsonResponse({"error": 'send {"amount_cents": <a positive integer>}'}, status=400)
-    order = Order.objects.create(amount_cents=amount)  # committed (autocommit) before the task is added
     try:
-        # Key = the order's id: (code, key) is the task's identity, so adding it again would move
-        # this order's one task rather than add a second. A timedelta due is counted from the
-        # store's clock, so the web servers' clocks do not matter.
-        result = task_pool().add(CLOSE_UNPAID_ORDER, str(order.pk), settings.ORDER_PAYMENT_WINDOW,
-                                 payload={"amount_cents": amount})
-    except MutexcronError as exc:
-        # No order without its closing task. (If the add did land after all, the task finds no
-        # order and does nothing.)
-        order.delete()
-        log.error("order not created: the task store is unavailable (%s)", exc)
-        return JsonResponse({"error": "the task store is unavailable: try again"}, status=503)
+        # The order and its closing task in one transaction: both commit, or neither does. The task
+        # store is Django's own database (settings.MUTEXCRON_LOCK_URL), and `transaction=connection`
+        # writes the task on this request's connection, inside this atomic block.
+        with transaction.atomic():
+            order = Order.objects.create(amount_cents=amount)
+            # Key = the order's id: (code, key) is the task's identity, so adding it again would move
+            # this order's one task rather than add a second. A timedelta due is counted from the
+            # database's clock, so the web servers' clocks do not matter.
+            result = task_pool().add(
+                CLOSE_UNPAID_ORDER,
+                str(order.pk),
+                settings.ORDER_PAYMENT_WINDOW,
+                payload={"amount_cents": amount},
+                transaction=connection,
+            )
+    except (MutexcronError, DatabaseError) as exc:
+        log.error("order not created: the database is unavailable (%s)", exc)  # rolled back: no order, no task
+        return JsonResponse({"error": "the database is unavailable: try again"}, status=503)
     return JsonResponse({**_order_json(order), "close_task": str(result)}, status=201)
 
 
@@ -65,17 +73,12 @@ def order_detail(request: HttpRequest, pk: int) -> JsonResponse:
 @require_POST
 def pay_order(request: HttpRequest, pk: int) -> JsonResponse:
     """Mark the order paid (only if it is still unpaid) and cancel its close_unpaid_order task."""
-    paid = Order.objects.filter(pk=pk, status=Order.Status.UNPAID).update(status=Order.Status.PAID, paid_at=timezone.now())
+    with transaction.atomic():  # the payment and the cancel of the close task commit together
+        paid = Order.objects.filter(pk=pk, status=Order.Status.UNPAID).update(status=Order.Status.PAID, paid_at=timezone.now())
+        cancelled = paid > 0 and task_pool().cancel(CLOSE_UNPAID_ORDER, str(pk), transaction=connection)
     order = Order.objects.filter(pk=pk).first()
     if order is None:
         return JsonResponse({"error": f"no order {pk}"}, status=404)
     if not paid:
         return JsonResponse({**_order_json(order), "error": f"order {pk} is {order.status}, not unpaid"}, status=409)
-    try:
-        cancelled = task_pool().cancel(CLOSE_UNPAID_ORDER, str(pk))
-    except MutexcronError as exc:
-        # Harmless: the handler closes only unpaid orders, so the task will find this one paid and
-        # do nothing. The cancel only saves it a run.
-        log.warning("order %s paid; its close task could not be cancelled now (%s)", pk, exc)
-        cancelled = False
     return JsonResponse({**_order_json(order), "close_task_cancelled": cancelled})

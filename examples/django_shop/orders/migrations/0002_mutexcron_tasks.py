@@ -30,6 +30,7 @@ MUTEXCRON_TASKS_DDL = [
     cancel_requested INTEGER NOT NULL DEFAULT 0,
     created          TEXT    NOT NULL,
     updated          TEXT    NOT NULL,
+    occurrence       INTEGER,
     PRIMARY KEY (code, task_key)
 )""",
     "CREATE INDEX IF NOT EXISTS mutexcron_tasks_run_at ON mutexcron_tasks (code, run_at)",

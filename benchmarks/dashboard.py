@@ -1,0 +1,172 @@
+"""What an open dashboard costs the store: statements and time per refresh, next to `mutexcron status --json`.
+
+A store is filled like a busy cluster's (``--locks`` locks with two jobs each and their kept run
+history, three node presences, ``--codes`` task codes with queued and failed tasks), then, in one
+run and interleaved, ``--repeats`` times each:
+
+* **dashboard refresh**: one ``GET /api/sections/overview`` of the dashboard's WSGI app with its
+  snapshot read again (what every refresh of an open page costs the store when it is the only
+  page; more pages in the same second share it);
+* **status --json**: the ``mutexcron status --json`` command in process (it opens its stores for
+  the call, as a terminal's ``status --watch`` redraw does not: ``--watch`` keeps them).
+
+SQL statements are counted by a ``before_cursor_execute`` listener (every statement a connection
+sends); time is the wall time of the call (store and rendering). Prints a markdown table of the
+medians per store.
+
+    python benchmarks/dashboard.py --stores sqlite,postgresql --repeats 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import sqlalchemy
+from click.testing import CliRunner
+from sqlalchemy import event
+
+from mutexcron.cli.main import main as cli
+from mutexcron.dashboard import create_app
+from mutexcron.locks import lock_store_from_url
+from mutexcron.locks.base import FireClaim, Node, Presence, RunInfo
+from mutexcron.tasks import Fail, task_store_from_url
+
+SERVERS = {
+    "mysql": os.environ.get("MUTEXCRON_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test"),
+    "postgresql": os.environ.get("MUTEXCRON_TEST_POSTGRESQL_URL", "postgresql://postgres@127.0.0.1:5432/test"),
+}
+
+
+def _url(store: str, tmp: str, suffix: str) -> str:
+    if store == "sqlite":
+        return f"sqlite:///{tmp}/dashboard-bench.db"
+    return f"{SERVERS[store]}?table=mc_bench_{suffix}&tasks_table=mc_bench_tasks_{suffix}"
+
+
+def fill(url: str, locks: int, codes: int) -> None:
+    nodes = [Node(f"node-{i}:1:ab", f"10.0.0.{i}") for i in range(3)]
+    store = lock_store_from_url(url)
+    try:
+        held: dict[int, dict[str, int]] = {i: {} for i in range(3)}
+        for n in range(locks):
+            name, node = f"lock-{n:03d}", n % 3
+            got = store.acquire_or_renew(name, nodes[node], ttl=30, claim=FireClaim.new(f"{name}-a", 1_000_000))
+            held[node][name] = got.token
+            for run in range(20):
+                for job in (f"{name}-a", f"{name}-b"):
+                    when = datetime(2026, 1, 1, tzinfo=timezone.utc) + timedelta(minutes=run)
+                    store.hand_off(name, nodes[node], got.token, run=RunInfo(0.05, None if run % 7 else "boom", job, when))
+        for i, node in enumerate(nodes):
+            store.renew_many(node, held[i], presence=Presence("0.1.0", 0.001))
+    finally:
+        store.close()
+    tasks = task_store_from_url(lock_store_from_url(url).url)
+    try:
+        for c in range(codes):
+            for k in range(50):
+                tasks.add(f"code-{c}", f"key-{k}", timedelta(0) if k < 5 else timedelta(hours=1))
+            for claimed in tasks.claim("node-0", [f"code-{c}"], 5, 30):
+                tasks.complete("node-0", claimed.code, claimed.key, claimed.token, Fail("no"))
+    finally:
+        tasks.close()
+
+
+def drop(url: str) -> None:
+    if url.startswith("sqlite"):
+        return
+    from mutexcron.backends.sql import SQLBackend
+
+    backend = SQLBackend(url)
+    try:
+        tasks = url.rpartition("tasks_table=")[2]
+        with backend.engine.connect() as conn:
+            for name in (backend.table, f"{backend.table}_nodes", tasks):
+                conn.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
+    finally:
+        backend.close()
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.count = 0
+        event.listen(sqlalchemy.engine.Engine, "before_cursor_execute", self._one)
+
+    def _one(self, *_args: Any) -> None:
+        self.count += 1
+
+    def close(self) -> None:
+        event.remove(sqlalchemy.engine.Engine, "before_cursor_execute", self._one)
+
+
+def _refresh(app: Any) -> float:
+    app.reader.invalidate()
+    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/api/sections/overview", "QUERY_STRING": "", "SERVER_NAME": "x",
+               "SERVER_PORT": "1", "wsgi.input": io.BytesIO(b""), "wsgi.url_scheme": "http"}  # fmt: skip
+    body = json.loads(b"".join(app(environ, lambda status, headers: None)))
+    return float(body["store_ms"])
+
+
+def _status(url: str) -> None:
+    result = CliRunner().invoke(cli, ["status", "--json", "--lock-url", url])
+    assert result.exit_code == 0, result.output
+
+
+def measure(store: str, repeats: int, locks: int, codes: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        url = _url(store, tmp, uuid.uuid4().hex[:8])
+        drop(url)
+        try:
+            fill(url, locks, codes)
+            app = create_app(url)
+            counter = Counter()
+            samples: dict[str, list[tuple[int, float]]] = {"dashboard refresh": [], "status --json": []}
+            store_ms: list[float] = []
+            try:
+                _refresh(app)
+                _status(url)  # warm: imports, the dashboard's table check
+                for _ in range(repeats):
+                    calls = (("dashboard refresh", lambda: store_ms.append(_refresh(app))),
+                             ("status --json", lambda: _status(url)))  # fmt: skip
+                    for name, call in calls:
+                        before, started = counter.count, time.perf_counter()
+                        call()
+                        samples[name].append((counter.count - before, time.perf_counter() - started))
+            finally:
+                counter.close()
+                app.close()
+        finally:
+            drop(url)
+    out = {name: (statistics.median(n for n, _ in rows), statistics.median(t for _, t in rows) * 1000, "")
+           for name, rows in samples.items()}  # fmt: skip
+    statements, ms, _ = out["dashboard refresh"]
+    out["dashboard refresh"] = (statements, ms, f"{statistics.median(store_ms):.1f}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stores", default="sqlite,postgresql", help="comma-separated: sqlite, mysql, postgresql")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--locks", type=int, default=50, help="locks (two jobs each, 20 kept runs per job)")
+    parser.add_argument("--codes", type=int, default=5, help="task codes (50 tasks each, 5 failed)")
+    args = parser.parse_args()
+    print(f"{args.locks} locks x 2 jobs x 20 kept runs, 3 nodes, {args.codes} task codes x 50 tasks; "
+          f"medians of {args.repeats} interleaved calls\n")  # fmt: skip
+    print("| store | what | SQL statements | of it in the store's reads (ms) | wall time (ms) |")
+    print("|---|---|---:|---:|---:|")
+    for store in args.stores.split(","):
+        for name, (statements, ms, reads) in measure(store, args.repeats, args.locks, args.codes).items():
+            print(f"| {store} | {name} | {statements:.0f} | {reads or '-'} | {ms:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

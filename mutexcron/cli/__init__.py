@@ -1,0 +1,1 @@
+"""The ``mutexcron`` command: the click group and one module per command family, with their shared helpers."""

@@ -1,0 +1,389 @@
+"""``mutexcron jobs list|show|pause|resume|remove|run``: the jobs of a jobs file.
+
+``list`` shows every job of the file: the jobs it declares (memory jobs, guarded or not) and the
+jobs of its shared job stores, like APScheduler's ``print_jobs``, with each job's lock, lease,
+holder and last run. ``run`` runs one job once, here, **unguarded**, for debugging.
+
+The jobs file names the job stores (its ``MutexScheduler(jobstores=...)``) and, with ``--lock-url``
+as for ``status``, the lock store. The command starts no scheduler: it reads the stored jobs
+(APScheduler's pickled states; a job's function is not imported to list it) and the lock records
+(creating nothing), and changes a shared job with the same compare-and-set writes and notices as a
+node (:mod:`mutexcron.jobstores.base`), so every node sees the change as from any other writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import json
+import os
+import traceback
+from datetime import datetime, timezone
+from typing import Any, NoReturn
+
+import click
+import sqlalchemy
+from apscheduler.util import obj_to_ref, ref_to_obj
+
+from ..errors import ConfigurationError, MutexcronError, StoreUnavailableError
+from ..guard import apscheduler_internals as aps
+from ..guard.firetimes import guard_trigger
+from ..jobstores import is_shared, share
+from ..jobstores.base import SharedJobStore, timestamp
+from ..jobstores.node import config_of_function
+from ..jobstores.states import dump, load
+from ..locks import DEFAULT_LOCK_URL, lock_store_from_url
+from ..locks.record import LockRecord
+from ..urls import redact
+from .common import EXIT_FAILURE, _fail, _fail_on, _lock_url_option
+
+
+def _stores(jobs_file: str) -> tuple[Any, dict[str, SharedJobStore]]:
+    """The jobs file's scheduler (imported, never started) and its shared job stores."""
+    from .loader import load_scheduler
+
+    sched = load_scheduler(jobs_file)
+    return sched, shared_stores(sched)
+
+
+def shared_stores(sched: Any) -> dict[str, SharedJobStore]:
+    """The shared job stores of a scheduler that is not started, ready to read and change jobs."""
+    found = {alias: share(store, alias) for alias, store in aps.jobstores(sched).items() if is_shared(store)}
+    for store in found.values():
+        store.prepare_changes(create=False)  # a change bumps the nodes' counter (if they made one)
+    return found
+
+
+def _need_shared(jobs_file: str, stores: dict[str, SharedJobStore]) -> None:
+    if not stores:
+        raise ConfigurationError(
+            f"{jobs_file} has no shared job store: give MutexScheduler(jobstores={{...}}) a SQLAlchemyJobStore, "
+            "RedisJobStore or MongoDBJobStore (mutexcron jobs list shows the jobs the file declares)"
+        )
+
+
+def _guard_of_stored(sched: Any, fields: dict[str, Any], job_id: str) -> tuple[str, float]:
+    """A shared job's lock and lease: its function's ``@sched.mutex(...)`` if it imports here, else
+    the rule's defaults (a lock per job id, the scheduler's ``unactive_interval``)."""
+    try:
+        config = config_of_function(ref_to_obj(fields["func"]), job_id)
+    except Exception:  # noqa: BLE001 - the function is not importable here: the rule's defaults
+        return job_id, float(sched.unactive_interval)
+    lock = config.lock if isinstance(config.lock, str) else job_id
+    return lock, float(config.unactive_interval or sched.unactive_interval)
+
+
+def _when(value: Any) -> str:
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC") if isinstance(value, datetime) else "-"
+
+
+_UNSET = object()
+
+
+def _declared_rows(sched: Any, stored: set[str]) -> list[dict[str, Any]]:
+    """The jobs the file declares (added before ``start()``), but those already in a shared store."""
+    now = datetime.now(timezone.utc)
+    rows: list[dict[str, Any]] = []
+    for job, alias, _replace in getattr(sched, "_pending_jobs", []):
+        if job.id in stored:
+            continue  # listed from its store, where the nodes keep it
+        guard = sched.guard_of(job.id)
+        func = guard.func if guard is not None else job.func
+        given = getattr(job, "next_run_time", _UNSET)
+        # A guarded job runs on its guarded trigger (an interval anchored cluster-wide): that one's time.
+        trigger = guard_trigger(copy.deepcopy(job.trigger), job.id) if guard is not None else job.trigger
+        next_run = trigger.get_next_fire_time(None, now) if given is _UNSET else given
+        alias = alias or "default"
+        shared = is_shared(aps.jobstores(sched).get(alias))
+        rows.append({"job": job.id, "store": alias, "declared": True, "func": _ref(func), "trigger": str(job.trigger),
+                     "next_run": next_run, "lock": guard.lock if guard is not None else None,
+                     "lease": guard.ttl if guard is not None else None, "guarded": guard is not None,
+                     "args": repr(tuple(job.args)), "kwargs": repr(dict(job.kwargs)),
+                     "state": "not stored yet" if shared else ("paused" if next_run is None else "scheduled")})  # fmt: skip
+    return rows
+
+
+def _made(store: SharedJobStore) -> bool:
+    """False for a SQL job store whose SQLite file or table no node has made yet: it has no jobs
+    (and reading it would create the file, or fail)."""
+    engine = getattr(store, "engine", None)
+    if engine is None:
+        return True
+    database = engine.url.database
+    if engine.dialect.name == "sqlite" and database and database != ":memory:" and not os.path.exists(database):
+        return False
+    table = store.jobs_t  # type: ignore[attr-defined]
+    return bool(sqlalchemy.inspect(engine).has_table(table.name, schema=table.schema))
+
+
+def stored_rows(sched: Any, stores: dict[str, SharedJobStore]) -> list[dict[str, Any]]:
+    """One dict per job of the shared ``stores`` (a read: the functions are not imported to list
+    them, and a job table no node has made yet is not created)."""
+    rows: list[dict[str, Any]] = []
+    for alias, store in stores.items():
+        if not _made(store):
+            continue
+        for job_id, state in sorted(store._read_states().items()):
+            try:
+                fields = load(state)
+            except Exception as exc:  # noqa: BLE001 - shown, never deleted
+                rows.append({"job": job_id, "store": alias, "declared": False, "state": "error",
+                             "error": f"{type(exc).__name__}: {exc}"})  # fmt: skip
+                continue
+            lock, lease = _guard_of_stored(sched, fields, job_id)
+            next_run = fields.get("next_run_time")
+            rows.append({"job": job_id, "store": alias, "declared": False, "func": fields.get("func"),
+                         "trigger": str(fields.get("trigger")), "next_run": next_run, "lock": lock, "lease": lease,
+                         "guarded": True, "args": repr(fields.get("args")), "kwargs": repr(fields.get("kwargs")),
+                         "state": "paused" if next_run is None else "scheduled"})  # fmt: skip
+    return rows
+
+
+def _rows(sched: Any, stores: dict[str, SharedJobStore], lock_url: str, *, declared: bool = True) -> list[dict[str, Any]]:
+    """Every job: the shared stores' and (``declared``) the file's own, with holder and last run."""
+    try:
+        rows = stored_rows(sched, stores)
+    except Exception as exc:  # noqa: BLE001 - a driver's error: one line, redacted, exit 1
+        where = ", ".join(store.where for store in stores.values())
+        first = (str(exc).strip().splitlines() or [""])[0]
+        _fail(f"cannot read the jobs of {where}: {type(exc).__name__}: {redact(first)}", EXIT_FAILURE)
+    if declared:
+        rows += _declared_rows(sched, {r["job"] for r in rows})
+    records = _records({r["lock"] for r in rows if r.get("lock")}, lock_url)
+    for row in rows:
+        record = records.get(row.get("lock") or "")
+        row["holder"] = record.holder if record is not None and record.state == "active" else None
+        row["last_run"] = record.last_run_finished if record is not None else None
+        row["last_error"] = record.last_error if record is not None else None
+    rows.sort(key=lambda r: (r.get("next_run") is None, timestamp(r.get("next_run")) or 0.0, r["job"]))
+    return rows
+
+
+def _records(locks: set[str], lock_url: str) -> dict[str, LockRecord]:
+    """The lock records of ``locks``, read without creating anything; none (and one note) if unreadable."""
+    from .ops import _missing_schema
+
+    if not locks:
+        return {}
+    try:
+        store = lock_store_from_url(lock_url)
+    except MutexcronError as exc:
+        _fail_on(exc, what="jobs")
+    try:
+        missing = _missing_schema(store)
+        if missing:
+            click.echo(f"mutexcron: note: {missing} in {store.masked_url}: no node has run yet (no holders)", err=True)
+            return {}
+        found: dict[str, LockRecord] = store.read_many(locks)
+        return found
+    except MutexcronError as exc:
+        click.echo(f"mutexcron: warning: holders and last runs unknown: {exc}", err=True)
+        return {}
+    finally:
+        store.close()
+
+
+def _ref(func: Any) -> str:
+    try:
+        ref: str = obj_to_ref(func)
+    except ValueError:  # a lambda, a nested function: no reference, its name
+        ref = getattr(func, "__qualname__", repr(func))
+    return ref
+
+
+def _json(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in row.items()}
+
+
+def _open(jobs_file: str, lock_url: str | None) -> tuple[Any, dict[str, SharedJobStore], str]:
+    try:
+        sched, stores = _stores(jobs_file)
+    except MutexcronError as exc:
+        _fail_on(exc, what="jobs")
+    return sched, stores, lock_url or sched.lock_url or DEFAULT_LOCK_URL
+
+
+def _open_shared(jobs_file: str, lock_url: str | None) -> tuple[Any, dict[str, SharedJobStore], str]:
+    sched, stores, url = _open(jobs_file, lock_url)
+    try:
+        _need_shared(jobs_file, stores)
+    except MutexcronError as exc:
+        _fail_on(exc, what="jobs")
+    return sched, stores, url
+
+
+@click.group("jobs", context_settings={"help_option_names": ["-h", "--help"]})
+def jobs() -> None:
+    """The jobs of a jobs file: list, show, pause, resume, remove (shared jobs), run (once, unguarded)."""
+
+
+@jobs.command("list")
+@click.argument("jobs_file", metavar="JOBS")
+@_lock_url_option()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def list_jobs(jobs_file: str, lock_url: str | None, as_json: bool) -> None:
+    """Every job of the file and of its shared job stores: next run, trigger, lock, lease, holder, last run."""
+    sched, stores, url = _open(jobs_file, lock_url)
+    rows = _rows(sched, stores, url)
+    if as_json:
+        click.echo(json.dumps([_json(r) for r in rows], indent=2))
+        return
+    click.echo(f"{'JOB':24} {'STORE':8} {'STATE':9} {'NEXT RUN':23} {'LOCK':20} {'LEASE':6} {'HOLDER':24} "
+               f"{'LAST RUN':23} TRIGGER")  # fmt: skip
+    for r in rows:
+        holder, trigger = str(r.get("holder") or "-"), r.get("trigger", r.get("error"))
+        lock = str(r.get("lock") or ("-" if "error" in r else "unguarded"))
+        lease = f"{r['lease']:g}s" if r.get("lease") else "-"
+        click.echo(f"{r['job'][:24]:24} {r['store'][:8]:8} {r['state'][:9]:9} {_when(r.get('next_run')):23} {lock[:20]:20} "
+                   f"{lease:6} {holder[:24]:24} {_when(r.get('last_run')):23} {trigger}")  # fmt: skip
+    if not rows:
+        click.echo("(no jobs)")
+
+
+@jobs.command("show")
+@click.argument("jobs_file", metavar="JOBS")
+@click.argument("job_id", metavar="JOB")
+@_lock_url_option()
+def show(jobs_file: str, job_id: str, lock_url: str | None) -> None:
+    """One job (the file's or a shared store's), every field."""
+    sched, stores, url = _open(jobs_file, lock_url)
+    for row in _rows(sched, stores, url):
+        if row["job"] == job_id:
+            click.echo(json.dumps(_json(row), indent=2))
+            return
+    _missing(job_id)
+
+
+def _missing(job_id: str) -> NoReturn:
+    _fail(f"no job {job_id!r} in the jobs file nor in its shared job stores (mutexcron jobs list shows them)")
+
+
+#: The changes of a shared job that ``mutexcron jobs`` and the dashboard make.
+CHANGES = ("pause", "resume", "remove")
+
+
+def change_shared_job(stores: dict[str, SharedJobStore], job_id: str, how: str) -> str | None:
+    """Pause, resume or remove a shared job with a node's compare-and-set writes and notices; the
+    outcome for people, or None if no shared store has the job.
+
+    Raises:
+        StoreUnavailableError: the job kept changing under the write (try again); a store error.
+    """
+    if how not in CHANGES:
+        raise ConfigurationError(f"change {how!r}: use one of {', '.join(CHANGES)}")
+    for store in stores.values():
+        for _ in range(20):
+            current = store._read_states([job_id]).get(job_id)
+            if current is None:
+                break
+            if how == "remove":
+                if store._delete(job_id, current):
+                    return f"{job_id}: removed from {store.where}"
+                continue
+            fields = load(current)
+            if how == "pause":
+                fields["next_run_time"] = None
+            else:
+                fields["next_run_time"] = fields["trigger"].get_next_fire_time(None, datetime.now(timezone.utc))
+                if fields["next_run_time"] is None:  # its schedule is over: removed, as APScheduler's resume_job does
+                    how = "remove"
+                    continue
+            state = dump(fields, store.pickle_protocol)
+            if state == current or store._replace(job_id, current, timestamp(fields["next_run_time"]), state, True):
+                return f"{job_id}: {how}d; next run {_when(fields['next_run_time'])}"
+        else:
+            raise StoreUnavailableError(f"job {job_id!r} kept changing while it was written; try again")
+    return None
+
+
+def _change(jobs_file: str, job_id: str, lock_url: str | None, how: str) -> None:
+    _sched, stores, _url = _open_shared(jobs_file, lock_url)
+    try:
+        outcome = change_shared_job(stores, job_id, how)
+    except MutexcronError as exc:
+        _fail_on(exc, what=f"jobs {how}")
+    if outcome is None:
+        _missing(job_id)
+    click.echo(outcome)
+
+
+@jobs.command("pause")
+@click.argument("jobs_file", metavar="JOBS")
+@click.argument("job_id", metavar="JOB")
+@_lock_url_option()
+def pause(jobs_file: str, job_id: str, lock_url: str | None) -> None:
+    """Pause a shared job on every node (APScheduler's pause_job: no next run time)."""
+    _change(jobs_file, job_id, lock_url, "pause")
+
+
+@jobs.command("resume")
+@click.argument("jobs_file", metavar="JOBS")
+@click.argument("job_id", metavar="JOB")
+@_lock_url_option()
+def resume(jobs_file: str, job_id: str, lock_url: str | None) -> None:
+    """Resume a shared job on every node (its next fire time from now)."""
+    _change(jobs_file, job_id, lock_url, "resume")
+
+
+@jobs.command("remove")
+@click.argument("jobs_file", metavar="JOBS")
+@click.argument("job_id", metavar="JOB")
+@_lock_url_option()
+def remove(jobs_file: str, job_id: str, lock_url: str | None) -> None:
+    """Remove a shared job from its store; every node lets go of its lock."""
+    _change(jobs_file, job_id, lock_url, "remove")
+
+
+_UNGUARDED = (
+    "mutexcron: RUNNING JOB {job!r} ONCE, HERE, UNGUARDED, FOR DEBUGGING: no lock is taken and no fire time "
+    "is claimed, nothing is recorded in the store (no attrs handed in, its return value is only printed), "
+    "and the nodes keep running it on schedule, possibly at this very moment. To run it once on the "
+    "cluster, guarded: mutexcron trigger {job}"
+)
+
+
+@jobs.command("run")
+@click.argument("jobs_file", metavar="JOBS")
+@click.argument("job_id", metavar="JOB")
+@_lock_url_option()
+def run_once(jobs_file: str, job_id: str, lock_url: str | None) -> None:
+    """Run one job once, here, UNGUARDED (no lock, no claim, nothing stored), for debugging.
+
+    Exit 0 if it returned, 1 if it raised (its traceback is printed).
+    """
+    sched, stores, _url = _open(jobs_file, lock_url)
+    func, args, kwargs = _callable(sched, stores, job_id)
+    click.echo(click.style(_UNGUARDED.format(job=job_id), fg="yellow", bold=True), err=True)
+    try:
+        result = func(*args, **kwargs)
+        if inspect.isawaitable(result):
+            result = asyncio.run(_awaited(result))
+    except Exception:  # noqa: BLE001 - the job's own error: shown in full, as the point of a debug run
+        click.echo(traceback.format_exc(), err=True)
+        click.echo(f"mutexcron: job {job_id!r} raised (unguarded debug run)", err=True)
+        raise SystemExit(EXIT_FAILURE) from None
+    click.echo(f"mutexcron: job {job_id!r} returned {result!r} (unguarded debug run: nothing was stored)", err=True)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _callable(sched: Any, stores: dict[str, SharedJobStore], job_id: str) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """The job's own function (never its guard) and arguments, from the file or a shared store."""
+    for job, _alias, _replace in getattr(sched, "_pending_jobs", []):
+        if job.id == job_id:
+            guard = sched.guard_of(job.id)
+            return (guard.func if guard is not None else job.func), tuple(job.args), dict(job.kwargs)
+    for store in stores.values():
+        state = store._read_states([job_id]).get(job_id)
+        if state is None:
+            continue
+        try:
+            fields = load(state)
+            func = ref_to_obj(fields["func"])
+        except Exception as exc:  # noqa: BLE001 - not importable here: say so
+            _fail(f"job {job_id!r} in {store.where} cannot be loaded here: {type(exc).__name__}: {exc}", EXIT_FAILURE)
+        return func, tuple(fields.get("args") or ()), dict(fields.get("kwargs") or {})
+    _missing(job_id)

@@ -1,0 +1,515 @@
+"""``mutexcron tasks``: list, add, cancel and retry durable tasks; the task parts of ``status`` and ``ddl``.
+
+Every command works on the store of ``--lock-url`` (env ``MUTEXCRON_LOCK_URL``): the task pool
+lives on the same store as the locks (SQL stores in their own table, ``?tasks_table=``). Times
+are shown in UTC; a relative due (``+3d``) is sent to the store as a duration, so it is measured
+from the store's clock, never this host's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import click
+
+from ..errors import AttrsError, ConfigurationError, MutexcronError
+from ..locks import DEFAULT_LOCK_URL
+from ..tasks import ON_CONFLICT, STATES, CodeSummary, TaskRecord, TaskStore, task_store_from_url
+from ..tasks.handlers import INTERNAL_PREFIX
+from .common import EXIT_BAD_INPUT, EXIT_FAILURE, _age, _clip, _fail, _fail_on, _lock_url_option
+
+
+def _tasks() -> None:
+    """The durable task pool: list, add, cancel and retry tasks (on the --lock-url store)."""
+
+
+tasks: click.Group = click.group("tasks", context_settings={"help_option_names": ["-h", "--help"]})(_tasks)
+
+__all__ = [
+    "TaskStatus",
+    "parse_due",
+    "schemaless_note",
+    "task_ddl",
+    "task_status",
+    "tasks",
+]
+
+
+# -- input ----------------------------------------------------------------------------------------
+_RELATIVE = re.compile(
+    r"\+(?=\d)(?:(?P<w>\d+(?:\.\d+)?)w)?(?:(?P<d>\d+(?:\.\d+)?)d)?(?:(?P<h>\d+(?:\.\d+)?)h)?"
+    r"(?:(?P<m>\d+(?:\.\d+)?)m)?(?:(?P<s>\d+(?:\.\d+)?)s)?",
+    re.IGNORECASE,
+)
+_UNITS = {"w": "weeks", "d": "days", "h": "hours", "m": "minutes", "s": "seconds"}
+DUE_FORMS = "now, +90s, +2h30m, +3d, or a time with its zone: 2026-12-01T08:00Z, 2026-12-01T08:00:00+01:00"
+
+
+def parse_due(text: str) -> datetime | timedelta:
+    """``--due``: ``now`` and ``+3d``/``+2h30m``/``+90s`` (a timedelta: from the store's clock), or an
+    ISO 8601 time with ``Z`` or an offset (an aware datetime). A time without a zone is refused.
+
+    Raises:
+        ValueError: anything else; the message says what to write.
+    """
+    value = text.strip()
+    if value.lower() == "now":
+        return timedelta(0)
+    if value.startswith("+"):
+        match = _RELATIVE.fullmatch(value)
+        if match is None or not any(match.groupdict().values()):
+            raise ValueError(f"{text!r} is not a relative due: write +90s, +15m, +2h30m, +3d or +1w (units w, d, h, m, s)")
+        try:
+            return timedelta(**{_UNITS[unit]: float(amount) for unit, amount in match.groupdict().items() if amount})
+        except OverflowError:
+            raise ValueError(f"{text!r} is too far ahead") from None
+    iso = value[:-1] + "+00:00" if value[-1:] in ("Z", "z") else value  # Python 3.10 reads no Z
+    try:
+        when = datetime.fromisoformat(iso)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a due time: use {DUE_FORMS}") from None
+    if when.tzinfo is None or when.utcoffset() is None:
+        raise ValueError(
+            f"{text!r} has no time zone: add Z for UTC ({value}Z) or an offset ({value}+01:00); local time is never assumed"
+        )
+    return when.astimezone(timezone.utc)
+
+
+def _due_option(_ctx: click.Context, param: click.Parameter, value: str | None) -> datetime | timedelta | None:
+    if value is None:
+        return None
+    try:
+        return parse_due(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param=param) from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _payload(text: str | None) -> Any:
+    """The ``--payload`` JSON, or exit 2 naming the problem (nothing is stored)."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        _fail("--payload is nested too deeply to store as JSON")
+    except ValueError as exc:
+        _fail(f"--payload is not valid JSON ({exc}): pass e.g. --payload '{{\"pct\": 20}}'")
+
+
+# -- output ---------------------------------------------------------------------------------------
+def _iso(value: datetime | None) -> str:
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if value else "-"
+
+
+def _span(seconds: float) -> str:
+    """``in 3d 0h`` / ``2m ago``: how far a time is from the store's now."""
+    rest = float(round(abs(seconds)))  # a due set to +3d a moment ago is "in 3d 0h", not "in 2d 23h"
+    if rest < 1:
+        return "now"
+    if rest < 120:
+        text = f"{rest:.0f}s"
+    elif rest < 7200:
+        text = f"{rest // 60:.0f}m"
+    elif rest < 2 * 86400:
+        text = f"{rest // 3600:.0f}h {rest % 3600 // 60:.0f}m"
+    else:
+        text = f"{rest // 86400:.0f}d {rest % 86400 // 3600:.0f}h"
+    return f"in {text}" if seconds > 0 else f"{text} ago"
+
+
+def _state(task: TaskRecord) -> str:
+    if task.cancel_requested:
+        return f"{task.state} (cancelling)"
+    if task.pending:
+        return f"{task.state} (re-added)"
+    return task.state
+
+
+def _lease_left(task: TaskRecord, now: datetime) -> str:
+    if task.state != "running" or task.lease_until is None:
+        return "-"
+    left = (task.lease_until - now).total_seconds()
+    return _age(left) if left >= 0 else "expired"
+
+
+def format_tasks(records: list[TaskRecord], now: datetime) -> str:
+    """The ``tasks list`` table."""
+    header = ("CODE", "KEY", "STATE", "DUE (UTC)", "ATTEMPT", "TOKEN", "OWNER", "LEASE LEFT", "LAST ERROR")
+    rows = [
+        (
+            _clip(t.code, 32),
+            _clip(t.key, 40),
+            _state(t),
+            _iso(t.due),
+            str(t.attempt),
+            str(t.token),
+            _clip(t.owner, 36),
+            _lease_left(t, now),
+            _clip(t.last_error, 40),
+        )
+        for t in records
+    ]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in (header, *rows))
+
+
+def record_json(task: TaskRecord) -> dict[str, Any]:
+    """Every field of ``task``; times as ISO 8601 UTC."""
+    out: dict[str, Any] = {}
+    for item in dataclasses.fields(task):
+        value = getattr(task, item.name)
+        out[item.name] = value.astimezone(timezone.utc).isoformat() if isinstance(value, datetime) else value
+    return out
+
+
+# -- the store ------------------------------------------------------------------------------------
+@contextmanager
+def _store(lock_url: str | None, what: str) -> Iterator[TaskStore]:
+    """The task store of ``lock_url``; a store error is one message and its exit code (``_fail_on``)."""
+    try:
+        store = task_store_from_url(lock_url or DEFAULT_LOCK_URL)
+    except MutexcronError as exc:
+        _fail_on(exc, what=what)
+    try:
+        yield store
+    except AttrsError as exc:  # a payload the store refuses: bad input, nothing was stored
+        _fail(str(exc), EXIT_BAD_INPUT)
+    except MutexcronError as exc:
+        _fail_on(exc, what=what)
+    finally:
+        store.close()
+
+
+def _check(code: str, key: str) -> tuple[str, str]:
+    """``(code, key)`` checked before anything reaches the store."""
+    from ..tasks.checks import check_task
+
+    try:
+        return check_task(code, key)
+    except ConfigurationError as exc:
+        _fail(str(exc), EXIT_BAD_INPUT)
+
+
+def _name(code: str, key: str) -> str:
+    return f"{code}/{key}"
+
+
+# -- commands -------------------------------------------------------------------------------------
+@tasks.command("list")
+@click.option("--code", help="Only tasks of this code.")
+@click.option("--state", type=click.Choice(STATES), help="Only tasks in this state.")
+@click.option("--key-contains", metavar="TEXT", help="Only tasks whose key contains TEXT (case-sensitive).")
+@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True, help="At most this many tasks.")
+@click.option("--json", "as_json", is_flag=True, help="A JSON list of tasks, every field (times ISO 8601 UTC).")
+@_lock_url_option()
+def list_tasks(
+    code: str | None, state: str | None, key_contains: str | None, limit: int, as_json: bool, lock_url: str | None
+) -> None:
+    """Tasks by due time: code, key, state, due, attempt, token, owner, lease left, last error."""
+    with _store(lock_url, "tasks list") as store:
+        records = store.list(code=code, key_contains=key_contains, state=state, limit=limit)
+        now = store.now() if records and not as_json else None
+    if as_json:
+        click.echo(json.dumps([record_json(r) for r in records], indent=2, ensure_ascii=False))
+        return
+    more = f"; the first {limit}: --limit shows more" if len(records) >= limit else ""
+    click.echo(f"task store: {store.masked_url}  ({len(records)} task{'s' if len(records) != 1 else ''}{more})")
+    if records and now is not None:
+        click.echo(format_tasks(records, now))
+
+
+@tasks.command("add")
+@click.argument("code")
+@click.argument("key")
+@click.option("--due", required=True, metavar="DUE", callback=_due_option, help=f"When the task is due: {DUE_FORMS}.")
+@click.option("--payload", metavar="JSON", help="The task's data, as JSON.")
+@click.option(
+    "--on-conflict",
+    type=click.Choice(ON_CONFLICT),
+    default="replace",
+    show_default=True,
+    help="If the task exists: replace its due and payload, keep it, or keep the earliest or latest due.",
+)
+@_lock_url_option()
+def add(code: str, key: str, due: datetime | timedelta, payload: str | None, on_conflict: str, lock_url: str | None) -> None:
+    """Add the task CODE KEY, or update it: prints inserted, replaced, kept or pending, and its due.
+
+    A relative due (+3d) is measured from the store's clock. A running task is not run twice: the
+    new due and payload apply when its attempt ends (pending).
+    """
+    code, key = _check(code, key)
+    data = _payload(payload)
+    with _store(lock_url, "tasks add") as store:
+        result = store.add(code, key, due, data, on_conflict=on_conflict)
+        task, now = store.get(code, key), store.now()
+    name = _name(code, key)
+    if task is None:  # finished or cancelled in the meantime
+        click.echo(f"{result}: {name} (gone again already: run or cancelled)")
+        return
+    if result == "pending":
+        when = task.pending_due or task.due
+        click.echo(f"pending: {name} is running; it is queued again, due {_iso(when)} ({_span((when - now).total_seconds())}),")
+        click.echo("  when its running attempt ends")
+    elif result == "kept":
+        click.echo(f"kept: {name} stays {task.state}, due {_iso(task.due)} ({_span((task.due - now).total_seconds())})")
+    else:
+        click.echo(f"{result}: {name} due {_iso(task.due)} ({_span((task.due - now).total_seconds())})")
+
+
+_YES = click.option("--yes", "-y", is_flag=True, help="Bulk: do not ask for confirmation.")
+_KEY_CONTAINS = click.option("--key-contains", metavar="TEXT", help="Bulk: only tasks whose key contains TEXT.")
+#: The most tasks one bulk command lists, confirms and acts on (run it again for more).
+BULK_LIMIT = 100_000
+
+
+def _bulk(store: TaskStore, verb: str, act: Callable[[TaskRecord], bool], yes: bool, **where: Any) -> None:
+    """List the tasks ``where`` selects, show their count and a few of them, ask (unless ``yes``),
+    then ``act`` on exactly those: tasks added after the question are not touched."""
+    records = store.list(**where, limit=BULK_LIMIT)
+    shown = ", ".join(f"{k}={v!r}" for k, v in where.items() if v is not None)
+    if not records:
+        click.echo(f"no task matches {shown} in {store.masked_url}: nothing to {verb}")
+        return
+    more = f" (the first {BULK_LIMIT}: run the command again for the rest)" if len(records) >= BULK_LIMIT else ""
+    click.echo(f"{len(records)} task{'s' if len(records) != 1 else ''} match {shown} in {store.masked_url}{more}:")
+    for task in records[:5]:
+        click.echo(f"  {_name(task.code, task.key)}  {_state(task)}, due {_iso(task.due)}")
+    if len(records) > 5:
+        click.echo(f"  ... and {len(records) - 5} more")
+    if not yes:
+        click.confirm(f"{verb.capitalize()} these {len(records)} tasks?", abort=True, err=True)
+    done = sum(bool(act(task)) for task in records)
+    running = sum(t.state == "running" for t in records) if verb == "cancel" else 0
+    note = f"; {running} running: dropped when their attempt ends" if running else ""
+    missed = len(records) - done
+    gone = f" ({missed} changed meanwhile: finished, cancelled or retried by someone else)" if missed else ""
+    past = {"cancel": "cancelled", "retry": "retried"}[verb]
+    click.echo(f"{past} {done} of {len(records)} task{'s' if len(records) != 1 else ''}{gone}{note}")
+
+
+@tasks.command("cancel")
+@click.argument("code", required=False)
+@click.argument("key", required=False)
+@click.option("--code", "by_code", metavar="CODE", help="Bulk: cancel every task of CODE (narrowed by the options below).")
+@_KEY_CONTAINS
+@click.option("--state", type=click.Choice(STATES), help="Bulk: only tasks in this state.")
+@_YES
+@_lock_url_option()
+def cancel(
+    code: str | None, key: str | None, by_code: str | None, key_contains: str | None, state: str | None, yes: bool,
+    lock_url: str | None,
+) -> None:  # fmt: skip
+    """Drop the task CODE KEY (a running one when its attempt ends). Exit 1 if there is no such task.
+
+    Bulk: --code C [--key-contains K] [--state S] cancels every matching task, after showing how
+    many and asking (--yes skips the question).
+    """
+    if by_code is not None:
+        if code is not None or key is not None:
+            _fail("tasks cancel: give CODE KEY, or --code with --key-contains/--state (not both)")
+        with _store(lock_url, "tasks cancel") as store:
+            act = lambda t: store.cancel(t.code, t.key)  # noqa: E731
+            _bulk(store, "cancel", act, yes, code=by_code, key_contains=key_contains, state=state)
+        return
+    if code is None or key is None or key_contains is not None or state is not None:
+        _fail("tasks cancel: give CODE KEY (one task), or --code CODE [--key-contains K] [--state S] (many)")
+    code, key = _check(code, key)
+    with _store(lock_url, "tasks cancel") as store:
+        if not store.cancel(code, key):
+            _fail(f"no task {_name(code, key)} in {store.masked_url}", EXIT_FAILURE)
+        left = store.get(code, key)
+    if left is not None and left.state == "running":
+        click.echo(f"cancelled: {_name(code, key)} is running; it is dropped when its attempt ends")
+    else:
+        click.echo(f"cancelled: {_name(code, key)}")
+
+
+@tasks.command("retry")
+@click.argument("code", required=False)
+@click.argument("key", required=False)
+@click.option("--all-failed", is_flag=True, help="Bulk: every failed task (narrowed by --code, --key-contains).")
+@click.option("--code", "by_code", metavar="CODE", help="Bulk: only failed tasks of CODE.")
+@_KEY_CONTAINS
+@_YES
+@_lock_url_option()
+def retry(
+    code: str | None, key: str | None, all_failed: bool, by_code: str | None, key_contains: str | None, yes: bool,
+    lock_url: str | None,
+) -> None:  # fmt: skip
+    """Queue the failed task CODE KEY again, due now, attempts reset. Exit 1 if it is not failed.
+
+    Bulk: --all-failed [--code C] [--key-contains K] retries every matching failed task, after
+    showing how many and asking (--yes skips the question).
+    """
+    if all_failed:
+        if code is not None or key is not None:
+            _fail("tasks retry: give CODE KEY, or --all-failed with --code/--key-contains (not both)")
+        with _store(lock_url, "tasks retry") as store:
+            act = lambda t: store.retry(t.code, t.key)  # noqa: E731
+            _bulk(store, "retry", act, yes, code=by_code, key_contains=key_contains, state="failed")
+        return
+    if code is None or key is None or by_code is not None or key_contains is not None:
+        _fail("tasks retry: give CODE KEY (one task), or --all-failed [--code C] [--key-contains K] (many)")
+    code, key = _check(code, key)
+    with _store(lock_url, "tasks retry") as store:
+        if not store.retry(code, key):
+            task = store.get(code, key)
+            why = f"there is no such task in {store.masked_url}" if task is None else f"it is {task.state}, not failed"
+            _fail(f"cannot retry {_name(code, key)}: {why}", EXIT_FAILURE)
+    click.echo(f"retried: {_name(code, key)} is queued, due now")
+
+
+# -- status ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class TaskStatus:
+    """The task part of ``mutexcron status``.
+
+    Attributes:
+        codes: one summary per code with tasks (None: the store has no task pool).
+        note: why there is nothing to count (no task pool, no table yet), or None.
+        handled: the codes the jobs file's handlers serve, if it says (None: not known).
+    """
+
+    codes: list[CodeSummary] | None
+    note: str | None = None
+    handled: frozenset[str] | None = None
+
+    def unserved(self) -> list[CodeSummary]:
+        """Codes with due tasks that no loaded handler serves (only when the handlers are known)."""
+        if self.handled is None or not self.codes:
+            return []
+        return [s for s in self.codes if s.due_now and s.code not in self.handled and not s.code.startswith(INTERNAL_PREFIX)]
+
+    def to_json(self) -> list[dict[str, Any]] | None:
+        if self.codes is None:
+            return None
+        return [
+            {**dataclasses.asdict(s), "handled": None if self.handled is None else s.code in self.handled} for s in self.codes
+        ]
+
+    def lines(self) -> list[str]:
+        if not self.codes:
+            return [f"no tasks{f' ({self.note})' if self.note else ''}"]
+        width = max(len(s.code) for s in self.codes)
+        out = [f"tasks: {len(self.codes)} code{'s' if len(self.codes) != 1 else ''}"]
+        for s in self.codes:
+            overdue = "-" if s.oldest_overdue is None else _age(s.oldest_overdue)
+            out.append(
+                f"  {s.code.ljust(width)}  queued {s.queued}, due now {s.due_now}, running {s.running}, "
+                f"failed {s.failed}, oldest overdue {overdue}"
+            )
+        for s in self.unserved():
+            out.append(
+                f"warning: {s.due_now} due task{'s' if s.due_now != 1 else ''} of code {s.code!r}: "
+                "no handler in this jobs file serves that code"
+            )
+        return out
+
+
+def _handled_codes(sched: Any) -> frozenset[str] | None:
+    registry = getattr(sched, "tasks", None)
+    codes = getattr(registry, "codes", None)
+    if not callable(codes):
+        return None
+    return frozenset(codes())
+
+
+def _missing_table(store: TaskStore) -> str | None:
+    """For a SQL task store whose file or table does not exist: a note saying so (status creates nothing)."""
+    from ..tasks.sql import SQLTaskStore
+
+    if not isinstance(store, SQLTaskStore):
+        return None
+    backend = store.backend
+    if backend.missing_file() or backend.missing_schema(store.table) is None:
+        return backend.missing_file()  # never connect to a SQLite file that is not there: it would be created
+    return f"table {store.table} not created yet"
+
+
+def task_status(url: str, sched: Any = None) -> TaskStatus:
+    """The per-code summary of the task pool on ``url``; ``sched``: a loaded jobs file's scheduler, if any.
+
+    A store error exits like every command (``_fail_on``); a store without a task pool, or a SQL
+    store whose task table does not exist yet, is "no tasks".
+    """
+    from ..backends import family_of
+
+    handled = _handled_codes(sched) if sched is not None else None
+    try:
+        row = family_of(url)
+    except ConfigurationError as exc:
+        _fail_on(exc, what="status")
+    if row.task_store is None:
+        return TaskStatus(None, f"the {row.name} store has no task pool", handled)
+    with _store(url, "status") as store:
+        note = _missing_table(store)
+        if note is not None:
+            return TaskStatus([], note, handled)
+        return TaskStatus(store.summary(), None, handled)
+
+
+# -- ddl ------------------------------------------------------------------------------------------
+def task_ddl(url: str) -> list[str]:
+    """The task table's CREATE statements for a SQL ``url`` (a ``-- comment`` first); [] for other stores."""
+    from ..backends import family_of
+
+    try:
+        if family_of(url).task_store is None:
+            return []
+    except ConfigurationError as exc:
+        _fail_on(exc, what="ddl")
+    with _store(url, "ddl") as store:
+        statements = getattr(store, "ddl", None)
+        if statements is None:
+            return []
+        table = getattr(store, "table", "")
+        return [f"-- the durable task pool: table {table} (?tasks_table=)", *statements()]
+
+
+def schemaless_note(store: Any) -> str:
+    """What a store without DDL uses instead (Redis keys, a MongoDB collection), for ``ddl``."""
+    backend = getattr(store, "backend", None)
+    prefix = getattr(backend, "prefix", None)
+    if prefix:
+        return (
+            f"Redis creates its keys on first use, all under {prefix}* (?namespace=): locks {prefix}lock:<name>, "
+            f"{prefix}token:<name>, {prefix}names; tasks {prefix}task:<code>:<key>, {prefix}due:<code>, {prefix}task_codes"
+        )
+    collection = getattr(backend, "collection_name", None)
+    if collection:
+        database = getattr(backend, "database_name", "?")
+        return (
+            f"MongoDB creates the lock collection {database}.{collection} (?collection=) and its documents on first use; "
+            + _mongodb_tasks(getattr(store, "url", ""), database)
+        )
+    if getattr(store, "masked_url", "").startswith("memory:"):
+        return "memory:// keeps everything in this process"
+    return ""
+
+
+def _mongodb_tasks(url: str, database: str) -> str:
+    """Where a MongoDB URL keeps its tasks, as far as the task store says (nothing is contacted)."""
+    from ..backends import family_of
+
+    try:
+        if family_of(url).task_store is None:
+            return "the task pool has no MongoDB store yet"
+        store = task_store_from_url(url)
+    except ConfigurationError:
+        return "the task pool has no MongoDB store here"
+    try:
+        names = (getattr(store, name, None) for name in ("collection_name", "tasks_collection", "table"))
+        where = next((n for n in names if isinstance(n, str) and n), None)
+    finally:
+        store.close()
+    return f"tasks in the collection {database}.{where}" if where else "tasks in a collection of their own"

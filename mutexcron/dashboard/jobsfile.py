@@ -1,0 +1,79 @@
+"""What the dashboard knows from a jobs file (``--jobs jobs.py``): each guarded job's lock, lease,
+schedule and misfire grace time. The file is imported, its scheduler never started."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from ..guard import apscheduler_internals as aps
+
+__all__ = ["JobsFile", "ScheduledJob", "load_jobs_file"]
+
+
+@dataclass(frozen=True)
+class ScheduledJob:
+    """A guarded job of the jobs file."""
+
+    job_id: str
+    lock: str
+    ttl: float
+    schedule: str
+    trigger: Any
+    misfire_grace_time: float | None
+
+    def next_fire_time(self, now: datetime) -> datetime | None:
+        """The job's next fire time after ``now`` (the store's clock), by its schedule."""
+        when = self.trigger.get_next_fire_time(None, now)
+        return when if isinstance(when, datetime) else None
+
+
+@dataclass(frozen=True)
+class JobsFile:
+    """The guarded jobs of one jobs file, its scheduler's lock URL and task codes, and its shared job stores."""
+
+    spec: str
+    lock_url: str
+    jobs: dict[str, ScheduledJob]
+    task_codes: frozenset[str]
+    #: The file's scheduler (never started) and its shared job stores, as ``mutexcron jobs`` opens them.
+    scheduler: Any = None
+    shared: dict[str, Any] = field(default_factory=dict)
+
+    def of_lock(self, lock: str) -> list[ScheduledJob]:
+        return [job for job in self.jobs.values() if job.lock == lock]
+
+    def shared_jobs(self) -> list[dict[str, Any]]:
+        """The jobs of the shared job stores, as ``mutexcron jobs list --json`` has them (a read).
+
+        Raises:
+            Exception: the store's own error (the caller shows it without the store's URL).
+        """
+        from ..cli.jobs import stored_rows
+
+        return stored_rows(self.scheduler, self.shared) if self.shared else []
+
+
+def load_jobs_file(spec: str) -> JobsFile:
+    """Import ``spec`` (as ``mutexcron run`` does) and read its guarded jobs.
+
+    Raises:
+        JobsFileError: the file does not import or has no scheduler (the message names the line).
+    """
+    from ..cli.loader import load_scheduler
+
+    sched: Any = load_scheduler(spec)
+    grace_default = aps.job_default(sched, "misfire_grace_time")
+    jobs: dict[str, ScheduledJob] = {}
+    for job in sched.get_jobs():
+        guard = sched.guard_of(job.id)
+        if guard is None:
+            continue
+        grace = getattr(job, "misfire_grace_time", grace_default)
+        jobs[job.id] = ScheduledJob(job.id, guard.lock, guard.ttl, str(job.trigger), job.trigger, grace)
+    codes = getattr(getattr(sched, "tasks", None), "codes", None)
+    from ..cli.jobs import shared_stores
+
+    return JobsFile(spec, sched.lock_url, jobs, frozenset(codes()) if callable(codes) else frozenset(), sched,
+                    shared_stores(sched))  # fmt: skip

@@ -1,0 +1,245 @@
+"""The dashboard's reads of the store: what ``mutexcron status`` reads, and never a write.
+
+One :class:`StoreReader` per dashboard keeps its lock and task stores open (a pooled connection,
+not a new one per refresh) and makes them read-only: a SQL table is looked for, never created or
+altered (:attr:`mutexcron.backends.sql.SQLBackend.read_only`), node presences are read without
+pruning the old ones (``nodes(prune=False)``), and a SQLite file that does not exist is not
+created by connecting to it. A refresh is four reads (locks, nodes, run histories, task summary),
+shared by every open page for :attr:`StoreReader.min_interval` seconds, so ten open tabs cost the
+store what one does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import TypeVar
+
+from ..backends import family_of
+from ..errors import MutexcronError, SchemaMissingError
+from ..heartbeat import PRESENCE_EVERY
+from ..locks import LockStore, lock_store_from_url
+from ..locks.record import LockRecord, NodePresence, RunRecord
+from ..tasks import CodeSummary, TaskRecord, TaskStore, task_store_from_url
+from ..urls import mask_url
+
+__all__ = ["LIVE_WITHIN", "Snapshot", "StoreReader", "TaskSample"]
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+#: A node whose last presence is older than this (store clock) is shown stale: a node publishes
+#: its presence with every renewal, and at least every PRESENCE_EVERY seconds when it holds nothing.
+LIVE_WITHIN = 3 * PRESENCE_EVERY
+#: Samples of the task summary kept per code for the backlog chart (one per refresh at most).
+TASK_SAMPLES = 240
+
+
+@dataclass(frozen=True)
+class TaskSample:
+    """One code's backlog as a refresh read it (the store keeps no finished tasks to count)."""
+
+    at: datetime
+    queued: int
+    running: int
+    failed: int
+    lag: float  # seconds the oldest due task has waited (0: none waits)
+
+
+@dataclass
+class Snapshot:
+    """One refresh: every part the pages show, each None when it could not be read (see ``errors``)."""
+
+    store: str
+    #: The store's clock at the read, as its records tell it (record time + age), else this host's.
+    now: datetime
+    now_from_store: bool
+    locks: list[LockRecord] | None
+    nodes: list[NodePresence] | None
+    histories: dict[str, list[RunRecord]]
+    tasks: list[CodeSummary] | None
+    #: part -> the store's error (masked), for the parts that failed.
+    errors: dict[str, str] = field(default_factory=dict)
+    #: part -> why there is nothing to show (no table yet, a store without the feature).
+    notes: dict[str, str] = field(default_factory=dict)
+    #: Store calls made for this snapshot and their wall time.
+    calls: int = 0
+    seconds: float = 0.0
+
+    def lock(self, name: str) -> LockRecord | None:
+        return next((r for r in self.locks or () if r.name == name), None)
+
+    def live(self, node: NodePresence) -> bool:
+        return node.age is not None and node.age <= LIVE_WITHIN
+
+    def runs(self, lock: str, job: str | None = None) -> list[RunRecord]:
+        return [r for r in self.histories.get(lock, []) if job is None or r.job == job]
+
+
+class StoreReader:
+    """Read-only views of the lock and task stores of one URL.
+
+    Args:
+        url: the store URL (``?history=`` and every other option as the nodes use it).
+        min_interval: seconds a snapshot is shared by every page before the store is read again.
+    """
+
+    def __init__(self, url: str, *, min_interval: float = 1.0) -> None:
+        self.url = url
+        self.masked_url = mask_url(url)
+        self.min_interval = min_interval
+        self.has_tasks = family_of(url).task_store is not None
+        self._locks: LockStore | None = None
+        self._tasks: TaskStore | None = None
+        self._build = threading.Lock()
+        self._read = threading.Lock()
+        self._last: tuple[float, Snapshot] | None = None
+        self.samples: dict[str, deque[TaskSample]] = {}
+
+    # -- the stores -------------------------------------------------------------------------
+    def lock_store(self) -> LockStore:
+        with self._build:
+            if self._locks is None:
+                self._locks = _read_only(lock_store_from_url(self.url))
+            return self._locks
+
+    def task_store(self) -> TaskStore:
+        # The lock store's URL has no ?history=, which the task store would hand to its driver.
+        url = self.lock_store().url
+        with self._build:
+            if self._tasks is None:
+                self._tasks = _read_only(task_store_from_url(url))
+            return self._tasks
+
+    def close(self) -> None:
+        with self._build:
+            for store in (self._locks, self._tasks):
+                if store is not None:
+                    store.close()
+            self._locks = self._tasks = None
+
+    # -- one refresh ------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """The latest snapshot, read again once it is :attr:`min_interval` seconds old."""
+        with self._read:
+            if self._last is not None and time.monotonic() - self._last[0] < self.min_interval:
+                return self._last[1]
+            snap = self._snapshot()
+            self._last = (time.monotonic(), snap)
+            self._sample(snap)
+            return snap
+
+    def invalidate(self) -> None:
+        """The next snapshot is read from the store (after an action: show its effect at once)."""
+        with self._read:
+            self._last = None
+
+    def _snapshot(self) -> Snapshot:
+        started = time.perf_counter()
+        errors: dict[str, str] = {}
+        notes: dict[str, str] = {}
+        calls = 0
+
+        def part(name: str, call: Callable[[], _T]) -> _T | None:
+            nonlocal calls
+            calls += 1
+            with _caught(name, errors, notes):
+                return call()
+            return None
+
+        missing = self._missing_file()
+        if missing is not None:
+            notes["locks"] = missing
+            locks, nodes, histories, tasks = None, None, {}, None
+        else:
+            locks = part("locks", lambda: self.lock_store().list())
+            nodes = part("nodes", lambda: self.lock_store().nodes(prune=False)) if "locks" not in errors else None
+            names = [r.name for r in locks or ()]
+            histories = (part("history", lambda: self.lock_store().history_many(names)) if names else None) or {}
+            tasks = part("tasks", lambda: self.task_store().summary()) if self.has_tasks else None
+            if not self.has_tasks:
+                notes["tasks"] = "this store has no task pool"
+        now, from_store = _store_now(locks, nodes)
+        return Snapshot(self.masked_url, now, from_store, locks, nodes, histories, tasks, errors, notes, calls,
+                        time.perf_counter() - started)  # fmt: skip
+
+    def _missing_file(self) -> str | None:
+        """For a SQLite URL whose file does not exist: a note (connecting would create it)."""
+        from ..backends.sql import SQLBackend
+
+        backend = getattr(self.lock_store(), "backend", None)
+        missing = backend.missing_file() if isinstance(backend, SQLBackend) else None
+        return None if missing is None else f"{missing}: no node has used this store yet"
+
+    def _sample(self, snap: Snapshot) -> None:
+        for summary in snap.tasks or ():
+            samples = self.samples.setdefault(summary.code, deque(maxlen=TASK_SAMPLES))
+            samples.append(TaskSample(snap.now, summary.queued, summary.running, summary.failed, summary.oldest_overdue or 0.0))
+
+    # -- reads for one page -----------------------------------------------------------------
+    def history(self, lock: str, job: str | None = None) -> list[RunRecord]:
+        if self._missing_file():
+            return []
+        with _caught_quietly():
+            return self.lock_store().history(lock, job)
+        return []
+
+    def tasks(self, code: str | None, state: str | None, key_contains: str | None, limit: int) -> list[TaskRecord]:
+        if not self.has_tasks or self._missing_file():
+            return []
+        with _caught_quietly():
+            return self.task_store().list(code=code or None, key_contains=key_contains or None, state=state or None, limit=limit)
+        return []
+
+    def task(self, code: str, key: str) -> TaskRecord | None:
+        if not self.has_tasks or self._missing_file():
+            return None
+        with _caught_quietly():
+            return self.task_store().get(code, key)
+        return None
+
+
+def _read_only(store: _T) -> _T:
+    """``store`` with its backend made read-only: no table, index or collection created on a read."""
+    backend = getattr(store, "backend", None)
+    if backend is not None:
+        backend.read_only = True
+    return store
+
+
+@contextmanager
+def _caught(name: str, errors: dict[str, str], notes: dict[str, str]) -> Iterator[None]:
+    try:
+        yield
+    except SchemaMissingError as exc:
+        notes[name] = str(exc)
+    except NotImplementedError as exc:  # a store that keeps no history or presence
+        notes[name] = str(exc)
+    except MutexcronError as exc:  # already masked and redacted by the store
+        errors[name] = str(exc)
+
+
+@contextmanager
+def _caught_quietly() -> Iterator[None]:
+    try:
+        yield
+    except (SchemaMissingError, NotImplementedError):
+        pass
+
+
+def _store_now(locks: list[LockRecord] | None, nodes: list[NodePresence] | None) -> tuple[datetime, bool]:
+    """The store's clock at the read, from the records it returned (a write's time + its age by the
+    store's clock): no extra call. This host's clock if no record tells it."""
+    for record in locks or ():
+        if record.update_time is not None and record.heartbeat_age is not None:
+            return record.update_time + timedelta(seconds=record.heartbeat_age), True
+    for node in nodes or ():
+        if node.last_seen is not None and node.age is not None:
+            return node.last_seen + timedelta(seconds=node.age), True
+    return datetime.now(timezone.utc), False

@@ -1,0 +1,557 @@
+"""The pages: each is a few sections of server-rendered HTML, refreshed in place by the page's
+script from ``/api/sections/<page>`` (the same functions render them both times).
+
+:data:`PAGES` is the one list of pages: a new page (the shared job stores' page, for one) is a
+:class:`PageDef` added to it, with a function from a :class:`Context` to its sections; the
+navigation, the routes and the refresh endpoint follow from the list.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from html import escape
+from typing import Any
+from urllib.parse import urlencode
+
+from ..cli.common import _age, _clip, _when
+from ..cli.ops import _duration, _offset
+from ..cli.tasks import record_json
+from ..locks.record import LockRecord, RunRecord
+from ..tasks import STATES, TaskRecord
+from ..version import __version__
+from .actions import AuditEntry
+from .alarms import Alarm, alarms
+from .charts import Bar, Series, bar_chart, count, line_chart
+from .jobsfile import JobsFile
+from .reads import Snapshot, StoreReader
+
+__all__ = ["PAGES", "Context", "PageDef", "render_page"]
+
+log = logging.getLogger(__name__)
+
+#: Tasks listed on the Tasks page at most (a bulk action takes every task the filter selects).
+TASK_ROWS = 100
+
+
+@dataclass
+class Context:
+    """What a page is rendered from: one snapshot, the jobs file, the request's query."""
+
+    base: str
+    reader: StoreReader
+    snap: Snapshot
+    jobs: JobsFile | None
+    actions: bool
+    audit: list[AuditEntry]
+    query: Mapping[str, str]
+
+    def link(self, path: str, **query: str | None) -> str:
+        params = {k: v for k, v in query.items() if v}
+        return escape(f"{self.base}/{path}" + (f"?{urlencode(params)}" if params else ""))
+
+
+@dataclass(frozen=True)
+class PageDef:
+    """A page: its path (``""`` is the Overview), title, whether the navigation shows it, and its sections."""
+
+    path: str
+    title: str
+    nav: bool
+    sections: Callable[[Context], dict[str, str]]
+
+
+# -- small pieces ---------------------------------------------------------------------------------
+def _badge(text: str, kind: str) -> str:
+    return f'<span class="badge {escape(kind)}">{escape(text)}</span>'
+
+
+def _button(ctx: Context, label: str, action: str, args: Mapping[str, Any], confirm: str = "", kind: str = "") -> str:
+    if not ctx.actions:
+        return ""
+    data = escape(json.dumps(dict(args)), quote=True)
+    ask = f' data-confirm="{escape(confirm, quote=True)}"' if confirm else ""
+    return f'<button class="act {escape(kind)}" data-action="{escape(action)}" data-args="{data}"{ask}>{escape(label)}</button>'
+
+
+def _table(header: Iterable[str], rows: Iterable[Iterable[str]], cls: str = "") -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
+    return f'<table class="{escape(cls)}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _t(value: Any) -> str:
+    return escape("-" if value is None or value == "" else str(value))
+
+
+def _ago(snap: Snapshot, when: datetime | None) -> str:
+    if when is None:
+        return "-"
+    seconds = (snap.now - when).total_seconds()
+    return escape(f"{_age(abs(seconds))} {'ago' if seconds >= 0 else 'ahead'}")
+
+
+def _outcome(run: RunRecord | None) -> str:
+    if run is None:
+        return _badge("no run kept", "muted")
+    return _badge(run.outcome, "ok" if run.outcome == "success" else "err")
+
+
+def _lag(run: RunRecord) -> float | None:
+    if run.started is None or run.fire_time is None:
+        return None
+    return max(0.0, (run.started - run.fire_time).total_seconds())
+
+
+def _notes(snap: Snapshot, *parts: str) -> str:
+    shown = [f'<p class="note">{_t(snap.notes[p])}</p>' for p in parts if p in snap.notes]
+    shown += [f'<p class="alarm error">{_t(p)}: {_t(snap.errors[p])}</p>' for p in parts if p in snap.errors]
+    return "".join(shown)
+
+
+def _jobs_of(ctx: Context, record: LockRecord) -> list[str]:
+    """The jobs of a lock: claimed in it, in its history, or in the jobs file under it."""
+    names = set(record.fire_times) | {r.job for r in ctx.snap.runs(record.name)}
+    if ctx.jobs is not None:
+        names |= {j.job_id for j in ctx.jobs.of_lock(record.name)}
+    return sorted(names)
+
+
+def known_jobs(snap: Snapshot, jobs: JobsFile | None) -> set[str]:
+    """Every job id the store, the jobs file or its shared job stores know (a trigger must name one)."""
+    names = {job for r in snap.locks or () for job in r.fire_times}
+    names |= {run.job for runs in snap.histories.values() for run in runs}
+    if jobs is not None:
+        names |= set(jobs.jobs)
+        try:
+            names |= {row["job"] for row in jobs.shared_jobs()}
+        except Exception:
+            log.debug("cannot read the shared job stores", exc_info=True)
+    return names
+
+
+# -- Overview -------------------------------------------------------------------------------------
+def overview(ctx: Context) -> dict[str, str]:
+    return {"counts": _counts(ctx), "alarms": _alarms(ctx), "nodes": _nodes(ctx), "audit": _audit(ctx)}
+
+
+def _counts(ctx: Context) -> str:
+    snap = ctx.snap
+    locks = snap.locks or []
+    nodes = snap.nodes or []
+    live = sum(1 for n in nodes if snap.live(n))
+    by_state = {s: sum(1 for r in locks if r.state == s) for s in ("active", "stale", "released")}
+    tasks = {s: sum(getattr(c, s) for c in snap.tasks or ()) for s in ("queued", "running", "failed")}
+    cells = [
+        ("locks", len(locks), f"{by_state['active']} held, {by_state['stale']} stale, {sum(r.paused for r in locks)} paused"),
+        ("jobs", len(known_jobs(snap, ctx.jobs)), "in the store" + (" and the jobs file" if ctx.jobs else "")),
+        ("nodes", live, f"live; {len(nodes) - live} stale" if snap.nodes is not None else "no presence kept"),
+        ("tasks queued", tasks["queued"], f"{sum(c.due_now for c in snap.tasks or ())} due now"),
+        ("tasks running", tasks["running"], ""),
+        ("tasks failed", tasks["failed"], ""),
+    ]
+    kind = {"tasks failed": "err" if tasks["failed"] else "", "locks": "warn" if by_state["stale"] else ""}
+    tiles = "".join(f'<div class="tile {kind.get(name, "")}"><div class="num">{value}</div><div class="lbl">{escape(name)}</div>'
+                    f'<div class="sub">{escape(sub)}</div></div>' for name, value, sub in cells)  # fmt: skip
+    clock = "the store's clock" if snap.now_from_store else "this host's clock (no record gave the store's)"
+    return (f'<div class="tiles">{tiles}</div><p class="muted">store {_t(snap.store)} · read at '
+            f"{_when(snap.now)} UTC by {clock} · {snap.calls} store calls, {snap.seconds * 1000:.1f} ms</p>"
+            + _notes(snap, "locks"))  # fmt: skip
+
+
+def _alarms(ctx: Context) -> str:
+    found: list[Alarm] = alarms(ctx.snap, ctx.jobs)
+    note = (
+        "" if ctx.jobs else '<p class="muted">Missed-run alarms need the schedules: start the dashboard with --jobs jobs.py.</p>'
+    )
+    if not found:
+        return f'<p class="ok-line">No alarms.</p>{note}'
+    items = "".join(f'<li class="alarm {escape(a.level)}">{_badge(a.kind, a.level)} {_t(a.text)}</li>' for a in found)
+    return f'<ul class="alarms">{items}</ul>{note}'
+
+
+def _nodes(ctx: Context) -> str:
+    snap = ctx.snap
+    if snap.nodes is None:
+        return _notes(snap, "nodes") or '<p class="muted">This store keeps no node presence.</p>'
+    if not snap.nodes:
+        return '<p class="muted">No node seen in the last 10 minutes.</p>'
+    # Locks held by the lock records (the holder, its lease running), not by the node's last presence:
+    # a node killed a moment ago still names its locks there until its presence goes stale.
+    held: dict[str, list[str]] = {}
+    for record in snap.locks or ():
+        if record.holder is not None and record.state == "active":
+            held.setdefault(record.holder, []).append(record.name)
+    rows = [
+        (_t(n.node_id), _badge("live", "ok") if snap.live(n) else _badge("stale", "warn"), _t(n.ip), _t(n.version),
+         _ago(snap, n.last_seen), escape(_offset(n.clock_offset)),
+         f'<span class="held">{_t(", ".join(held.get(n.node_id, [])) or None)}</span>')
+        for n in snap.nodes
+    ]  # fmt: skip
+    return _table(("node", "state", "IP", "version", "last seen", "clock offset", "locks held"), rows, "nodes")
+
+
+def _audit(ctx: Context) -> str:
+    if not ctx.audit:
+        return '<p class="muted">No action taken from this dashboard since it started.</p>'
+    rows = [(escape(f"{_when(e.at)} UTC"), _t(e.by), _t(e.action), _t(e.target), _t(e.result)) for e in ctx.audit[:15]]
+    return _table(("when", "by", "action", "target", "result"), rows)
+
+
+# -- Locks and jobs -------------------------------------------------------------------------------
+def locks(ctx: Context) -> dict[str, str]:
+    snap = ctx.snap
+    if not snap.locks:
+        return {"locks": _notes(snap, "locks", "history") or '<p class="muted">No lock in the store yet.</p>'}
+    return {"locks": _notes(snap, "history") + "".join(_lock_card(ctx, r) for r in snap.locks)}
+
+
+def _lock_card(ctx: Context, record: LockRecord) -> str:
+    state = _badge(record.state, {"active": "ok", "stale": "warn"}.get(record.state, "muted"))
+    paused = _badge(f"paused by {record.paused_by or '?'}", "warn") if record.paused else ""
+    lease = "-"
+    if record.state == "active" and record.heartbeat_age is not None:
+        lease = f"{max(0.0, record.ttl - record.heartbeat_age):.1f}s of {record.ttl:g}s"
+    buttons = (_button(ctx, "Resume", "resume", {"lock": record.name}, f"Resume lock {record.name}?")
+               + _button(ctx, "Resume + catch up", "resume", {"lock": record.name, "catch_up": True},
+                         f"Resume lock {record.name} and run each of its jobs once now?")
+               if record.paused else
+               _button(ctx, "Pause", "pause", {"lock": record.name}, f"Pause lock {record.name} on every node?",
+                       "warn"))  # fmt: skip
+    head = (f'<div class="card-head"><h3>{_t(record.name)}</h3>{state}{paused}<span class="kv">holder <b>{_t(record.holder)}</b>'
+            f'</span><span class="kv">lease left <b>{escape(lease)}</b></span>'
+            f'<span class="kv">token <b>{record.token}</b></span>'
+            f'<span class="actions">{buttons}</span></div>')  # fmt: skip
+    runs = list(reversed(ctx.snap.runs(record.name)))  # oldest first
+    charts = ""
+    if runs:
+        durations = [Bar(f"{r.job} {_when(r.ended)} {r.outcome} {_duration(r.duration)} on {r.node}", r.duration or 0.0,
+                         "ok" if r.outcome == "success" else "err") for r in runs]  # fmt: skip
+        lags = [Bar(f"{r.job} fire {_when(r.fire_time)}: started {_duration(lag)} late", lag, "lag")
+                for r in runs if (lag := _lag(r)) is not None]  # fmt: skip
+        charts = (f'<div class="charts">{bar_chart("run duration", durations, f"{len(runs)} kept runs")}'
+                  f'{bar_chart("start lag (fire time to first line)", lags)}</div>')  # fmt: skip
+    return f'<div class="card lock" data-lock="{escape(record.name, quote=True)}">{head}{_jobs_table(ctx, record)}{charts}</div>'
+
+
+def _jobs_table(ctx: Context, record: LockRecord) -> str:
+    rows = []
+    for job in _jobs_of(ctx, record):
+        last = next(iter(ctx.snap.runs(record.name, job)), None)
+        scheduled = ctx.jobs.jobs.get(job) if ctx.jobs is not None else None
+        following = scheduled.next_fire_time(ctx.snap.now) if scheduled is not None else None
+        trigger = _button(
+            ctx, "Trigger now", "trigger", {"job": job, "lock": record.name}, f"Run job {job} once now on its holder?"
+        )
+        rows.append((
+            f'<a href="{ctx.link("history", lock=record.name, job=job)}">{_t(job)}</a>',
+            _t(scheduled.schedule if scheduled else None),
+            escape(_when(following)),
+            escape(_when(record.fire_times.get(job))),
+            _outcome(last),
+            escape(_duration(last.duration)) if last else "-",
+            _t(last.node if last else None),
+            _ago(ctx.snap, last.ended) if last else "-",
+            _t(_clip(last.error, 60) if last and last.error else None),
+            f'{trigger}<span class="outcome" data-job="{escape(job, quote=True)}"></span>',
+        ))  # fmt: skip
+    header = (
+        "job",
+        "schedule",
+        "next fire (UTC)",
+        "last fire claimed (UTC)",
+        "last run",
+        "duration",
+        "node",
+        "ended",
+        "error",
+        "",
+    )
+    return _table(header, rows, "jobs")
+
+
+# -- History --------------------------------------------------------------------------------------
+def history(ctx: Context) -> dict[str, str]:
+    lock, job = ctx.query.get("lock") or None, ctx.query.get("job") or None
+    if lock is None:
+        locks = [r.name for r in ctx.snap.locks or ()]
+        links = "".join(f'<li><a href="{ctx.link("history", lock=name)}">{_t(name)}</a></li>' for name in locks)
+        return {"runs": f'<p>Choose a lock:</p><ul class="links">{links}</ul>' if links else '<p class="muted">No lock yet.</p>'}
+    runs = ctx.reader.history(lock, job)
+    if not runs:
+        return {
+            "runs": f'<p class="muted">No run of {_t(job or lock)} is kept '
+            "(?history=N on the lock URL keeps the last N runs per job).</p>"
+        }
+    oldest_first = list(reversed(runs))
+    durations = [Bar(f"{_when(r.ended)} {r.outcome} {_duration(r.duration)}", r.duration or 0.0,
+                     "ok" if r.outcome == "success" else "err") for r in oldest_first]  # fmt: skip
+    lags = [Bar(f"{_when(r.fire_time)}: {_duration(lag)} late", lag, "lag") for r in oldest_first if (lag := _lag(r)) is not None]
+    rows = [
+        (escape(f"{_when(r.ended)}"), _t(r.job), _outcome(r), escape(_duration(r.duration)), escape(_duration(_lag(r))),
+         _t(r.node), str(r.token), escape(_when(r.fire_time)), _t(r.error))
+        for r in runs
+    ]  # fmt: skip
+    table = _table(("ended (UTC)", "job", "outcome", "duration", "start lag", "node", "token", "fire time (UTC)", "error"), rows)
+    return {"runs": f'<div class="charts">{bar_chart("run duration", durations)}{bar_chart("start lag", lags)}</div>{table}'}
+
+
+# -- Tasks ----------------------------------------------------------------------------------------
+def tasks(ctx: Context) -> dict[str, str]:
+    return {"codes": _codes(ctx), "selection": _selection(ctx)}
+
+
+def _codes(ctx: Context) -> str:
+    snap = ctx.snap
+    if snap.tasks is None:
+        return _notes(snap, "tasks") or '<p class="muted">No task pool.</p>'
+    if not snap.tasks:
+        return _notes(snap, "tasks") or '<p class="muted">No tasks.</p>'
+    rows, charts = [], []
+    for c in snap.tasks:
+        handled = (
+            ""
+            if ctx.jobs is None or c.code in ctx.jobs.task_codes or not c.due_now
+            else _badge("no handler in the jobs file", "warn")
+        )
+        link = ctx.link("tasks", code=c.code, state="failed" if c.failed else None)
+        rows.append((f'<a href="{link}">{_t(c.code)}</a> {handled}',
+                     str(c.queued), str(c.due_now), str(c.running),
+                     _badge(str(c.failed), "err") if c.failed else "0",
+                     escape(_age(c.oldest_overdue))))  # fmt: skip
+        samples = list(ctx.reader.samples.get(c.code, ()))
+        backlog = line_chart(f"{c.code}: backlog", [Series("queued", "queued", [s.queued for s in samples]),
+                                                    Series("running", "running", [s.running for s in samples]),
+                                                    Series("failed", "failed", [s.failed for s in samples])],
+                             fmt=count)  # fmt: skip
+        lag = line_chart(f"{c.code}: lag of the oldest due task", [Series("lag", "lag", [s.lag for s in samples])])
+        charts.append(f'<div class="charts">{backlog}{lag}</div>')
+    table = _table(("code", "queued", "due now", "running", "failed", "oldest due waiting"), rows)
+    span = ""
+    if any(ctx.reader.samples.values()):
+        first = min(s[0].at for s in ctx.reader.samples.values() if s)
+        span = (f"sampled by this dashboard at each refresh since {_when(first)} UTC "
+                "(finished tasks leave the store: the backlog shows the flow)")
+    return f'{table}<p class="muted">{escape(span)}</p>{"".join(charts)}'
+
+
+def selection_filter(query: Mapping[str, str]) -> dict[str, str | None]:
+    state = query.get("state", "failed")
+    return {
+        "code": query.get("code") or None,
+        "state": state if state in STATES else None,
+        "key_contains": query.get("key") or None,
+    }
+
+
+def _selection(ctx: Context) -> str:
+    chosen = selection_filter(ctx.query)
+    try:
+        found = ctx.reader.tasks(chosen["code"], chosen["state"], chosen["key_contains"], TASK_ROWS + 1)
+    except Exception as exc:  # noqa: BLE001 - a store error is shown where the list would be
+        return f'<p class="alarm error">tasks: {_t(exc)}</p>'
+    total = len(found) if len(found) <= TASK_ROWS else _summary_count(ctx, chosen)
+    shown = found[:TASK_ROWS]
+    what = f"{total if total is not None else f'more than {TASK_ROWS}'} task{'s' if total != 1 else ''} match"
+    bulk = ""
+    if total and ctx.actions:
+        args = {"selection": chosen, "expected": total}
+        bulk = (_button(ctx, f"Retry {total}", "bulk", {**args, "action": "retry"}, f"Retry {total} tasks ({what})?")
+                + _button(ctx, f"Cancel {total}", "bulk", {**args, "action": "cancel"},
+                          f"Cancel {total} tasks ({what})? They are dropped.", "warn"))  # fmt: skip
+    rows = [
+        (f'<a href="{ctx.link("task", code=t.code, key=t.key)}">{_t(t.code)}/{_t(t.key)}</a>', _t(t.state), escape(_when(t.due)),
+         str(t.attempt), _t(t.owner), _t(_clip(t.last_error, 80) if t.last_error else None), _task_buttons(ctx, t))
+        for t in shown
+    ]  # fmt: skip
+    table = _table(("task", "state", "due (UTC)", "attempts", "owner", "last error", ""), rows, "tasks") if rows else ""
+    more = (
+        f'<p class="muted">The first {TASK_ROWS} are listed; the bulk action takes them all.</p>'
+        if len(found) > TASK_ROWS
+        else ""
+    )
+    return f'<div class="selection-head"><b>{escape(what)}</b> {bulk}</div>{table}{more}'
+
+
+def _summary_count(ctx: Context, chosen: Mapping[str, str | None]) -> int | None:
+    """The count of a long selection from the summary (no key filter), else None (not counted)."""
+    if chosen["key_contains"] or ctx.snap.tasks is None:
+        return None
+    codes = [c for c in ctx.snap.tasks if chosen["code"] in (None, c.code)]
+    states = [chosen["state"]] if chosen["state"] else ["queued", "running", "failed"]
+    return sum(int(getattr(c, s)) for c in codes for s in states if s is not None)
+
+
+def _task_buttons(ctx: Context, task: TaskRecord) -> str:
+    name = f"{task.code}/{task.key}"
+    retry = (
+        _button(ctx, "Retry", "retry", {"code": task.code, "key": task.key}, f"Retry {name} now?")
+        if task.state == "failed"
+        else ""
+    )
+    return retry + _button(
+        ctx, "Cancel", "cancel", {"code": task.code, "key": task.key}, f"Cancel {name}? It is dropped.", "warn"
+    )
+
+
+def task(ctx: Context) -> dict[str, str]:
+    code, key = ctx.query.get("code", ""), ctx.query.get("key", "")
+    found = ctx.reader.task(code, key) if code and key else None
+    if found is None:
+        return {"task": f'<p class="muted">No task {_t(code)}/{_t(key)} (finished tasks leave the store).</p>'}
+    fields = record_json(found)
+    payload = json.dumps(fields.pop("payload"), indent=2, ensure_ascii=False)
+    items = "".join(f"<dt>{escape(k)}</dt><dd>{_t(v)}</dd>" for k, v in fields.items())
+    return {"task": f'<div class="actions">{_task_buttons(ctx, found)}</div><dl class="fields">{items}</dl>'
+                    f"<h3>payload</h3><pre>{escape(payload)}</pre>"}  # fmt: skip
+
+
+# -- Shared jobs ----------------------------------------------------------------------------------
+def shared(ctx: Context) -> dict[str, str]:
+    return {"shared": _shared_jobs(ctx)}
+
+
+def _shared_jobs(ctx: Context) -> str:
+    jobs = ctx.jobs
+    if jobs is None:
+        return ('<p class="muted">The shared job stores are named by the jobs file: start the dashboard with '
+                "--jobs jobs.py.</p>")  # fmt: skip
+    if not jobs.shared:
+        return (f'<p class="muted">{_t(jobs.spec)} has no shared job store (a SQLAlchemyJobStore, RedisJobStore or '
+                "MongoDBJobStore in its MutexScheduler(jobstores=...)).</p>")  # fmt: skip
+    try:
+        rows = jobs.shared_jobs()
+    except Exception as exc:  # noqa: BLE001 - shown (its type only: a driver's text may hold the job store's URL)
+        log.warning("cannot read the shared job stores of %s: %s", jobs.spec, type(exc).__name__)
+        where = ", ".join(store.where for store in jobs.shared.values())
+        return f'<p class="alarm error">cannot read {_t(where)}: {_t(type(exc).__name__)} (see the dashboard\'s log)</p>'
+    if not rows:
+        return '<p class="muted">No job in the shared job stores.</p>'
+    return _table(("job", "store", "state", "schedule", "next run (UTC)", "lock", "holder", "last run", ""),
+                  [_shared_row(ctx, row) for row in rows], "shared")  # fmt: skip
+
+
+def _shared_row(ctx: Context, row: Mapping[str, Any]) -> tuple[str, ...]:
+    job, lock = str(row["job"]), row.get("lock")
+    if "error" in row:
+        return (_t(job), _t(row["store"]), _badge("unreadable", "err"), _t(row["error"]), "-", "-", "-", "-", "")
+    record = ctx.snap.lock(lock) if lock else None
+    holder = record.holder if record is not None and record.state == "active" else None
+    last = next(iter(ctx.snap.runs(lock, job)), None) if lock else None
+    paused = row.get("next_run") is None
+    what = f"job {job}"
+    buttons = (
+        (_button(ctx, "Resume", "job_resume", {"job": job}, f"Resume {what} on every node (next fire time from now)?")
+         if paused else
+         _button(ctx, "Pause", "job_pause", {"job": job}, f"Pause {what} on every node?", "warn"))
+        + _button(ctx, "Run now", "trigger", {"job": job, "lock": lock}, f"Run {what} once now on its holder?")
+        + _button(ctx, "Remove", "job_remove", {"job": job}, f"Remove {what} from its store? Every node lets go of it.",
+                  "warn")
+    )  # fmt: skip
+    next_run = row.get("next_run")
+    return (
+        f'<a href="{ctx.link("history", lock=lock, job=job)}">{_t(job)}</a>',
+        _t(row["store"]),
+        _badge("paused", "warn") if paused else _badge("scheduled", "ok"),
+        _t(row.get("trigger")),
+        escape(_when(next_run)) + (f' <span class="muted">{_ago(ctx.snap, next_run)}</span>' if next_run else ""),
+        _t(lock),
+        _t(holder),
+        (f"{_outcome(last)} {_ago(ctx.snap, last.ended)}" if last else _t(_when(record.last_run_finished) if record else None)),
+        f'<span class="actions">{buttons}</span><span class="outcome" data-job="{escape(job, quote=True)}"></span>',
+    )
+
+
+PAGES: dict[str, PageDef] = {
+    page.path: page
+    for page in (
+        PageDef("", "Overview", True, overview),
+        PageDef("locks", "Locks and jobs", True, locks),
+        PageDef("shared", "Shared jobs", True, shared),
+        PageDef("tasks", "Tasks", True, tasks),
+        PageDef("history", "History", True, history),
+        PageDef("task", "Task", False, task),
+    )
+}
+
+_SECTION_TITLES = {"counts": "", "alarms": "Alarms", "nodes": "Nodes", "audit": "Recent actions (this dashboard)", "locks": "",
+                   "codes": "Tasks by code", "selection": "Selection", "runs": "", "task": "", "shared": ""}  # fmt: skip
+
+
+_DOCUMENT = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title} · mutexcron</title>
+<meta name="mc-base" content="{base}"><meta name="mc-page" content="{page}">
+<meta name="mc-refresh" content="{refresh}"><meta name="mc-csrf" content="{csrf}"><meta name="mc-actions" content="{actions}">
+<link rel="stylesheet" href="{base}/static/dashboard.css"><script src="{base}/static/dashboard.js" defer></script>
+</head><body>
+<header><span class="brand">mutexcron</span><nav>{nav}</nav><span class="store">{store}</span>{token_box}</header>
+<main><div class="title-row"><h1>{heading}</h1><span id="stamp" class="muted">updated {now} UTC · every {refresh}s</span></div>
+<div id="flash" role="status"></div>
+{filters}{body}</main>
+<footer>mutexcron {version} dashboard</footer>
+</body></html>"""
+
+_ACTIONS_FORM = (
+    '<form id="token" class="token" autocomplete="off"><input id="token-name" placeholder="your name" maxlength="64">'
+    '<input id="token-value" type="password" placeholder="action token"><button type="submit">Use for actions</button>'
+    '<span id="token-state"></span></form>'
+)
+
+
+def _section(name: str, html: str) -> str:
+    title = _SECTION_TITLES.get(name, "")
+    heading = f"<h2>{escape(title)}</h2>" if title else ""
+    return f'<section>{heading}<div id="s-{escape(name)}" class="live">{html}</div></section>'
+
+
+def render_page(ctx: Context, page: PageDef, csrf: str, refresh: float) -> str:
+    """The whole page: navigation, the sections, and the refresh script's settings in meta tags."""
+    nav = "".join(
+        f'<a class="{"active" if p.path == page.path else ""}" href="{ctx.link(p.path)}">{escape(p.title)}</a>'
+        for p in PAGES.values()
+        if p.nav
+    )
+    return _DOCUMENT.format(
+        title=escape(page.title),
+        base=escape(ctx.base, quote=True),
+        page=escape(page.path or "overview", quote=True),
+        refresh=f"{refresh:g}",
+        csrf=escape(csrf, quote=True),
+        actions="1" if ctx.actions else "0",
+        nav=nav,
+        store=_t(ctx.snap.store),
+        token_box=_ACTIONS_FORM if ctx.actions else '<span class="readonly">read-only</span>',
+        heading=_heading(ctx, page),
+        now=escape(_when(ctx.snap.now)),
+        filters=_filters(ctx) if page.path == "tasks" else "",
+        body="".join(_section(name, html) for name, html in page.sections(ctx).items()),
+        version=escape(__version__),
+    )
+
+
+def _heading(ctx: Context, page: PageDef) -> str:
+    if page.path == "history" and ctx.query.get("lock"):
+        job = ctx.query.get("job")
+        return escape(f"History of {job} (lock {ctx.query['lock']})" if job else f"History of lock {ctx.query['lock']}")
+    if page.path == "task":
+        return escape(f"Task {ctx.query.get('code', '')}/{ctx.query.get('key', '')}")
+    return escape(page.title)
+
+
+def _filters(ctx: Context) -> str:
+    chosen = selection_filter(ctx.query)
+    key = escape(chosen["key_contains"] or "", quote=True)
+    codes = sorted({c.code for c in ctx.snap.tasks or ()} | ({chosen["code"]} if chosen["code"] else set()))
+    code_options = '<option value="">every code</option>' + "".join(
+        f"<option{' selected' if c == chosen['code'] else ''}>{_t(c)}</option>" for c in codes
+    )
+    state_options = f'<option value="any"{" selected" if chosen["state"] is None else ""}>every state</option>' + "".join(
+        f"<option{' selected' if s == chosen['state'] else ''}>{escape(s)}</option>" for s in STATES
+    )
+    return (f'<form class="filters" method="get" action="{ctx.link("tasks")}"><label>code <select name="code">{code_options}'
+            f'</select></label><label>state <select name="state">{state_options}</select></label><label>key contains '
+            f'<input name="key" value="{key}"></label><button type="submit">Filter</button></form>')  # fmt: skip

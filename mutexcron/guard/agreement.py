@@ -1,0 +1,150 @@
+"""What the nodes guarding one lock must agree on, and the one line when they do not: another
+jobs file (:class:`Agreement`), or another process with this node's id (:class:`SharedNodeId`).
+
+Every node must run the same jobs file (docs/api.md): a node with another lease or another
+trigger for a job of the lock takes the lock over on its own terms, or claims fire times the
+holder never names. Nothing breaks "once" at once, which is why it goes unnoticed. The records
+the nodes already write say it: each lock record carries its holder's lease (``ttl``), and the
+holder writes the lock's jobs with their triggers beside its time zone when it takes the lock
+(:meth:`mutexcron.locks.LockStore.set_zone`). A node that reads a record held by another node
+compares both with its own and says each new difference once, naming the two nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+
+from ..locks.base import FireClaim
+from ..locks.record import LockRecord
+from ..names import printable
+
+__all__ = ["Agreement", "SharedNodeId", "differences"]
+
+log = logging.getLogger(__name__)
+
+#: Leases differing by less than this (seconds) are the same lease (stored in milliseconds).
+_SAME_LEASE = 0.001
+
+
+def differences(
+    record: LockRecord, lease: float | None, jobs: Mapping[str, str] | None, holder_jobs: Mapping[str, str] | None
+) -> list[str]:
+    """How this node's ``lease`` and ``jobs`` (job id -> trigger) for ``record``'s lock differ from
+    its holder's (``holder_jobs``: what the holder wrote; None: it wrote nothing to compare)."""
+    theirs = printable(record.holder or "?")
+    out: list[str] = []
+    if lease is not None and record.ttl and abs(record.ttl - lease) >= _SAME_LEASE:
+        out.append(f"lease {record.ttl:g}s on {theirs}, {lease:g}s here")
+    if jobs is None or holder_jobs is None:
+        return out
+    for job in sorted(set(jobs) | set(holder_jobs)):
+        mine, other = jobs.get(job), holder_jobs.get(job)
+        if mine == other:
+            continue
+        name = printable(job)
+        if other is None:
+            out.append(f"job {name!r} only here ({printable(mine)})")
+        elif mine is None:
+            out.append(f"job {name!r} only on {theirs} ({printable(other)})")
+        else:
+            out.append(f"job {name!r}: {printable(other)} on {theirs}, {printable(mine)} here")
+    return out
+
+
+class Agreement:
+    """Compares the records this node reads with its own jobs file: one WARNING per lock when a
+    difference appears or changes, one INFO line when the lock's nodes agree again."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self._said: dict[str, str] = {}  # lock -> the differences last said
+        self._mutex = threading.Lock()
+
+    def check(
+        self, record: LockRecord, lease: float | None, jobs: Mapping[str, str] | None, holder_jobs: Mapping[str, str] | None
+    ) -> list[str]:
+        """Compare ``record`` (held by another node) with this node's settings; returns the differences."""
+        if record.holder is None or record.holder == self.node_id:
+            return []
+        found = differences(record, lease, jobs, holder_jobs)
+        text = "; ".join(found)
+        with self._mutex:
+            before = self._said.get(record.name)
+            if found:
+                self._said[record.name] = text
+            else:
+                self._said.pop(record.name, None)
+        if found and text != before:
+            log.warning(
+                "lock %r: this node (%s) and its holder %s run different jobs files: %s. Every node must run the "
+                "same jobs file (same job ids, triggers and lease): the lock's fire times and failover follow "
+                "whichever node holds it",
+                printable(record.name), printable(self.node_id), printable(record.holder), text,
+            )  # fmt: skip
+        elif not found and before is not None:
+            log.info("lock %r: this node and its holder %s agree again", printable(record.name), printable(record.holder))
+        return found
+
+    def forget(self, lock: str) -> None:
+        with self._mutex:
+            self._said.pop(lock, None)
+
+
+class SharedNodeId:
+    """Notices a second process that runs with this node's id.
+
+    Two processes with one node id both "hold" every lock either takes: the store sees one holder,
+    renews it for both and gives both the same token. What still tells them apart is the fire
+    claim: each claim carries a nonce, so of two claims of one fire time only one is won. A claim
+    lost on a lock this process holds, for a fire time it never tried before, was made by another
+    writer with this node's id. The first lease after taking a lock is not counted (a restarted
+    node may inherit its own lease and claims); from the second such loss on, one ERROR line.
+    """
+
+    #: Claims remembered (lock, job, fire time), to tell this process's own retries apart.
+    REMEMBERED = 4096
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self._tries: OrderedDict[tuple[str, str, int], int] = OrderedDict()
+        self._since: dict[str, float] = {}  # lock -> when this process took it (its monotonic clock)
+        self._lost = 0
+        self._said = False
+        self._mutex = threading.Lock()
+
+    def took(self, lock: str, at: float) -> None:
+        with self._mutex:
+            self._since[lock] = at
+
+    def sent(self, lock: str, claim: FireClaim) -> None:
+        """This process is about to send ``claim``."""
+        key = (lock, claim.job_id, claim.fire_us)
+        with self._mutex:
+            self._tries[key] = self._tries.pop(key, 0) + 1
+            while len(self._tries) > self.REMEMBERED:
+                self._tries.popitem(last=False)
+
+    def lost(self, lock: str, claim: FireClaim, lease: float, now: float) -> None:
+        """``claim`` on ``lock``, which this process holds, was not won (and the lock is not paused)."""
+        with self._mutex:
+            if self._tries.get((lock, claim.job_id, claim.fire_us), 0) > 1:
+                return  # this process tried that fire time before (a catch-up, a retried trigger)
+            since = self._since.get(lock)
+            if since is None or now - since < lease:
+                return
+            self._lost += 1
+            say = self._lost >= 2 and not self._said
+            self._said = self._said or say
+            count = self._lost
+        if say:
+            node = printable(self.node_id)
+            log.error(
+                "lock %r: fire times of a lock this node holds were claimed by another writer with this node's id "
+                "(%d so far): another process runs with node id %s. Both believe they hold the locks they share, "
+                "with one token, and fencing no longer tells them apart. Give every process its own --node-id "
+                "(MUTEXCRON_NODE_ID), or leave it unset: the default is unique per process",
+                printable(lock), count, node,
+            )  # fmt: skip

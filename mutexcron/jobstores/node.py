@@ -1,0 +1,294 @@
+"""What one scheduler knows of its shared job stores: each shared job's guard and lock, the
+watcher that brings other writers' changes, and the rule for ``mutex=``.
+
+The rule: **every job in a shared store is guarded**, with a lock per job id. Its guard options are
+read from the job's function, where every node (one started later too) finds them in the code:
+``@sched.mutex(lock=..., unactive_interval=..., ping=...)`` on the function. ``add_job(mutex=None)``
+and ``mutex=True`` get that guard; ``mutex=False`` (run on every node) and option dicts given to
+``add_job`` alone (which other nodes could not know) are refused with the fix.
+
+A node takes the locks of shared jobs only while its scheduler runs: a web process that starts its
+scheduler paused (to add and change jobs, as APScheduler's docs advise) never holds one. A node
+runs only the jobs whose lock it holds; a job is removed anywhere, and every node lets go of its lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from apscheduler.events import (
+    EVENT_JOB_ADDED,
+    EVENT_JOB_MODIFIED,
+    EVENT_JOB_REMOVED,
+    EVENT_SCHEDULER_PAUSED,
+    EVENT_SCHEDULER_RESUMED,
+    EVENT_SCHEDULER_STARTED,
+    JobEvent,
+)
+from apscheduler.schedulers.base import STATE_RUNNING
+from apscheduler.util import obj_to_ref
+
+from ..errors import ConfigurationError
+from ..events import EVENT_LOCK_ACQUIRED, EVENT_LOCK_TAKEN_OVER
+from ..guard import apscheduler_internals as aps
+from ..guard.firetimes import guard_trigger
+from ..guard.job import GuardedJob, MutexConfig
+from .states import kind_of_change
+from .watch import Watcher
+
+if TYPE_CHECKING:
+    from .base import SharedJobStore
+
+log = logging.getLogger(__name__)
+
+
+def config_of_function(func: Any, job_id: str) -> MutexConfig:
+    """A shared job's guard: its function's ``@sched.mutex(...)`` options, else a lock named as the job."""
+    found = getattr(func, "__mutexcron_mutex__", None)
+    config = found if isinstance(found, MutexConfig) else MutexConfig()
+    if config.callable_lock:
+        raise ConfigurationError(
+            f"job {job_id!r} is in a shared job store, where the lock is the store's: mutex(lock=<callable>) "
+            "(your own lock functions) is not supported there; give a lock name or none"
+        )
+    return config if config.lock is not None else dataclasses.replace(config, lock=job_id)
+
+
+class SharedJobs:
+    """The shared job stores of one scheduler (``sched._shared_jobs``)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.sched = scheduler
+        self._mutex = threading.RLock()
+        self._stores: list[SharedJobStore] = []
+        self._watchers: dict[int, Watcher[SharedJobStore]] = {}
+        self._guards: dict[str, tuple[Any, GuardedJob]] = {}  # job id -> (its function, its guard)
+        self._leased: set[str] = set()  # locks handed to the lease manager
+        self._explicit: set[str] = set()  # jobs added with next_run_time= given
+        self._warned: dict[str, str] = {}  # job id -> the restore error last warned about
+        self._listening = False
+
+    # -- add_job ---------------------------------------------------------------------------------
+    def config_for_add(self, func: Any, mutex: Any, job_id: str, alias: str) -> MutexConfig:
+        """The guard of a job added to shared store ``alias`` (see the module's rule)."""
+        where = f"job {job_id!r} is in the shared job store {alias!r}"
+        if mutex is False:
+            raise ConfigurationError(
+                f"{where}, where each job runs once per fire time across the cluster; mutex=False would run it "
+                "on every node: add it to a memory job store instead (jobstores={'local': MemoryJobStore()}, "
+                "add_job(..., jobstore='local', mutex=False))"
+            )
+        if mutex is not None and mutex is not True:
+            raise ConfigurationError(
+                f"{where}: its guard options must be known to every node, so they go on its function, where "
+                "every node reads them: decorate the function with @sched.mutex(lock=..., unactive_interval=...) "
+                "and add the job with mutex=True (or no mutex=)"
+            )
+        return config_of_function(func, job_id)
+
+    @staticmethod
+    def config_of(func: Any, job_id: str) -> MutexConfig:
+        return config_of_function(func, job_id)
+
+    def mark_explicit(self, job_id: str) -> None:
+        """``add_job(next_run_time=...)``: a replacement writes that time, not the stored one."""
+        self._explicit.add(job_id)
+
+    def explicit_next_run_time(self, job_id: str) -> bool:
+        return job_id in self._explicit
+
+    def register(self, job_id: str, func: Any, guard: GuardedJob) -> None:
+        """The guard of a shared job, built where the job is added or restored."""
+        with self._mutex:
+            previous = self._guards.get(job_id)
+            self._guards[job_id] = (func, guard)
+            context = self.sched._guard_context
+            if previous is not None:
+                context.jobs_per_lock[previous[1].lock] -= 1
+            self.sched._guarded[job_id] = guard
+            context.jobs_per_lock[guard.lock] += 1
+            if previous is not None and previous[1].lock != guard.lock:
+                self._release_if_unused(previous[1].lock)
+        self._lease_locks()
+
+    def owns(self, job_id: str) -> bool:
+        return job_id in self._guards
+
+    # -- restoring a stored job ----------------------------------------------------------------------
+    def guard(self, store: SharedJobStore, job: Any) -> bool:
+        """Put the job's guard in place of its function; False if it has none on this node."""
+        func = job.func
+        with self._mutex:
+            known = self._guards.get(job.id)
+        if known is not None and known[0] is func:
+            guard = known[1]
+        else:
+            try:
+                config = config_of_function(func, job.id)
+                guard = self.sched._guard(func, config, job.id)
+                self.sched._check_group(guard)
+            except ConfigurationError as exc:
+                self._warn(job.id, f"job {job.id!r} in {store.where} is not run on this node: {exc}")
+                return False
+            self.register(job.id, func, guard)
+        job.func = guard
+        job.trigger = guard_trigger(job.trigger, job.id, anchor=False)
+        return True
+
+    def func_ref(self, job: Any) -> str:
+        """The ``module:function`` text of a guarded shared job's own function."""
+        try:
+            ref: str = obj_to_ref(job.func.func)
+        except ValueError:
+            ref = job.func_ref
+        return ref
+
+    def unrestorable(self, store: SharedJobStore, job_id: str, exc: BaseException) -> None:
+        self._warn(
+            job_id,
+            f"job {job_id!r} in {store.where} cannot be restored on this node ({type(exc).__name__}: {exc}): "
+            "it does not run here, and it stays in the store for the nodes that can import it",
+        )
+
+    def _warn(self, job_id: str, text: str) -> None:
+        """One warning per job and problem (not one per loop pass)."""
+        with self._mutex:
+            if self._warned.get(job_id) == text:
+                return
+            self._warned[job_id] = text
+        log.warning("%s", text)
+
+    # -- which jobs this node runs ---------------------------------------------------------------------
+    def held_jobs(self, store: SharedJobStore) -> set[str]:
+        """The jobs of ``store`` whose lock this node holds now."""
+        leases = self.sched._leases
+        if leases is None or self.sched.state != STATE_RUNNING:
+            return set()
+        held = leases.held()
+        with self._mutex:
+            return {job_id for job_id in store._known if (g := self._guards.get(job_id)) is not None and g[1].lock in held}
+
+    def _lease_locks(self) -> None:
+        """Hand the shared jobs' locks to the lease manager while the scheduler runs."""
+        leases = self.sched._leases
+        if leases is None or self.sched.state != STATE_RUNNING or leases.stopping:
+            return
+        with self._mutex:
+            wanted = {g.lock: g.ttl for _func, g in self._guards.values()}
+            new = {lock: ttl for lock, ttl in wanted.items() if lock not in self._leased}
+            self._leased.update(new)
+        for lock, ttl in new.items():
+            leases.add_lock(lock, ttl)
+        if new:
+            leases.wake()  # take them now, not after a round planned without them
+
+    def _unlease_locks(self) -> None:
+        leases = self.sched._leases
+        with self._mutex:
+            locks, self._leased = set(self._leased), set()
+        if leases is not None and not leases.stopping:
+            for lock in locks:
+                leases.remove_lock(lock)
+
+    def forget(self, store: SharedJobStore, job_id: str) -> None:
+        """The job is gone from the store (removed anywhere, or its last run submitted): its guard
+        goes by the scheduler's ``forget_job``, as for any removed guarded job (when a run of it
+        still going ends), and with the last job of its lock, the lock."""
+        with self._mutex:
+            known = self._guards.pop(job_id, None)
+            self._explicit.discard(job_id)
+            self._warned.pop(job_id, None)
+            if known is None:
+                return
+            lock = known[1].lock
+            if not any(g.lock == lock for _f, g in self._guards.values()):
+                self._leased.discard(lock)  # forget_job lets go of it; a new job of it leases it again
+        if self.sched._guarded.get(job_id) is known[1]:
+            self.sched.forget_job(job_id)
+
+    def _release_if_unused(self, lock: str) -> None:
+        if any(g.lock == lock for _f, g in self._guards.values()) or lock not in self._leased:
+            return
+        self._leased.discard(lock)
+        leases = self.sched._leases
+        if leases is not None:
+            leases.remove_lock(lock)
+
+    # -- stores and their watchers ---------------------------------------------------------------------
+    def attach(self, store: SharedJobStore) -> None:
+        """A shared store starts: read its jobs (no events: nothing changed), then watch it."""
+        self._listen()
+        with self._mutex:
+            self._stores.append(store)
+        self.refresh(store, initial=True)
+        watcher = Watcher(store, self.refresh, str(store._alias))
+        with self._mutex:
+            self._watchers[id(store)] = watcher
+        watcher.start()
+
+    def detach(self, store: SharedJobStore) -> None:
+        with self._mutex:
+            watcher = self._watchers.pop(id(store), None)
+            if store in self._stores:
+                self._stores.remove(store)
+        if watcher is not None:
+            watcher.stop()
+
+    def watcher(self, store: SharedJobStore) -> Watcher[SharedJobStore] | None:
+        return self._watchers.get(id(store))
+
+    def refresh(self, store: SharedJobStore, initial: bool = False) -> None:
+        """Read the store and act on what other writers changed: guards, locks, events, a wake-up."""
+        before, now = store.snapshot()
+        events: list[tuple[int, str]] = []
+        for job_id in now.keys() - before.keys():
+            store.restore(job_id, now[job_id])
+            events.append((EVENT_JOB_ADDED, job_id))
+        for job_id in before.keys() - now.keys():
+            self.forget(store, job_id)
+            events.append((EVENT_JOB_REMOVED, job_id))
+        for job_id in now.keys() & before.keys():
+            if now[job_id] != before[job_id] and kind_of_change(before[job_id], now[job_id]) == "modified":
+                store.restore(job_id, now[job_id])  # a new function gets its guard
+                events.append((EVENT_JOB_MODIFIED, job_id))
+        if initial or not events:
+            return
+        for code, job_id in events:
+            aps.dispatch_event(self.sched, JobEvent(code, job_id, store._alias))
+        self.wake()
+
+    def wake(self) -> None:
+        if self.sched.state == STATE_RUNNING:
+            self.sched.wakeup()
+
+    # -- the scheduler's state ---------------------------------------------------------------------------
+    def _listen(self) -> None:
+        if self._listening:
+            return
+        self._listening = True
+        self.sched.add_listener(self._on_state, EVENT_SCHEDULER_STARTED | EVENT_SCHEDULER_RESUMED | EVENT_SCHEDULER_PAUSED)
+        self.sched.add_listener(self._on_lock, EVENT_LOCK_ACQUIRED | EVENT_LOCK_TAKEN_OVER)
+
+    def _on_state(self, event: Any) -> None:
+        if event.code == EVENT_SCHEDULER_PAUSED:
+            self._unlease_locks()
+        else:
+            self._lease_locks()
+
+    def _on_lock(self, event: Any) -> None:
+        """A lock of a shared job became this node's: its loop looks at that job's next run time now."""
+        with self._mutex:
+            ours = event.lock in self._leased
+        if ours:
+            self.wake()
+
+
+def lazily(factory: Callable[[], SharedJobs], owner: Any) -> SharedJobs:
+    found: SharedJobs | None = owner.__dict__.get("_shared_jobs_state")
+    if found is None:
+        found = owner.__dict__["_shared_jobs_state"] = factory()
+    return found

@@ -1,0 +1,1 @@
+"""What a node tells about itself: Prometheus metrics and their instruments, the HTTP endpoints, pings, clock offset."""

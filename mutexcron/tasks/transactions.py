@@ -1,0 +1,399 @@
+"""Tasks inside the application's own transaction (SQL stores).
+
+``pool.add(..., transaction=conn)`` and ``pool.cancel(..., transaction=conn)`` run the task store's
+own statements (:mod:`mutexcron.tasks.sql_statements`, bound parameters only, after the same
+input checks) on the caller's connection, inside the transaction it has open: the task exists if
+and only if that transaction commits. ``task.complete(conn)`` in a handler runs the fenced
+statement the worker would run (:meth:`SQLTaskStore.complete`'s) the same way: the handler's
+writes and the end of its task commit together, or not at all.
+
+Accepted as ``transaction``:
+
+* a SQLAlchemy ``Connection`` (inside ``engine.begin()``, or one that began a transaction) or
+  ``Session``;
+* a DB-API connection of one of the drivers below (psycopg 3 or psycopg2, PyMySQL or mysqlclient,
+  sqlite3);
+* Django's ``connection`` (``django.db.connection`` or ``connections[alias]``) inside
+  ``transaction.atomic()``.
+
+Checked first, cheaply, so that a task never lands outside the transaction or in another
+database: the connection is a transaction (not autocommit with none open), its database is the
+store's kind (dialect), and its database is the store's: the same database name (PostgreSQL,
+MySQL: read from the driver's connection, no round trip where the driver keeps it) or the same
+SQLite file. The server (host, port) and a PostgreSQL ``search_path`` are not checked.
+
+Wake-ups: PostgreSQL's ``pg_notify`` in the insert is transactional (sent on commit); on SQLite
+the workers' change check and on MySQL/MariaDB their poll find the task once the transaction
+commits. The in-process wake-up of :meth:`SQLTaskStore.add` is not sent: it would come before the
+commit.
+
+Errors of the caller's own connection (a lock wait, a lost connection) are the caller's driver's
+or library's exceptions, raised as they are: the transaction is theirs to roll back or retry.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Connection, Dialect
+from sqlalchemy.sql.elements import TextClause
+
+from ..errors import ConfigurationError, StaleTaskError, StoreUnavailableError
+from .base import AddResult, Due, Outcome, TaskStore
+from .checks import check_due, check_on_conflict, check_outcome, check_task, dump_payload, reschedule_payload
+
+__all__ = ["CallerTransaction", "adapt", "add_in", "cancel_in", "complete_in"]
+
+#: DB-API driver module -> (the store dialect it speaks, SQLAlchemy's name for it).
+DRIVERS = {
+    "sqlite3": ("sqlite", "sqlite.pysqlite"),
+    "psycopg": ("postgresql", "postgresql.psycopg"),
+    "psycopg2": ("postgresql", "postgresql.psycopg2"),
+    "pymysql": ("mysql", "mysql.pymysql"),
+    "MySQLdb": ("mysql", "mysql.mysqldb"),
+}
+_ACCEPTED = (
+    "a SQLAlchemy Connection or Session in a transaction, a DB-API connection (psycopg, psycopg2, PyMySQL, "
+    "mysqlclient, sqlite3), or Django's connection inside transaction.atomic()"
+)
+#: Rounds of a cancel whose row keeps changing state between its statements (as SQLTaskStore's).
+_ROUNDS = 5
+
+
+class _Rows:
+    """What a DB-API cursor returned, as the store's code reads a SQLAlchemy result."""
+
+    def __init__(self, rows: list[Any], rowcount: int) -> None:
+        self._rows, self.rowcount = rows, rowcount
+
+    def fetchone(self) -> Any:
+        return self._rows[0] if self._rows else None
+
+    def fetchall(self) -> list[Any]:
+        return list(self._rows)
+
+
+@dataclass(frozen=True)
+class CallerTransaction:
+    """The caller's open transaction, as the task store's statements run on it.
+
+    Attributes:
+        dialect: the store dialect of its database (``sqlite``, ``mysql``, ``postgresql``).
+        raw: the driver's connection underneath.
+        run: runs one statement (a ``text()`` clause and its parameters) in the transaction.
+        is_duplicate: says whether an exception of ``run`` is a duplicate-key error (MySQL's insert).
+    """
+
+    dialect: str
+    raw: Any
+    run: Callable[[TextClause, Mapping[str, Any]], Any]
+    is_duplicate: Callable[[BaseException], bool]
+
+    def execute(self, clause: TextClause, params: Mapping[str, Any]) -> Any:
+        """One statement; the result has ``fetchone()``, ``fetchall()`` and ``rowcount``."""
+        return self.run(clause, params)
+
+
+def adapt(transaction: Any) -> CallerTransaction:
+    """The caller's transaction, whatever form it came in (see the module docstring).
+
+    Raises:
+        ConfigurationError: not a form accepted, or a connection with no transaction open.
+    """
+    if isinstance(transaction, Connection):
+        return _from_sqlalchemy(transaction)
+    kind = type(transaction).__module__
+    if kind.startswith("sqlalchemy."):
+        from sqlalchemy.orm import Session
+
+        if isinstance(transaction, Session):
+            return _from_sqlalchemy(transaction.connection())
+        raise ConfigurationError(
+            f"transaction={type(transaction).__name__}: pass the Connection or Session your transaction runs on "
+            "(with engine.begin() as conn: ...): an Engine has no transaction, and asyncio connections are not "
+            "supported; accepted: " + _ACCEPTED
+        )
+    if kind.startswith("django.") and hasattr(transaction, "in_atomic_block"):
+        return _from_django(transaction)
+    driver = kind.split(".")[0]
+    if driver in DRIVERS:
+        return _from_dbapi(transaction, driver)
+    raise ConfigurationError(
+        f"transaction={type(transaction).__name__}: not a connection mutexcron can use; accepted: {_ACCEPTED}"
+    )
+
+
+def _from_sqlalchemy(conn: Connection) -> CallerTransaction:
+    raw = conn.connection.dbapi_connection  # the pooled connection of this transaction (no round trip)
+    driver = _driver(raw)
+    dialect = "mysql" if conn.dialect.name == "mariadb" else conn.dialect.name
+    if driver in DRIVERS:
+        _check_open(raw, driver, "this SQLAlchemy connection")
+
+    def run(clause: TextClause, params: Mapping[str, Any]) -> Any:
+        return conn.execute(clause, dict(params))
+
+    return CallerTransaction(dialect, raw, run, _is_duplicate)
+
+
+def _from_django(wrapper: Any) -> CallerTransaction:
+    if not wrapper.in_atomic_block:
+        raise ConfigurationError(
+            f"Django's connection {wrapper.alias!r} is in autocommit mode here: the task would be committed at once, "
+            "whatever happens to your writes. Add it inside `with transaction.atomic():` (or an atomic view)"
+        )
+    wrapper.ensure_connection()
+    raw = wrapper.connection
+    driver = _driver(raw)
+    if driver not in DRIVERS:
+        raise ConfigurationError(
+            f"Django's connection {wrapper.alias!r} uses the driver {driver!r}; accepted: {', '.join(DRIVERS)}"
+        )
+    return _from_dbapi(raw, driver)
+
+
+def _from_dbapi(raw: Any, driver: str) -> CallerTransaction:
+    _check_open(raw, driver, f"this {driver} connection")
+    dialect, sa_name = DRIVERS[driver]
+    compiled_for = _compiler(sa_name)
+
+    def run(clause: TextClause, params: Mapping[str, Any]) -> Any:
+        sql, positional = compiled_for(clause)
+        values: Any = tuple(params[name] for name in positional) if positional is not None else dict(params)
+        cursor = raw.cursor()
+        try:
+            cursor.execute(sql, values)
+            rows = list(cursor.fetchall()) if cursor.description else []
+            return _Rows(rows, cursor.rowcount)
+        finally:
+            cursor.close()
+
+    return CallerTransaction(dialect, raw, run, _is_duplicate)
+
+
+@functools.lru_cache(maxsize=16)
+def _dialect(sa_name: str) -> Dialect:
+    from sqlalchemy.dialects import registry
+
+    family, driver = sa_name.split(".")
+    dialect: Dialect = registry.load(f"{family}.{driver}")()
+    return dialect
+
+
+def _compiler(sa_name: str) -> Callable[[TextClause], tuple[str, tuple[str, ...] | None]]:
+    """The statement in the driver's own parameter style, and the parameter order if positional."""
+    dialect = _dialect(sa_name)
+    return functools.partial(_compile, dialect)
+
+
+def _compile(dialect: Dialect, clause: TextClause) -> tuple[str, tuple[str, ...] | None]:
+    return _compile_text(dialect, clause.text)
+
+
+@functools.lru_cache(maxsize=512)
+def _compile_text(dialect: Dialect, sql: str) -> tuple[str, tuple[str, ...] | None]:
+    compiled = _text(sql).compile(dialect=dialect)
+    order = compiled.positiontup
+    return compiled.string, (tuple(order) if compiled.positional and order is not None else None)
+
+
+def _check_open(raw: Any, driver: str, what: str) -> None:
+    """Refuse a connection on which each statement commits by itself (no transaction open)."""
+    if driver == "sqlite3":
+        mode = getattr(raw, "autocommit", -1)  # Python 3.12's attribute; -1: the legacy transaction control
+        implicit = mode is False or (mode not in (True, False) and raw.isolation_level is not None)
+        committing = not raw.in_transaction and not implicit
+    elif driver in ("psycopg", "psycopg2"):
+        committing = bool(raw.autocommit) and int(raw.info.transaction_status) == 0  # IDLE: no BEGIN sent
+    elif driver == "pymysql":
+        committing = bool(raw.get_autocommit()) and not raw.server_status & 1  # SERVER_STATUS_IN_TRANS
+    else:
+        committing = bool(raw.get_autocommit())
+    if committing:
+        raise ConfigurationError(
+            f"{what} is in autocommit mode with no transaction open: the task would be committed at once, whatever "
+            "happens to your writes. Open the transaction first (SQLAlchemy: with engine.begin() as conn; psycopg: "
+            "with conn.transaction(); Django: with transaction.atomic()), or add without transaction="
+        )
+
+
+def _is_duplicate(exc: BaseException) -> bool:
+    """MySQL's duplicate key (1062), raised by the driver or wrapped by SQLAlchemy."""
+    orig = exc.orig if isinstance(exc, sa_exc.DBAPIError) else exc
+    args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
+    return bool(args) and args[0] == 1062
+
+
+# -- the store's side --------------------------------------------------------------------------
+def _sql_store(store: TaskStore, what: str) -> Any:
+    from .sql import SQLTaskStore
+
+    if not isinstance(store, SQLTaskStore):
+        raise ConfigurationError(
+            f"{what} inside your transaction needs a SQL task store (sqlite://, mysql://, mariadb://, postgresql://): "
+            f"{store.masked_url} has no transaction shared with your data. Use it without transaction=, and key the "
+            "handler's writes on task.idempotency_key"
+        )
+    return store
+
+
+def _bind(store: TaskStore, transaction: Any, what: str) -> tuple[Any, CallerTransaction]:
+    """The SQL store and the caller's transaction on its database; refused if they are not the same database."""
+    sql_store = _sql_store(store, what)
+    caller = adapt(transaction)
+    wanted = sql_store.backend.dialect
+    if caller.dialect != wanted.name:
+        raise ConfigurationError(
+            f"{what}: your transaction is on {caller.dialect}, the task store {store.masked_url} on {wanted.kind}: "
+            "the task would not commit with your writes. Pass a connection to the store's database, or build the "
+            "TaskPool on your application's database URL"
+        )
+    mine, theirs = _store_database(sql_store), _caller_database(caller)
+    if theirs is not None and mine != theirs:
+        raise ConfigurationError(
+            f"{what}: your transaction is on the database {theirs!r}, the task store {store.masked_url} on {mine!r}: "
+            "the task would not commit with your writes. Build the TaskPool on your application's database URL"
+        )
+    return sql_store, caller
+
+
+def _store_database(store: Any) -> str:
+    """The store's database name (SQLite: the real path of its file), read once."""
+    known: str | None = getattr(store, "_caller_check_database", None)
+    if known is None:
+        url = store.backend.engine.url
+        if store.backend.dialect.name == "sqlite":
+            known = os.path.realpath(url.database or "")
+        elif url.database:
+            known = str(url.database)
+        else:  # PostgreSQL's default database (the user's name): ask the server once
+            query = "SELECT current_database()" if store.backend.dialect.name == "postgresql" else "SELECT DATABASE()"
+            known = str(store.backend.execute(query, {}, "database name")[0][0][0])
+        store._caller_check_database = known
+    return known
+
+
+def _caller_database(caller: CallerTransaction) -> str | None:
+    """The caller's database name (SQLite: the real path of its main file): from the driver where it
+    keeps it (psycopg, PyMySQL), else asked on the caller's connection (one cheap statement)."""
+    if caller.dialect == "sqlite":
+        pragma = "PRAGMA database_list"  # in-process: microseconds, on sqlite3's own connection
+        rows = (
+            caller.raw.execute(pragma).fetchall()
+            if _driver(caller.raw) == "sqlite3"
+            else caller.execute(_text(pragma), {}).fetchall()
+        )
+        main = next((row[2] for row in rows if row[1] == "main"), "")
+        return os.path.realpath(main) if main else ""  # "": an in-memory database, never the store's
+    raw = caller.raw
+    if caller.dialect == "postgresql":
+        known = getattr(getattr(raw, "info", None), "dbname", None)  # psycopg 3, psycopg2
+        query = "SELECT current_database()"
+    else:
+        known = getattr(raw, "db", None)  # PyMySQL's (bytes); mysqlclient keeps none
+        query = "SELECT DATABASE()"
+    if isinstance(known, bytes):
+        return known.decode()
+    if known:
+        return str(known)
+    rows = caller.execute(_text(query), {}).fetchall()
+    return None if not rows or rows[0][0] is None else str(rows[0][0])
+
+
+def _check_names(store: Any, caller: CallerTransaction, code: str, key: str) -> None:
+    """The store's checks of a task's names (its table set up first), without a connection of the
+    store's own on SQLite: the caller's transaction may hold the file's write lock already, and a
+    second connection of this thread would wait for it until its busy timeout (opening one can
+    switch the file to WAL, which needs the lock too). There the table must exist: it is looked
+    up on the caller's connection."""
+    if store.backend.dialect.name != "sqlite" or store.table in store.backend._set_up:
+        store._check_names(code, key)
+        return
+    found = caller.execute(_text("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = :t"), {"t": store.table})
+    if found.fetchone() is None:
+        raise ConfigurationError(
+            f"no task table {store.table!r} in {store.masked_url} yet: create it before adding tasks inside a "
+            "transaction (a migration with the statements of `mutexcron ddl`, or any use of the pool outside a "
+            "transaction, e.g. pool.store.ping(), at start)"
+        )
+
+
+def _driver(raw: Any) -> str:
+    """The top-level module of a DB-API connection's class: its driver (``sqlite3``, ``psycopg``...)."""
+    return type(raw).__module__.split(".")[0]
+
+
+def _text(sql: str) -> TextClause:
+    from sqlalchemy import text
+
+    return text(sql)
+
+
+# -- the operations ----------------------------------------------------------------------------
+def add_in(
+    store: TaskStore, transaction: Any, code: str, key: str, due: Due, payload: Any = None, *, on_conflict: str = "replace"
+) -> AddResult:
+    """:meth:`SQLTaskStore.add` on the caller's transaction: the same checks and statements, committed with it."""
+    code, key = check_task(code, key)
+    at, delay = check_due(due)
+    mode = check_on_conflict(on_conflict)
+    text = dump_payload(payload, code, key)
+    sql_store, caller = _bind(store, transaction, "adding a task")
+    _check_names(sql_store, caller, code, key)
+    sql = sql_store._sql
+    params = {"code": code, "key": key, "due": sql_store._time(at), "delay": delay, "payload": text}
+    clause = sql_store.backend.text
+    for _ in range(_ROUNDS):
+        try:
+            result = caller.execute(clause(sql.insert), params)
+            inserted = result.fetchone() is not None if sql.notify else result.rowcount == 1  # PostgreSQL's: the notice's row
+        except Exception as exc:
+            if not caller.is_duplicate(exc):  # MySQL: the task exists (the statement alone is rolled back)
+                raise
+            inserted = False
+        if inserted:
+            return AddResult.INSERTED
+        decided: AddResult | None = sql_store._update_existing(caller, params, at, delay, mode)
+        if decided is not None:
+            return decided
+        # Finished between the insert and the lock (a READ COMMITTED transaction sees it): insert again.
+    raise StoreUnavailableError(f"{sql_store._where(code, key)}: add did not settle (the task kept appearing and vanishing)")
+
+
+def cancel_in(store: TaskStore, transaction: Any, code: str, key: str) -> bool:
+    """:meth:`SQLTaskStore.cancel` on the caller's transaction."""
+    code, key = check_task(code, key)
+    sql_store, caller = _bind(store, transaction, "cancelling a task")
+    _check_names(sql_store, caller, code, key)
+    sql, clause, params = sql_store._sql, sql_store.backend.text, {"code": code, "key": key}
+    for _ in range(_ROUNDS):
+        if caller.execute(clause(sql.cancel_drop), params).rowcount:
+            return True
+        if caller.execute(clause(sql.cancel_mark), params).rowcount:
+            return True  # running: dropped when its attempt ends
+        if caller.execute(clause(sql.read_one), params).fetchone() is None:
+            return False
+    raise StoreUnavailableError(f"{sql_store._where(code, key)}: cancel did not settle (the task kept changing state)")
+
+
+def complete_in(store: TaskStore, transaction: Any, node: str, code: str, key: str, token: int, outcome: Outcome) -> None:
+    """:meth:`SQLTaskStore.complete` on the caller's transaction: the same fenced statements.
+
+    Raises:
+        StaleTaskError: the fence failed (this attempt no longer runs the task): roll back.
+    """
+    checked = check_outcome(outcome)
+    sql_store, caller = _bind(store, transaction, "completing a task")
+    steps = sql_store._outcome_steps(checked, reschedule_payload(checked, code, key))
+    fence = {"code": code, "key": key, "me": node, "token": int(token)}
+    if sql_store._settle(caller, steps, fence, "complete") is None:
+        raise StaleTaskError(
+            f"{sql_store._where(code, key)}: completion of attempt token {token} refused: this node's lease ran out "
+            "and a newer attempt took the task over (or it is gone). Let this error roll your transaction back: "
+            "the newer attempt's writes are the ones that count"
+        )

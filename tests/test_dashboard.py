@@ -1,0 +1,528 @@
+"""The dashboard's app in process (mutexcron/dashboard/): reads that write nothing, the action
+guard (token, CSRF, origin), bulk confirmation, masking, the ASGI adapter. The browser tests
+against a real cluster are in test_dashboard_browser.py."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy
+from sqlalchemy import event
+
+from mutexcron.dashboard import create_app
+from mutexcron.dashboard.app import Dashboard
+from mutexcron.errors import ConfigurationError
+from mutexcron.locks import lock_store_from_url
+from mutexcron.locks.base import FireClaim, Node, Presence, RunInfo
+from mutexcron.tasks import Fail, task_store_from_url
+from tests.backends import backend_params, cleanup_redis, drop_store_tables, require_server
+
+TOKEN = "t0ken-for-the-dashboard-tests"
+NODE = Node("node-a:1:aa", "10.0.0.1")
+PAGES = ("/", "/locks", "/tasks", "/tasks?state=any", "/history", "/history?lock=billing&job=close_invoices",
+         "/task?code=email.send&key=order-1", "/api/status", "/api/sections/overview", "/api/sections/locks",
+         "/api/sections/tasks", "/api/sections/history?lock=billing", "/api/trigger?job=close_invoices&lock=billing")  # fmt: skip
+
+
+def call(app: Any, path: str, method: str = "GET", body: Any = None, headers: dict[str, str] | None = None,
+         script_name: str = "") -> tuple[int, dict[str, str], str]:  # fmt: skip
+    raw = json.dumps(body).encode() if body is not None else b""
+    route, _, query = path.partition("?")
+    environ: dict[str, Any] = {
+        "REQUEST_METHOD": method, "SCRIPT_NAME": script_name, "PATH_INFO": route, "QUERY_STRING": query,
+        "SERVER_NAME": "127.0.0.1", "SERVER_PORT": "8465", "HTTP_HOST": "127.0.0.1:8465", "REMOTE_ADDR": "127.0.0.1",
+        "CONTENT_LENGTH": str(len(raw)), "wsgi.input": io.BytesIO(raw), "wsgi.url_scheme": "http",
+    }  # fmt: skip
+    for name, value in (headers or {}).items():
+        key = name.upper().replace("-", "_")
+        environ[key if key == "CONTENT_TYPE" else f"HTTP_{key}"] = value
+    started: dict[str, Any] = {}
+
+    def start_response(status: str, response_headers: list[tuple[str, str]]) -> None:
+        started.update(status=int(status.split()[0]), headers=dict(response_headers))
+
+    data = b"".join(app(environ, start_response))
+    return started["status"], started["headers"], data.decode()
+
+
+def action_headers(app: Dashboard, token: str | None = TOKEN) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", "X-CSRF-Token": app.guard.csrf_token()}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
+
+
+def _url(kind: str, tmp_path: Path) -> str:
+    if kind == "sqlite":
+        return f"sqlite:///{tmp_path}/dash.db"
+    base = require_server("postgresql")
+    suffix = f"d{os.getpid()}"
+    return f"{base}?table=dash_{suffix}&tasks_table=dash_tasks_{suffix}"
+
+
+def _drop(url: str) -> None:
+    if not url.startswith("sqlite"):
+        drop_store_tables(url)
+
+
+@pytest.fixture(params=backend_params("sqlite", "postgresql"))
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    url = _url(request.param, tmp_path)
+    _drop(url)
+    yield url
+    _drop(url)
+
+
+def populate(url: str) -> None:
+    """Two locks with runs, a node presence, and tasks: one failed, two queued."""
+    locks = lock_store_from_url(url)
+    try:
+        for name, jobs in (("billing", ("close_invoices", "send_reminders")), ("reports", ("nightly_report",))):
+            got = locks.acquire_or_renew(name, NODE, ttl=60, claim=FireClaim.new(jobs[0], 1_000_000))
+            for i, job in enumerate(jobs * 3):
+                run = RunInfo(0.05 * (i + 1), "ValueError: boom" if i == 1 else None, job,
+                              datetime(2026, 1, 1, tzinfo=timezone.utc) + timedelta(seconds=i))  # fmt: skip
+                assert locks.hand_off(name, NODE, got.token, run=run)
+        assert locks.renew_many(NODE, {"billing": 1, "reports": 1}, presence=Presence("0.1.0", 0.002))
+    finally:
+        locks.close()
+    tasks = task_store_from_url(lock_store_from_url(url).url)
+    try:
+        for key in ("order-1", "order-2", "order-3"):
+            tasks.add("email.send", key, timedelta(0) if key == "order-1" else timedelta(hours=1))
+        (claimed,) = tasks.claim("node-a", ["email.send"], 1, 30)
+        assert tasks.complete("node-a", claimed.code, claimed.key, claimed.token, Fail("SMTP said no"))
+    finally:
+        tasks.close()
+
+
+@pytest.fixture
+def counted_statements() -> Iterator[list[str]]:
+    """Every SQL statement any engine of this process sends, while the test runs."""
+    sent: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        sent.append(" ".join(statement.split()))
+
+    event.listen(sqlalchemy.engine.Engine, "before_cursor_execute", record)
+    yield sent
+    event.remove(sqlalchemy.engine.Engine, "before_cursor_execute", record)
+
+
+_WRITES = re.compile(r"^\s*(INSERT|UPDATE|DELETE|CREATE|ALTER|DROP|REPLACE|PRAGMA journal_mode)", re.IGNORECASE)
+
+
+# -- reads write nothing ------------------------------------------------------------------------------
+def test_every_page_of_an_unused_store_renders_and_creates_nothing(url: str, tmp_path: Path,
+                                                                   counted_statements: list[str]) -> None:  # fmt: skip
+    app = create_app(url)
+    try:
+        for path in PAGES:
+            status, _headers, body = call(app, path)
+            assert status == 200, (path, body)
+        status, _, body = call(app, "/")
+        assert "no node has used this store" in body
+    finally:
+        app.close()
+    assert not (tmp_path / "dash.db").exists(), "the SQLite file was created by a read"
+    assert not [s for s in counted_statements if _WRITES.match(s)]
+    if not url.startswith("sqlite"):
+        engine = sqlalchemy.create_engine(url.partition("?")[0])
+        try:
+            names = set(sqlalchemy.inspect(engine).get_table_names())
+        finally:
+            engine.dispose()
+        assert not {n for n in names if n.startswith(f"dash_d{os.getpid()}") or n.startswith(f"dash_tasks_d{os.getpid()}")}
+
+
+def test_every_page_of_a_used_store_renders_with_reads_only(url: str, counted_statements: list[str]) -> None:
+    populate(url)
+    counted_statements.clear()
+    app = create_app(url, action_token=TOKEN)
+    try:
+        bodies = {path: call(app, path) for path in PAGES}
+    finally:
+        app.close()
+    for path, (status, _headers, body) in bodies.items():
+        assert status == 200, (path, body)
+    assert not [s for s in counted_statements if _WRITES.match(s)], "a read wrote to the store"
+    overview = bodies["/"][2]
+    assert "node-a:1:aa" in overview and "+0.002s" in overview and "live" in overview
+    assert "code email.send: 1 failed task" in overview
+    locks = bodies["/locks"][2]
+    assert "billing" in locks and "close_invoices" in locks and "send_reminders" in locks and "<svg" in locks
+    assert 'class="bar err"' in locks and 'data-action="pause"' in locks and 'data-action="trigger"' in locks
+    assert "order-1" in bodies["/tasks"][2] and "SMTP said no" in bodies["/tasks"][2]
+    assert "order-2" not in bodies["/tasks"][2], "the Tasks page lists the failed tasks by default"
+    assert "order-2" in bodies["/tasks?state=any"][2]
+    assert "SMTP said no" in bodies["/task?code=email.send&key=order-1"][2]
+    status = json.loads(bodies["/api/status"][2])
+    assert [lock["name"] for lock in status["locks"]] == ["billing", "reports"] and status["calls"] == 4
+
+
+def test_a_refresh_is_four_store_calls_shared_by_every_open_page(tmp_path: Path, counted_statements: list[str]) -> None:
+    url = f"sqlite:///{tmp_path}/dash.db"
+    populate(url)
+    app = create_app(url, refresh=10)
+    try:
+        call(app, "/")  # the first read checks the tables once
+        app.reader.invalidate()
+        counted_statements.clear()
+        for _ in range(5):  # five tabs within one refresh
+            call(app, "/api/sections/overview")
+    finally:
+        app.close()
+    assert len(counted_statements) == 4, counted_statements
+
+
+# -- actions ------------------------------------------------------------------------------------------
+def test_without_a_token_the_dashboard_is_read_only(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/dash.db"
+    populate(url)
+    app = create_app(url, action_token=None)
+    try:
+        _, _, page = call(app, "/locks")
+        status, _, body = call(app, "/api/actions/pause", "POST", {"lock": "billing"}, action_headers(app))
+    finally:
+        app.close()
+    assert "data-action" not in page and "read-only" in page
+    assert status == 403 and "read-only" in json.loads(body)["error"]
+    assert not _record(url, "billing").paused
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"Authorization": None}, "missing or wrong action token"),
+        ({"Authorization": "Bearer wrong-token-of-enough-length"}, "missing or wrong action token"),
+        ({"X-CSRF-Token": None}, "CSRF"),
+        ({"X-CSRF-Token": "0" * 64}, "CSRF"),
+        ({"Content-Type": "application/x-www-form-urlencoded"}, "application/json"),
+        ({"Origin": "http://evil.example"}, "cross-origin"),
+    ],
+)
+def test_an_action_without_token_csrf_json_or_same_origin_changes_nothing(tmp_path: Path, change: dict[str, str | None],
+                                                                          why: str) -> None:  # fmt: skip
+    url = f"sqlite:///{tmp_path}/dash.db"
+    populate(url)
+    app = create_app(url, action_token=TOKEN)
+    headers = {k: v for k, v in {**action_headers(app), **change}.items() if v is not None}
+    try:
+        status, _, body = call(app, "/api/actions/pause", "POST", {"lock": "billing"}, headers)
+    finally:
+        app.close()
+    assert status == 403 and why in json.loads(body)["error"]
+    assert not _record(url, "billing").paused
+
+
+def test_pause_resume_retry_with_the_token_are_recorded_with_who_did_them(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/dash.db"
+    populate(url)
+    app = create_app(url, action_token=TOKEN)
+    headers = {**action_headers(app), "Origin": "http://127.0.0.1:8465"}
+    try:
+        status, _, body = call(app, "/api/actions/pause", "POST", {"lock": "billing", "by": "alice"}, headers)
+        assert status == 200, body
+        record = _record(url, "billing")
+        assert record.paused and record.paused_by == "alice (dashboard, 127.0.0.1)"
+        status, _, body = call(app, "/api/actions/resume", "POST", {"lock": "billing", "by": "bob", "catch_up": True}, headers)
+        assert status == 200 and "catching up once now: close_invoices" in json.loads(body)["message"]
+        assert not _record(url, "billing").paused and _record(url, "billing").paused_by == "bob (dashboard, 127.0.0.1)"
+        status, _, body = call(app, "/api/actions/retry", "POST", {"code": "email.send", "key": "order-1"}, headers)
+        assert status == 200, body
+        status, _, body = call(app, "/api/actions/retry", "POST", {"code": "email.send", "key": "order-2"}, headers)
+        assert status == 409 and "it is queued, not failed" in json.loads(body)["error"]
+        status, _, body = call(app, "/api/actions/pause", "POST", {"lock": "no-such-lock"}, headers)
+        assert status == 404 and _record(url, "no-such-lock") is None, "a bad name changes nothing"
+        _, _, overview = call(app, "/")
+    finally:
+        app.close()
+    assert "alice (dashboard, 127.0.0.1)" in overview and "resume --catch-up" in overview
+
+
+def test_a_bulk_action_runs_only_on_the_count_the_operator_confirmed(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/dash.db"
+    populate(url)
+    app = create_app(url, action_token=TOKEN)
+    selection = {"code": "email.send", "state": "queued"}
+    try:
+        _, _, page = call(app, "/tasks?code=email.send&state=queued")
+        assert "2 tasks match" in page and "Cancel 2" in page
+        status, _, body = call(app, "/api/actions/bulk", "POST", {"action": "cancel", "selection": selection, "expected": 3},
+                               action_headers(app))  # fmt: skip
+        assert status == 409 and "the selection changed: 2 tasks match now" in json.loads(body)["error"]
+        assert len(_tasks(url)) == 3, "nothing was cancelled"
+        status, _, body = call(app, "/api/actions/bulk", "POST", {"action": "cancel", "selection": selection, "expected": 2},
+                               action_headers(app))  # fmt: skip
+        assert status == 200 and json.loads(body)["done"] == 2
+    finally:
+        app.close()
+    assert [t.key for t in _tasks(url)] == ["order-1"]
+
+
+def test_a_short_token_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="at least 16"):
+        create_app("memory://", action_token="short")
+
+
+# -- secrets ------------------------------------------------------------------------------------------
+@pytest.mark.postgresql
+def test_no_page_shows_the_password_of_the_store_url(tmp_path: Path) -> None:
+    base = require_server("postgresql")
+    secret = "pw-S3cret-dash"
+    url = _url("postgresql", tmp_path).replace("postgres@", f"postgres:{secret}@", 1)
+    assert secret in url
+    _drop(url)
+    try:
+        populate(url)
+        app = create_app(url, action_token=TOKEN)
+        try:
+            bodies = [call(app, path)[2] for path in PAGES]
+            bodies.append(call(app, "/api/actions/pause", "POST", {"lock": "nope"}, action_headers(app))[2])
+        finally:
+            app.close()
+        assert all(secret not in body for body in bodies)
+        assert "postgres:***@" in bodies[0]
+    finally:
+        _drop(url)
+    assert base
+
+
+def test_a_trigger_whose_fire_time_a_scheduled_run_claimed_past_shows_that_run(tmp_path: Path) -> None:
+    """A request the holder saw after the job's next scheduled slot was claimed completes with that
+    run's outcome (mutexcron/guard/triggers.py): the page shows it, not 'no run history is kept'."""
+    url = f"sqlite:///{tmp_path}/dash.db"
+    populate(url)  # close_invoices ran at fire times 00:00:00, :02 and :04
+    app = create_app(url, action_token=TOKEN)
+    try:
+        asked = "2026-01-01T00:00:01.500000+00:00"
+        _, _, body = call(app, f"/api/trigger?job=close_invoices&lock=billing&fire_time={asked.replace('+', '%2B')}")
+    finally:
+        app.close()
+    assert json.loads(body) == {"state": "success", "node": NODE.node_id, "duration": pytest.approx(0.15), "error": None}
+
+
+def test_a_store_url_with_a_query_leaves_the_page_markup_whole(tmp_path: Path) -> None:
+    """The store URL in the header is followed by the token form: the body's redaction re-encoded
+    the URL's query and swallowed the form (`#token button` never appeared in the browser)."""
+    url = f"sqlite:///{tmp_path}/dash.db?table=dash_locks&tasks_table=dash_tasks"
+    populate(url)
+    app = create_app(url, action_token=TOKEN)
+    try:
+        pages = [call(app, path)[2] for path in ("/", "/locks", "/tasks")]
+    finally:
+        app.close()
+    for page in pages:
+        assert "table=dash_locks&amp;tasks_table=dash_tasks</span>" in page
+        assert '<form id="token" class="token"' in page and "%3C" not in page
+
+
+# -- mounting -----------------------------------------------------------------------------------------
+def test_mounted_under_a_prefix_in_wsgi_and_asgi_every_link_stays_under_it(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/dash.db"
+    populate(url)
+    app = create_app(url, action_token=TOKEN)
+    try:
+        _, _, wsgi_page = call(app, "/locks", script_name="/ops/cron")
+        status, headers, asgi_page = asyncio.run(_asgi_get(app.asgi, "/ops/cron/locks", "/ops/cron"))
+        _, _, css = call(app, "/static/dashboard.css")
+    finally:
+        app.close()
+    for page in (wsgi_page, asgi_page):
+        assert 'href="/ops/cron/static/dashboard.css"' in page and 'href="/ops/cron/history?lock=billing' in page
+        assert 'content="/ops/cron"' in page
+    assert status == 200 and headers[b"content-security-policy"].startswith(b"default-src 'none'")
+    assert "svg .bar.ok" in css
+
+
+async def _asgi_get(asgi: Any, path: str, root_path: str) -> tuple[int, dict[bytes, bytes], str]:
+    scope = {"type": "http", "method": "GET", "path": path, "root_path": root_path, "query_string": b"", "headers": [],
+             "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000)}  # fmt: skip
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await asgi(scope, receive, send)
+    return sent[0]["status"], dict(sent[0]["headers"]), sent[1]["body"].decode()
+
+
+def _record(url: str, name: str) -> Any:
+    store = lock_store_from_url(url)
+    try:
+        return store.read(name)
+    finally:
+        store.close()
+
+
+def _tasks(url: str) -> list[Any]:
+    store = task_store_from_url(url)
+    try:
+        return store.list()
+    finally:
+        store.close()
+
+
+# -- shared jobs --------------------------------------------------------------------------------------
+def test_the_shared_jobs_page_shows_schedule_next_run_holder_and_acts_like_mutexcron_jobs(
+    tmp_path: Path, counted_statements: list[str]
+) -> None:
+    """Schedule, next run and holder of each shared job; pause, resume, remove (the same writes as
+    ``mutexcron jobs``) and run now (a trigger), each with the token only; its reads write nothing."""
+    import textwrap
+
+    from mutexcron import MutexScheduler
+    from tests import shared_jobs
+    from tests.shared_jobs import open_jobstore, runs_of
+
+    lock_url = f"sqlite:///{tmp_path}/locks.db"
+    with open_jobstore("sqlite", tmp_path) as ctx:
+        jobs_file = tmp_path / "jobs.py"
+        jobs_file.write_text(textwrap.dedent(f"""
+            from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
+            from mutexcron import MutexScheduler
+            sched = MutexScheduler(jobstores={{"default": SQLAlchemyJobStore(**{ctx.spec["options"]!r})}}, lock_url={lock_url!r})
+        """))
+        shared_jobs.clear_runs()
+        web = MutexScheduler(jobstores={"default": ctx.make()}, lock_url=lock_url, triggers=False)
+        web.start(paused=True)
+        worker = MutexScheduler(jobstores={"default": ctx.make()}, lock_url=lock_url, unactive_interval=2)
+        app = create_app(lock_url, jobs=str(jobs_file), action_token=TOKEN)
+        try:
+            web.add_job(shared_jobs.tick, "interval", seconds=2, id="report", kwargs={"job": "report"})
+            web.add_job(shared_jobs.tick, "cron", hour=3, id="daily", kwargs={"job": "daily"})
+            counted_statements.clear()
+            status, _, page = call(app, "/shared")
+            assert status == 200, page
+            assert call(app, "/api/sections/shared")[0] == 200
+            assert not [s for s in counted_statements if _WRITES.match(s)], "a read wrote to a store"
+            assert ">Shared jobs</a>" in page and "interval[0:00:02]" in page and "cron[hour=&#x27;3&#x27;]" in page
+            for action in ('data-action="job_pause"', 'data-action="trigger"', 'data-action="job_remove"'):
+                assert action in page
+
+            worker.start()
+            deadline = datetime.now(timezone.utc) + timedelta(seconds=15)
+            while worker.node_id not in call(app, "/api/sections/shared")[2]:  # the holder column
+                assert datetime.now(timezone.utc) < deadline, "the worker's holding never showed"
+                time.sleep(0.05)
+                app.reader.invalidate()
+            store = web._jobstores["default"]
+
+            def next_run(job: str) -> Any:
+                return web.get_job(job).next_run_time
+
+            status, _, body = call(app, "/api/actions/job_pause", "POST", {"job": "report"}, action_headers(app, None))
+            assert status == 403 and next_run("report") is not None, body
+            status, _, body = call(app, "/api/actions/job_pause", "POST", {"job": "report", "by": "carol"}, action_headers(app))
+            assert status == 200 and "report: paused" in json.loads(body)["message"], body
+            assert next_run("report") is None
+            assert 'data-action="job_resume"' in call(app, "/shared")[2]
+            status, _, body = call(app, "/api/actions/job_resume", "POST", {"job": "report"}, action_headers(app))
+            assert status == 200 and next_run("report") is not None, body
+            status, _, body = call(app, "/api/actions/trigger", "POST", {"job": "daily", "by": "carol"}, action_headers(app))
+            assert status == 200, body
+            deadline = datetime.now(timezone.utc) + timedelta(seconds=20)
+            while not runs_of("daily"):
+                assert datetime.now(timezone.utc) < deadline, "the run-now request did not run"
+                time.sleep(0.05)
+            status, _, body = call(app, "/api/actions/job_remove", "POST", {"job": "report"}, action_headers(app))
+            assert status == 200 and "report" not in store._read_states(), body
+            status, _, body = call(app, "/api/actions/job_remove", "POST", {"job": "report"}, action_headers(app))
+            assert status == 404 and "no job 'report'" in json.loads(body)["error"]
+            _, _, overview = call(app, "/")
+            assert "job pause" in overview and "carol (dashboard, 127.0.0.1)" in overview
+        finally:
+            app.close()
+            worker.shutdown(wait=False)
+            web.shutdown(wait=False)
+
+
+def test_a_store_url_with_several_options_keeps_the_page_markup(tmp_path: Path) -> None:
+    """The page's own pass over the body for secrets (redact): the masked store URL in the header
+    (``...?table=a&amp;tasks_table=b``) neither swallows the token form after it nor is re-encoded,
+    on the page and in its refreshed sections."""
+    url = f"sqlite:///{tmp_path}/dash.db?table=dash_locks&tasks_table=dash_tasks"
+    populate(url)
+    app = create_app(url, action_token=TOKEN)
+    try:
+        _, _, page = call(app, "/locks")
+        _, _, sections = call(app, "/api/sections/overview")
+    finally:
+        app.close()
+    assert '<form id="token"' in page and "dash_locks&amp;tasks_table=dash_tasks</span>" in page
+    assert "%3B" not in page and "%3C" not in page
+    counts = json.loads(sections)["sections"]["counts"]  # refreshed in place: the same HTML, through JSON
+    assert "dash_locks&amp;tasks_table=dash_tasks" in counts and "%3B" not in counts
+
+
+@pytest.mark.mongodb
+def test_a_read_only_mongodb_task_store_creates_no_index_on_a_read() -> None:
+    """The dashboard's reads: a read-only backend reads the task collection without creating it or
+    its indexes (a write, and one the dashboard's user may have no privilege for)."""
+    from tests.mongomock_support import open_mongomock_tasks
+
+    make, _clock = open_mongomock_tasks(f"ro{secrets.token_hex(3)}")
+    store = make()
+    store.backend.read_only = True
+    assert store.list(limit=10) == [] and store.get("mail", "k") is None
+    store.summary()
+    assert store.collection.name not in store.collection.database.list_collection_names()
+
+
+@pytest.mark.redis
+def test_a_read_only_redis_task_store_fills_no_index_on_a_read() -> None:
+    """Tasks written before the per-code due index existed are indexed by a node, not by a reader."""
+    from mutexcron.tasks.redis import RedisTaskStore
+
+    url = f"{require_server('redis')}?namespace=ro-{secrets.token_hex(3)}"
+    store = RedisTaskStore(url)
+    try:
+        store.add("mail", "k1", timedelta(hours=1))
+        dues = store.backend.key("dues:mail")
+        store.backend.client.delete(dues)  # as an earlier mutexcron left it
+        store.backend.read_only = True
+        store.list(code="mail")
+        assert not store.backend.client.exists(dues), "a read-only list wrote the index"
+        store.backend.read_only = False
+        assert [t.key for t in store.list(code="mail")] == ["k1"]  # a node's list fills it
+    finally:
+        cleanup_redis(url)
+        store.close()
+
+
+def test_the_asgi_app_refuses_an_oversized_body_before_buffering_it(tmp_path: Path) -> None:
+    """An unauthenticated POST cannot make the ASGI adapter buffer more than the app's limit."""
+    from mutexcron.dashboard.app import MAX_BODY
+
+    app = create_app(f"sqlite:///{tmp_path}/none.db").asgi
+    chunk = b"x" * (MAX_BODY // 4)
+    received = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal received
+        received += 1
+        return {"type": "http.request", "body": chunk, "more_body": True}  # never ends
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/api/actions/pause", "query_string": b"", "headers": [],
+             "root_path": "", "scheme": "http", "server": ("127.0.0.1", 8465), "client": ("127.0.0.1", 1)}  # fmt: skip
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 413 and received <= 5
