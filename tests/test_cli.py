@@ -212,3 +212,55 @@ def test_sigterm_stops_a_blocking_scheduler_gracefully_and_releases(tmp_path: Pa
     rec = store.read("tick")
     assert rec is not None and rec.holder is None
     store.close()
+
+
+SELF_SIGNALLING = """
+import signal
+import threading
+
+from mutexcron import {cls}
+
+sched = {cls}(unactive_interval=30)
+
+
+@sched.mutex()
+@sched.cron_schedule(second="*")
+{kind}def tick(**attrs):
+    return {{"n": attrs.get("n", 0) + 1}}
+
+
+def _terminate_from_this_thread():
+    # The kernel may hand a process's SIGTERM to any of its threads; this makes it one that is not
+    # the main thread, deterministically, once the node is up with its handler installed.
+    while signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or not sched.running:
+        threading.Event().wait(0.05)
+    threading.Event().wait(0.5)
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+
+threading.Thread(target=_terminate_from_this_thread, daemon=True).start()
+"""
+
+
+@pytest.mark.parametrize(
+    ("cls", "kind"),
+    [("MutexScheduler", ""), ("BlockingMutexScheduler", ""), ("AsyncIOMutexScheduler", "async ")],
+)
+def test_a_sigterm_taken_by_another_thread_still_stops_the_node(tmp_path: Path, cls: str, kind: str) -> None:
+    """Python runs signal handlers on the main thread only: a SIGTERM the kernel gives to a handler
+    thread must still wake the main thread's wait (it once slept on until a second signal)."""
+    path = tmp_path / "jobs.py"
+    path.write_text(SELF_SIGNALLING.format(cls=cls, kind=kind))
+    url = f"sqlite:///{tmp_path}/thread.db"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mutexcron", "run", str(path), "--lock-url", url, "--node-id", "solo"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out = proc.communicate()[0]
+        pytest.fail(f"the node did not stop on a SIGTERM taken by another thread:\n{out}")
+    assert proc.returncode == 0, out
+    assert "SIGTERM received" in out and "stopped" in out, out

@@ -33,6 +33,7 @@ from .common import (
     _lock_url_option,
     _setup_logging,
 )
+from .stop import GracefulStop
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +143,8 @@ def run(
             explicit["lock_store"] = store
         sched.configure_mutex(shutdown_timeout=shutdown_timeout, **explicit)
         _warn_of_other_stores(sched.lock_url)
-        stopper = _GracefulStop(sched, shutdown_timeout)
-        signal.signal(signal.SIGTERM, stopper.on_signal)
-        signal.signal(signal.SIGINT, stopper.on_signal)
+        stopper = GracefulStop(sched, shutdown_timeout)
+        stopper.install()
         if startup_timeout > 0:
             _watch_first_contact(sched, stopper, startup_timeout)
         if isinstance(sched, AsyncIOScheduler):
@@ -208,7 +208,7 @@ def _store_reached(sched: Any) -> bool:
     return any(getattr(health, "reached", False) for health in healths)
 
 
-def _watch_first_contact(sched: Any, stopper: _GracefulStop, timeout: float) -> None:
+def _watch_first_contact(sched: Any, stopper: GracefulStop, timeout: float) -> None:
     """``--startup-timeout``: stop the node with exit status 1 if its store never answers in time.
 
     Until then the node fails closed as always (nothing guarded runs, ``/healthz`` is 503); a
@@ -234,71 +234,14 @@ def _watch_first_contact(sched: Any, stopper: _GracefulStop, timeout: float) -> 
     threading.Thread(target=watch, name="mutexcron-startup-watch", daemon=True).start()
 
 
-async def _serve_on_loop(sched: Any, stopper: _GracefulStop) -> None:
+async def _serve_on_loop(sched: Any, stopper: GracefulStop) -> None:
     """Run an asyncio-flavoured scheduler until a signal's graceful stop has finished.
 
     The stop runs on the stopper's thread (it waits for guarded runs while the loop keeps them
     going), so this coroutine only waits for it.
     """
     sched.start()
-    await asyncio.to_thread(stopper.wait)
-
-
-class _GracefulStop:
-    """SIGTERM/SIGINT: stop the scheduler gracefully, once; a second signal exits at once.
-
-    The stop runs on a thread of its own, so it works while a BlockingMutexScheduler's
-    ``start()`` holds the main thread.
-    """
-
-    def __init__(self, sched: Any, shutdown_timeout: float) -> None:
-        self.sched = sched
-        self.shutdown_timeout = shutdown_timeout
-        self.signals: list[tuple[int, float]] = []
-        self.signalled = threading.Event()
-        self.thread = threading.Thread(target=self._stop, name="mutexcron-stop")
-        #: The exit status the command ends with once stopped (``give_up``); 0 after a signal.
-        self.exit_code = 0
-        self._why = ""
-        self._begin_lock = threading.Lock()
-
-    def on_signal(self, signum: int, _frame: Any) -> None:
-        # One that arrives within a second of the first is the same stop delivered twice (e.g.
-        # to the process and to its process group).
-        now = time.monotonic()
-        if self.signals and now - self.signals[0][1] > 1.0:
-            log.error("second signal: exiting now without waiting for jobs or releasing locks")
-            os._exit(128 + signum)
-        if not self.signals:
-            self.signals.append((signum, now))
-            self._begin(f"{signal.Signals(signum).name} received")
-
-    def give_up(self, exit_code: int) -> None:
-        """Stop gracefully, as for a signal, and make the command exit with ``exit_code``."""
-        self.exit_code = exit_code
-        self._begin("giving up")
-
-    def _begin(self, why: str) -> None:
-        with self._begin_lock:  # a signal and give_up() may race: one stop
-            if self.signalled.is_set():
-                return
-            self._why = why
-            self.thread.start()
-            self.signalled.set()
-
-    def _stop(self) -> None:
-        log.info(
-            "%s: stopping (waiting up to %ss for running guarded jobs and task handlers)",
-            self._why,
-            self.shutdown_timeout,
-        )
-        self.sched.shutdown(wait=True)
-
-    def wait(self) -> None:
-        """Block until a signal's graceful stop has finished."""
-        while not self.signalled.wait(3600):  # the handler runs in this thread and sets it
-            pass
-        self.thread.join()
+    await stopper.wait_on_loop()
 
 
 @main.command()
@@ -334,9 +277,7 @@ def ddl(lock_url: str | None) -> None:
     show_default=True,
     help="Lease length in seconds; failover must happen within it + 1 s.",
 )
-@click.option(
-    "--duration", type=click.FloatRange(min=10), default=60.0, show_default=True, help="Seconds the whole drill lasts."
-)
+@click.option("--duration", type=click.FloatRange(min=10), default=60.0, show_default=True, help="Seconds the whole drill lasts.")
 @click.option(
     "--skew",
     type=float,
