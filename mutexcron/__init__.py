@@ -38,7 +38,7 @@ from .locks import LockStore, lock_store_from_url
 from .locks.record import LockRecord
 from .mutex.lock import HeldLease, Mutex
 from .scheduler import BlockingMutexScheduler, MutexScheduler, MutexSchedulerMixin
-from .tasks.base import Reschedule, TaskRecord
+from .tasks.base import NewTask, Reschedule, TaskRecord
 from .tasks.pool import TaskPool
 from .version import __version__
 
@@ -76,6 +76,7 @@ __all__ = [
     "MutexSchedulerMixin",
     "MutexThreadPoolExecutor",
     "MutexcronError",
+    "NewTask",
     "Reschedule",
     "StaleTaskError",
     "StoreError",

@@ -542,3 +542,49 @@ def test_cancel_many_reaches_tasks_past_a_page_of_running_ones(
     with TaskPool(url) as pool:
         assert pool.cancel_many(code="promo") == 6
         assert [t.key for t in pool.list(code="promo") if t.state == "queued"] == []
+
+
+# -- tasks add-many --------------------------------------------------------------------------------
+def test_add_many_reads_json_lines_and_counts_what_it_did(url: str, store: TaskStore, tmp_path: Path) -> None:
+    store.add("mail", "u2", timedelta(hours=1), {"old": True})
+    lines = [
+        {"code": "mail", "key": "u1", "due": "+5m", "payload": {"to": "a"}},
+        {"code": "mail", "key": "u2", "due": "2026-12-01T08:00Z"},
+        {"code": "report", "key": "daily", "due": "now"},
+    ]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    result = cli("tasks", "add-many", str(path), "--lock-url", url)
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == f"3 task(s) from {path}: 2 inserted, 1 replaced"
+    task = store.get("mail", "u1")
+    assert task is not None and task.payload == {"to": "a"}
+    assert _close(task.due, store.now() + timedelta(minutes=5))
+    replaced = store.get("mail", "u2")
+    assert replaced is not None and replaced.due == datetime(2026, 12, 1, 8, tzinfo=timezone.utc) and replaced.payload is None
+    args = ["tasks", "add-many", "-", "--on-conflict", "keep", "--lock-url", url]
+    kept = CliRunner().invoke(main, args, input=path.read_text())
+    assert kept.output.strip() == "3 task(s) from <stdin>: 3 kept", kept.output
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ("{not json", "line 2: not a JSON object"),
+        ('["mail", "x", "now"]', 'line 2: give an object with "code", "key", "due"'),
+        ('{"code": "mail", "key": "x"}', 'line 2: give an object with "code", "key", "due"'),
+        ('{"code": "mail", "key": "x", "due": "now", "prio": 1}', "nothing else"),
+        ('{"code": "mail", "key": "x", "due": "tomorrow"}', "line 2: 'tomorrow' is not a due time"),
+        ('{"code": "mail", "key": "", "due": "now"}', "task 1 of add_many"),
+        ('{"code": "mail", "key": "ok", "due": "now"}', "is task 0 too"),
+    ],
+)
+def test_add_many_stops_at_a_bad_line_before_storing_anything(
+    url: str, store: TaskStore, tmp_path: Path, line: str, says: str
+) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"code": "mail", "key": "ok", "due": "now"}\n' + line + "\n")
+    result = cli("tasks", "add-many", str(path), "--lock-url", url)
+    assert result.exit_code == 2, result.output
+    assert says in result.output and str(path) in result.output
+    assert store.list(code="mail") == []

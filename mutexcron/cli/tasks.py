@@ -11,16 +11,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, TextIO
 
 import click
 
 from ..errors import AttrsError, ConfigurationError, MutexcronError
 from ..locks import DEFAULT_LOCK_URL
-from ..tasks import ON_CONFLICT, STATES, CodeSummary, TaskRecord, TaskStore, task_store_from_url
+from ..tasks import ON_CONFLICT, STATES, AddResult, CodeSummary, NewTask, TaskRecord, TaskStore, task_store_from_url
+from ..tasks.checks import check_batch
 from ..tasks.handlers import INTERNAL_PREFIX
 from .common import EXIT_BAD_INPUT, EXIT_FAILURE, _age, _clip, _fail, _fail_on, _lock_url_option
 
@@ -264,6 +266,64 @@ def add(code: str, key: str, due: datetime | timedelta, payload: str | None, on_
         click.echo(f"kept: {name} stays {task.state}, due {_iso(task.due)} ({_span((task.due - now).total_seconds())})")
     else:
         click.echo(f"{result}: {name} due {_iso(task.due)} ({_span((task.due - now).total_seconds())})")
+
+
+#: Tasks ``tasks add-many`` writes per ``add_many`` call (one transaction on a SQL store).
+ADD_MANY_CHUNK = 1000
+#: The fields of one ``tasks add-many`` line: those required, and all those allowed.
+_TASK_FIELDS = ({"code", "key", "due"}, {"code", "key", "due", "payload"})
+
+
+@tasks.command("add-many")
+@click.argument("source", type=click.File("r", encoding="utf-8"), metavar="FILE")
+@click.option(
+    "--on-conflict",
+    type=click.Choice(ON_CONFLICT),
+    default="replace",
+    show_default=True,
+    help="If a task exists: replace its due and payload, keep it, or keep the earliest or latest due.",
+)
+@_lock_url_option()
+def add_many(source: TextIO, on_conflict: str, lock_url: str | None) -> None:
+    """Add or update many tasks from FILE (- for stdin): JSON Lines, one task per line, e.g.
+    {"code": "email", "key": "user-42", "due": "+5m", "payload": {"to": "a@example.com"}}.
+
+    "due" takes the forms of tasks add --due. Every line is checked first: a bad one stops the
+    command before anything is stored. The tasks are written 1,000 at a time (on a SQL store,
+    each thousand in one transaction); prints how many were inserted, replaced, kept or pending.
+    """
+    batch = _read_task_lines(source)
+    try:
+        check_batch(batch)
+    except (ConfigurationError, AttrsError) as exc:
+        _fail(f"{source.name}: {exc}")
+    counts: Counter[str] = Counter()
+    with _store(lock_url, "tasks add-many") as store:
+        for start in range(0, len(batch), ADD_MANY_CHUNK):
+            counts.update(str(r) for r in store.add_many(batch[start : start + ADD_MANY_CHUNK], on_conflict=on_conflict))
+    shown = ", ".join(f"{counts[r.value]:,} {r.value}" for r in AddResult if counts[r.value]) or "nothing to add"
+    click.echo(f"{len(batch):,} task(s) from {source.name}: {shown}")
+
+
+def _read_task_lines(source: TextIO) -> list[NewTask]:
+    """The JSON Lines of ``tasks add-many``; exit 2 at the first bad line, naming it."""
+    batch: list[NewTask] = []
+    for number, line in enumerate(source, start=1):
+        if not line.strip():
+            continue
+        where = f"{source.name}, line {number}"
+        try:
+            item = json.loads(line, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:
+            _fail(f"{where}: not a JSON object ({exc})")
+        if not isinstance(item, dict) or not _TASK_FIELDS[0] <= item.keys() or item.keys() - _TASK_FIELDS[1]:
+            _fail(f'{where}: give an object with "code", "key", "due" and, if any, "payload" (nothing else)')
+        try:
+            due = parse_due(str(item["due"]))
+        except ValueError as exc:
+            _fail(f"{where}: {exc}")
+        batch.append(NewTask(item["code"], item["key"], due, item.get("payload")))
+    return batch
 
 
 _YES = click.option("--yes", "-y", is_flag=True, help="Bulk: do not ask for confirmation.")

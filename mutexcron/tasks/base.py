@@ -59,7 +59,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 from ..urls import mask_url
 from .wakeup import DEFAULT_POLL, PollWaker, Waker
@@ -86,6 +86,16 @@ STATES = ("queued", "running", "failed")
 ON_CONFLICT = ("replace", "keep", "earliest", "latest")
 #: An absolute due time (aware datetime) or one relative to the store's clock.
 Due = Union[datetime, timedelta]
+
+
+class NewTask(NamedTuple):
+    """One task of :meth:`TaskStore.add_many`: the arguments of :meth:`TaskStore.add`. A plain
+    tuple ``(code, key, due)`` or ``(code, key, due, payload)`` works as well."""
+
+    code: str
+    key: str
+    due: Due
+    payload: Any = None
 
 
 class AddResult(str, enum.Enum):
@@ -283,6 +293,23 @@ class TaskStore(ABC):
             ConfigurationError: a bad code, key, due or ``on_conflict``.
             AttrsError: a payload that is not plain JSON.
         """
+
+    def add_many(self, tasks: Iterable[NewTask | tuple[Any, ...]], *, on_conflict: str = "replace") -> builtins.list[AddResult]:
+        """:meth:`add` each of ``tasks`` (``NewTask`` or ``(code, key, due[, payload])``), in order;
+        one result per task.
+
+        Every task is checked before anything is written: a bad one, or the same ``(code, key)``
+        twice, raises and adds nothing. The SQL stores write the batch in one transaction (all or
+        nothing) and Redis in one pipelined round trip; this default adds them one at a time.
+
+        Raises:
+            ConfigurationError: a bad task (its position in ``tasks`` named), a duplicate, or a bad ``on_conflict``.
+            AttrsError: a payload that is not plain JSON.
+        """
+        from .checks import check_batch, check_on_conflict
+
+        batch, mode = check_batch(tasks), check_on_conflict(on_conflict)
+        return [self.add(task.code, task.key, task.due, task.payload, on_conflict=mode) for task in batch]
 
     @abstractmethod
     def cancel(self, code: str, key: str) -> bool:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
 from ..errors import AttrsError, ConfigurationError, StoreError
 from ..names import check_name
-from .base import KEEP, ON_CONFLICT, STATES, AddResult, Done, Fail, Outcome, Reschedule, Retry, TaskRecord, TaskStore
+from .base import KEEP, ON_CONFLICT, STATES, AddResult, Done, Fail, NewTask, Outcome, Reschedule, Retry, TaskRecord, TaskStore
 
 log = logging.getLogger(__name__)
 _Row = TypeVar("_Row")
@@ -37,6 +37,41 @@ _JSON_RULE = "dicts with string keys, lists, strings, finite numbers, booleans a
 def check_task(code: object, key: object) -> tuple[str, str]:
     """``(code, key)`` if both are valid names (:func:`mutexcron.names.check_name`), else ConfigurationError."""
     return check_name(code, "task code"), check_name(key, "task key")
+
+
+def check_batch(tasks: Iterable[NewTask | tuple[Any, ...]]) -> list[NewTask]:
+    """The tasks of an ``add_many``, each checked as ``add`` checks it (names, due, payload), the
+    same ``(code, key)`` twice refused; nothing is written unless all pass."""
+    if isinstance(tasks, (str, bytes, Mapping)):
+        raise ConfigurationError(f"add_many takes a list of tasks, not a {type(tasks).__name__}")
+    batch: list[NewTask] = []
+    seen: dict[tuple[str, str], int] = {}
+    for position, item in enumerate(tasks):
+        task = _new_task(item, position)
+        try:
+            code, key = check_task(task.code, task.key)
+            check_due(task.due)
+            dump_payload(task.payload, code, key)
+        except (ConfigurationError, AttrsError) as exc:
+            raise type(exc)(f"task {position} of add_many: {exc}") from None
+        if (code, key) in seen:
+            raise ConfigurationError(
+                f"task {position} of add_many: ({code!r}, {key!r}) is task {seen[code, key]} too; give each task once"
+            )
+        seen[code, key] = position
+        batch.append(NewTask(code, key, task.due, task.payload))
+    return batch
+
+
+def _new_task(item: object, position: int) -> NewTask:
+    if isinstance(item, NewTask):
+        return item
+    if isinstance(item, tuple) and 3 <= len(item) <= 4:
+        return NewTask(*item)
+    raise ConfigurationError(
+        f"task {position} of add_many: {type(item).__name__} {item!r:.80}: give NewTask(code, key, due, payload) "
+        "or a tuple (code, key, due) / (code, key, due, payload)"
+    )
 
 
 def check_codes(codes: Iterable[str]) -> list[str]:

@@ -8,7 +8,7 @@ scheduler's pool (``sched.tasks``) are run there by a :class:`~mutexcron.tasks.w
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from types import TracebackType
 from typing import Any, TypeVar
@@ -17,7 +17,7 @@ from ..errors import ConfigurationError
 from ..locks import default_lock_url
 from ..urls import mask_url
 from . import task_store_from_url
-from .base import AddResult, Due, TaskRecord, TaskStore
+from .base import AddResult, Due, NewTask, TaskRecord, TaskStore
 from .handlers import DEFAULT_MAX_ATTEMPTS, DEFAULT_TASK_LEASE, Handler, Task, public_codes
 
 F = TypeVar("F", bound=Callable[[Task], Any])
@@ -145,6 +145,35 @@ class TaskPool:
         if self._on_add is not None and code in self.handlers:
             self._on_add(code)
         return result
+
+    def add_many(
+        self, tasks: Iterable[NewTask | tuple[Any, ...]], *, on_conflict: str = "replace", transaction: Any = None
+    ) -> list[AddResult]:
+        """:meth:`add` many tasks at once, each a :class:`~mutexcron.tasks.NewTask` or a tuple
+        ``(code, key, due)`` / ``(code, key, due, payload)``; one result per task, in order.
+
+        Every task is checked first: a bad one, or the same ``(code, key)`` twice, raises and adds
+        nothing. SQL stores write the batch in one transaction (all or nothing); Redis sends it in
+        one pipelined round trip; MongoDB adds one task at a time (:meth:`TaskStore.add_many`).
+
+        Args:
+            transaction: your open transaction on the store's database, as for :meth:`add`: the
+                whole batch commits with your writes, or not at all.
+
+        Example::
+
+            pool.add_many([("email", f"user-{u.id}", timedelta(minutes=5), {"to": u.email}) for u in users])
+        """
+        batch = tasks if isinstance(tasks, (str, bytes, Mapping)) else list(tasks)  # the store refuses the former
+        if transaction is not None:
+            from .transactions import add_many_in
+
+            return add_many_in(self.store, transaction, batch, on_conflict=on_conflict)
+        results = self.store.add_many(batch, on_conflict=on_conflict)
+        if self._on_add is not None:
+            for code in {task[0] for task in batch} & set(self.handlers):
+                self._on_add(code)
+        return results
 
     def cancel(self, code: str, key: str, *, transaction: Any = None) -> bool:
         """Drop the task (a running one when its attempt ends). False if there is no such task.

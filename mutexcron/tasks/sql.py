@@ -50,8 +50,9 @@ from ..backends.sql import TABLE_RE, SQLBackend, absolute_sqlite_url
 from ..errors import ConfigurationError, StoreError, StoreUnavailableError
 from ..timeutil import as_utc
 from ..urls import mask_url, pop_query
-from .base import AddResult, CodeSummary, Done, Due, Fail, Outcome, Reschedule, TaskRecord, TaskStore
+from .base import AddResult, CodeSummary, Done, Due, Fail, NewTask, Outcome, Reschedule, TaskRecord, TaskStore
 from .checks import (
+    check_batch,
     check_claim,
     check_codes,
     check_due,
@@ -81,6 +82,8 @@ _T = TypeVar("_T")
 DEFAULT_TASKS_TABLE = "mutexcron_tasks"
 #: Rounds of a multi-statement write whose row keeps changing between statements before giving up.
 _ROUNDS = 5
+#: The add results after which the task can be claimed now: the local workers are woken.
+_WAKING = frozenset({AddResult.INSERTED, AddResult.REPLACED})
 
 
 class SQLTaskStore(TaskStore):
@@ -236,6 +239,23 @@ class SQLTaskStore(TaskStore):
                 return result
             # Cancelled or finished between the insert and the lock: insert again.
         raise StoreUnavailableError(f"{self._where(code, key)}: add did not settle (the task kept appearing and vanishing)")
+
+    def add_many(self, tasks: Iterable[NewTask | tuple[Any, ...]], *, on_conflict: str = "replace") -> builtins.list[AddResult]:
+        """All of ``tasks`` in one transaction: every one added, or none (see :meth:`TaskStore.add_many`)."""
+        from .transactions import add_checked, own_connection
+
+        batch, mode = check_batch(tasks), check_on_conflict(on_conflict)
+        for task in batch:
+            self._check_names(task.code, task.key)
+
+        def add_all(conn: Connection) -> builtins.list[AddResult]:
+            caller = own_connection(conn)
+            return [add_checked(self, caller, task, mode) for task in batch]
+
+        results = self._transaction(add_all, "add_many") if batch else []
+        for code in {task.code for task, result in zip(batch, results, strict=True) if result in _WAKING}:
+            self._wake_local(code)
+        return results
 
     def _insert(self, params: Mapping[str, Any]) -> bool:
         """Insert the task unless it exists; True if this call inserted it."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +44,18 @@ from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.sql.elements import TextClause
 
 from ..errors import ConfigurationError, StaleTaskError, StoreUnavailableError
-from .base import AddResult, Due, Outcome, TaskStore
-from .checks import check_due, check_on_conflict, check_outcome, check_task, dump_payload, reschedule_payload
+from .base import AddResult, Due, NewTask, Outcome, TaskStore
+from .checks import (
+    check_batch,
+    check_due,
+    check_on_conflict,
+    check_outcome,
+    check_task,
+    dump_payload,
+    reschedule_payload,
+)
 
-__all__ = ["CallerTransaction", "adapt", "add_in", "cancel_in", "complete_in"]
+__all__ = ["CallerTransaction", "adapt", "add_in", "add_many_in", "cancel_in", "complete_in"]
 
 #: DB-API driver module -> (the store dialect it speaks, SQLAlchemy's name for it).
 DRIVERS = {
@@ -339,14 +347,34 @@ def add_in(
     store: TaskStore, transaction: Any, code: str, key: str, due: Due, payload: Any = None, *, on_conflict: str = "replace"
 ) -> AddResult:
     """:meth:`SQLTaskStore.add` on the caller's transaction: the same checks and statements, committed with it."""
-    code, key = check_task(code, key)
-    at, delay = check_due(due)
-    mode = check_on_conflict(on_conflict)
-    text = dump_payload(payload, code, key)
+    return add_many_in(store, transaction, [NewTask(code, key, due, payload)], on_conflict=on_conflict)[0]
+
+
+def add_many_in(
+    store: TaskStore, transaction: Any, tasks: Iterable[NewTask | tuple[Any, ...]], *, on_conflict: str = "replace"
+) -> list[AddResult]:
+    """:meth:`SQLTaskStore.add_many` on the caller's transaction: every task checked first, then
+    each added with the store's statements; they commit with the caller's writes, or not at all."""
+    batch, mode = check_batch(tasks), check_on_conflict(on_conflict)
     sql_store, caller = _bind(store, transaction, "adding a task")
-    _check_names(sql_store, caller, code, key)
+    for task in batch:
+        _check_names(sql_store, caller, task.code, task.key)
+    return [add_checked(sql_store, caller, task, mode) for task in batch]
+
+
+def own_connection(conn: Connection) -> CallerTransaction:
+    """The store's own connection, in a transaction the store opened, as the caller's are used."""
+    dialect = "mysql" if conn.dialect.name == "mariadb" else conn.dialect.name
+    return CallerTransaction(dialect, None, lambda clause, params: conn.execute(clause, dict(params)), _is_duplicate)
+
+
+def add_checked(sql_store: Any, caller: CallerTransaction, task: NewTask, mode: str) -> AddResult:
+    """One checked task added in the open transaction ``caller``: insert it, or decide on the row
+    that is there (locked) as :func:`~mutexcron.tasks.checks.decide_add` says."""
+    at, delay = check_due(task.due)
+    text = dump_payload(task.payload, task.code, task.key)
     sql = sql_store._sql
-    params = {"code": code, "key": key, "due": sql_store._time(at), "delay": delay, "payload": text}
+    params = {"code": task.code, "key": task.key, "due": sql_store._time(at), "delay": delay, "payload": text}
     clause = sql_store.backend.text
     for _ in range(_ROUNDS):
         try:
@@ -362,7 +390,8 @@ def add_in(
         if decided is not None:
             return decided
         # Finished between the insert and the lock (a READ COMMITTED transaction sees it): insert again.
-    raise StoreUnavailableError(f"{sql_store._where(code, key)}: add did not settle (the task kept appearing and vanishing)")
+    where = sql_store._where(task.code, task.key)
+    raise StoreUnavailableError(f"{where}: add did not settle (the task kept appearing and vanishing)")
 
 
 def cancel_in(store: TaskStore, transaction: Any, code: str, key: str) -> bool:
