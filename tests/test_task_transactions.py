@@ -461,3 +461,30 @@ def test_a_run_completed_in_an_open_transaction_is_not_renewed(app: App) -> None
         assert returned, "the renewal waited on the handler's open transaction"
         assert wait_for(lambda: worker.stats.done == 1)
     assert worker.stats.lost == 0 and app.pool.get("slow", "1") is None
+
+
+@pytest.mark.parametrize("kind", backend_params("postgresql"))
+def test_a_psycopg2_connection_carries_the_task_like_psycopg_3(app: App) -> None:
+    """transaction= with the older driver, psycopg2: the task commits or rolls back with the caller."""
+    psycopg2 = pytest.importorskip("psycopg2", reason="psycopg2-binary is in the test extra")
+    dsn = sqlalchemy.make_url(app.app_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    raw = psycopg2.connect(dsn)
+    try:
+        with raw.cursor() as cur:
+            cur.execute(f"INSERT INTO {app.biz} (id) VALUES (1)")
+        assert app.pool.add("close", "p2-1", timedelta(minutes=30), transaction=raw) == AddResult.INSERTED
+        raw.rollback()
+        assert app.pool.get("close", "p2-1") is None and app.rows() == []
+        with raw.cursor() as cur:
+            cur.execute(f"INSERT INTO {app.biz} (id) VALUES (2)")
+        app.pool.add_many([("close", "p2-2", timedelta(minutes=30))], transaction=raw)
+        assert app.pool.cancel("close", "missing", transaction=raw) is False
+        raw.commit()
+        task = app.pool.get("close", "p2-2")
+        assert app.rows() == [2] and task is not None and task.state == "queued"
+        raw.autocommit = True  # no transaction open: refused, nothing written
+        with pytest.raises(ConfigurationError, match="transaction"):
+            app.pool.add("close", "p2-3", timedelta(minutes=30), transaction=raw)
+        assert app.pool.get("close", "p2-3") is None
+    finally:
+        raw.close()
