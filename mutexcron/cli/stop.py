@@ -2,10 +2,12 @@
 
 Python runs a signal's handler in the main thread, and only when that thread next runs Python
 code. The kernel may deliver a process's signal to any of its threads (a node has dozens: task
-handlers, the heartbeat, the scheduler's loop); a main thread blocked in a plain wait is then never
-woken, and the stop never starts. So the main thread waits on a socket that the interpreter's C-level
-handler writes to (``signal.set_wakeup_fd``) from whichever thread took the signal: it wakes, runs
-the handler, and the stop begins.
+handlers, the heartbeat, the scheduler's loop), and a main thread blocked in a wait (ours, or a
+BlockingScheduler's or an asyncio loop's until the next fire time, hours away) is then not woken:
+the stop would wait for the next job. So the interpreter's C-level handler also writes to a socket
+(``signal.set_wakeup_fd``) from whichever thread took the signal; a relay thread reading it nudges
+the main thread out of its wait (the scheduler's ``wakeup()``, and our own event), and the main
+thread runs the handler at once.
 """
 
 from __future__ import annotations
@@ -44,15 +46,18 @@ class GracefulStop:
         self.exit_code = 0
         self._why = ""
         self._begin_lock = threading.Lock()
+        self._nudged = threading.Event()
         self._wake_read, self._wake_write = socket.socketpair()
         for end in (self._wake_read, self._wake_write):
             end.setblocking(False)
 
     def install(self) -> None:
-        """From the main thread: the handlers, and the wake-up socket any thread's signal writes to."""
+        """From the main thread: the handlers, the wake-up socket any thread's signal writes to, and
+        the relay that nudges the main thread when it does."""
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
         signal.set_wakeup_fd(self._wake_write.fileno(), warn_on_full_buffer=False)
+        threading.Thread(target=self._relay, name="mutexcron-signal-relay", daemon=True).start()
 
     def on_signal(self, signum: int, _frame: Any) -> None:
         now = time.monotonic()
@@ -72,22 +77,17 @@ class GracefulStop:
     def wait(self) -> None:
         """Main thread: block until a signal (or ``give_up``) has begun the stop, then until it has finished."""
         while not self.signalled.is_set():
-            # Wakes on any signal, whichever thread the kernel gave it to; returning to Python
-            # code runs the handler. The timeout is only a backstop.
-            select.select([self._wake_read], [], [], 5.0)
-            self._drain()
+            # The relay sets it on any signal; returning to Python code runs the handler. The
+            # timeout is only a backstop.
+            self._nudged.wait(5.0)
+            self._nudged.clear()
         self.thread.join()
         self._close()
 
     async def wait_on_loop(self) -> None:
-        """The asyncio flavour of ``wait``: the loop watches the wake-up socket, so the main thread
-        (the loop's) runs the handler; the stop's end is awaited off the loop."""
-        loop = asyncio.get_running_loop()
-        loop.add_reader(self._wake_read.fileno(), self._drain)
-        try:
-            await asyncio.to_thread(self._wait_for_stop)
-        finally:
-            loop.remove_reader(self._wake_read.fileno())
+        """The asyncio flavour of ``wait``: the relay wakes the loop (the scheduler's ``wakeup()``),
+        so the main thread runs the handler; the stop's end is awaited off the loop."""
+        await asyncio.to_thread(self._wait_for_stop)
         self._close()
 
     def _wait_for_stop(self) -> None:
@@ -110,23 +110,39 @@ class GracefulStop:
         )
         self.sched.shutdown(wait=True)
 
+    def _relay(self) -> None:
+        """Wait for the wake-up socket; on each write (a signal, or ``give_up``), nudge the main thread."""
+        while True:
+            try:
+                select.select([self._wake_read], [], [])
+                if not self._drain():
+                    return  # closed
+            except (OSError, ValueError):  # closed under us
+                return
+            self._nudged.set()
+            try:
+                self.sched.wakeup()  # a BlockingScheduler's wait, an asyncio loop's select: returns now
+            except Exception as exc:  # noqa: BLE001 - not started yet, or shut down: nothing to wake
+                log.debug("no scheduler loop to wake (%s)", type(exc).__name__)
+
     def _poke(self) -> None:
         try:
             self._wake_write.send(b"\0")
         except OSError:  # full (a wake-up is pending anyway) or closed
             pass
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
+        """Read what is pending; False once the socket is closed."""
         try:
-            while self._wake_read.recv(512):
-                pass
-        except OSError:  # empty
-            pass
+            while True:
+                if not self._wake_read.recv(512):
+                    return False
+        except BlockingIOError:  # all read
+            return True
 
     def _close(self) -> None:
         try:
             signal.set_wakeup_fd(-1)
         except ValueError:  # not the main thread (a caller running the command in a thread)
             pass
-        self._wake_read.close()
-        self._wake_write.close()
+        self._wake_write.close()  # the relay reads the end of the stream and returns
