@@ -27,8 +27,17 @@ _before_session: set[str] | None = None
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     global _before_session
-    if leaks.enabled():
+    if leaks.enabled() and not os.environ.get("PYTEST_XDIST_WORKER"):  # once, in the controller
         _before_session = leaks.snapshot()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n 2 --dist loadgroup``), the multi-process tests (marker ``cluster``:
+    nodes, drills, browsers) run one at a time on one worker, so their timed steps never compete
+    with each other for the machine's cores, while the other worker runs the rest."""
+    for item in items:
+        if item.get_closest_marker("cluster") is not None:
+            item.add_marker(pytest.mark.xdist_group("cluster"))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
