@@ -526,3 +526,36 @@ def test_the_asgi_app_refuses_an_oversized_body_before_buffering_it(tmp_path: Pa
              "root_path": "", "scheme": "http", "server": ("127.0.0.1", 8465), "client": ("127.0.0.1", 1)}  # fmt: skip
     asyncio.run(app(scope, receive, send))
     assert sent[0]["status"] == 413 and received <= 5
+
+
+# -- layering -----------------------------------------------------------------------------------------
+def _imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports (relative imports resolved against its package), at any depth."""
+    import ast
+
+    package = ["mutexcron", *path.parent.relative_to(Path(__file__).parent.parent / "mutexcron").parts]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            found.add(module)
+            found |= {f"{module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_the_dashboard_imports_nothing_from_the_command_line_package() -> None:
+    """cli/ registers the dashboard's command; the dashboard uses what lies below both (formatting,
+    console, jobsfile, jobstores.admin), never cli/: no two-way dependency between the folders."""
+    root = Path(__file__).parent.parent / "mutexcron" / "dashboard"
+    modules = sorted(root.rglob("*.py"))
+    assert len(modules) >= 10
+    offending = {
+        str(path.relative_to(root)): sorted(m for m in _imported_modules(path) if f"{m}.".startswith("mutexcron.cli."))
+        for path in modules
+    }
+    assert not {k: v for k, v in offending.items() if v}
+    assert "mutexcron.formatting" in _imported_modules(root / "views.py")  # the scan resolves relative imports
+

@@ -50,7 +50,7 @@ class JobsFile:
         Raises:
             Exception: the store's own error (the caller shows it without the store's URL).
         """
-        from ..cli.jobs import stored_rows
+        from ..jobstores.admin import stored_rows
 
         return stored_rows(self.scheduler, self.shared) if self.shared else []
 
@@ -61,7 +61,7 @@ def load_jobs_file(spec: str) -> JobsFile:
     Raises:
         JobsFileError: the file does not import or has no scheduler (the message names the line).
     """
-    from ..cli.loader import load_scheduler
+    from ..jobsfile import load_scheduler
 
     sched: Any = load_scheduler(spec)
     grace_default = aps.job_default(sched, "misfire_grace_time")
@@ -73,7 +73,7 @@ def load_jobs_file(spec: str) -> JobsFile:
         grace = getattr(job, "misfire_grace_time", grace_default)
         jobs[job.id] = ScheduledJob(job.id, guard.lock, guard.ttl, str(job.trigger), job.trigger, grace)
     codes = getattr(getattr(sched, "tasks", None), "codes", None)
-    from ..cli.jobs import shared_stores
+    from ..jobstores.admin import shared_stores
 
     return JobsFile(spec, sched.lock_url, jobs, frozenset(codes()) if callable(codes) else frozenset(), sched,
                     shared_stores(sched))  # fmt: skip

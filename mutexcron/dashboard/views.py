@@ -17,9 +17,12 @@ from html import escape
 from typing import Any
 from urllib.parse import urlencode
 
-from ..cli.common import _age, _clip, _when
-from ..cli.ops import _duration, _offset
-from ..cli.tasks import record_json
+from ..formatting import age as _age
+from ..formatting import clip as _clip
+from ..formatting import duration as _duration
+from ..formatting import offset as _offset
+from ..formatting import record_json
+from ..formatting import when as _when
 from ..locks.record import LockRecord, RunRecord
 from ..tasks import STATES, TaskRecord
 from ..version import __version__
