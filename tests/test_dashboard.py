@@ -5,6 +5,7 @@ against a real cluster are in test_dashboard_browser.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -559,3 +560,119 @@ def test_the_dashboard_imports_nothing_from_the_command_line_package() -> None:
     assert not {k: v for k, v in offending.items() if v}
     assert "mutexcron.formatting" in _imported_modules(root / "views.py")  # the scan resolves relative imports
 
+
+# -- the server: a cap on connections and a deadline per request -----------------------------------
+def _hello(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+    start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", "5")])
+    return [b"hello"]
+
+
+@pytest.fixture
+def served() -> Iterator[Any]:
+    """A dashboard server with a cap of 3 connections and a 2 s deadline, serving in a thread."""
+    import threading
+
+    from mutexcron.dashboard.server import make
+
+    server = make(_hello, "127.0.0.1", 0, max_connections=3, deadline=2.0)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+def _get(port: int, timeout: float = 5.0) -> bytes:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(b"GET /tasks HTTP/1.0\r\nHost: x\r\n\r\n")
+        return _read_all(sock)
+
+
+def _read_all(sock: Any) -> bytes:
+    """Everything the server sends until it closes (a reset counts as closed)."""
+    data = b""
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def _stalled(port: int, sent: bytes = b"GET /tasks?key=secret HTTP/1.1\r\nHost: x\r\n") -> Any:
+    """A client that sends part of a request and then nothing (the server's thread waits for the rest)."""
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10.0)
+    sock.sendall(sent)
+    return sock
+
+
+def test_a_client_that_sends_half_a_request_is_closed_at_the_deadline_with_one_log_line(
+    served: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = served.server_address[1]
+    caplog.set_level("WARNING", logger="mutexcron.dashboard.server")
+    client = _stalled(port)
+    try:
+        started = time.monotonic()
+        assert _read_all(client) == b"", "nothing is served for an incomplete request"
+        assert time.monotonic() - started < 6.0, "closed at its 2 s deadline, not left to hang"
+    finally:
+        client.close()
+    deadline = time.monotonic() + 5
+    while not any("not complete" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (line,) = [r.getMessage() for r in caplog.records if "not complete" in r.getMessage()]
+    assert "127.0.0.1" in line and "GET /tasks" in line and "secret" not in line, line
+    assert b"hello" in _get(port), "the server serves on"
+
+
+def test_a_trickling_client_is_closed_at_the_deadline(served: Any) -> None:
+    """A byte every 0.2 s: no read ever waits long, the whole request never completes."""
+    port = served.server_address[1]
+    client = _stalled(port, b"G")
+    try:
+        started = time.monotonic()
+        closed = False
+        while time.monotonic() - started < 8.0 and not closed:
+            try:
+                client.sendall(b"E")
+                time.sleep(0.2)
+            except OSError:
+                closed = True
+            else:
+                client.settimeout(0.01)
+                with contextlib.suppress(TimeoutError):
+                    closed = client.recv(1) == b""
+        assert closed and time.monotonic() - started < 6.0
+    finally:
+        client.close()
+
+
+def test_clients_over_the_cap_are_answered_503_at_once_and_never_starve_the_others(served: Any) -> None:
+    port = served.server_address[1]
+    held = [_stalled(port) for _ in range(2)]
+    try:
+        assert b"hello" in _get(port, timeout=2.0), "one slot left: a normal client is served at once"
+        held.append(_stalled(port))
+        time.sleep(0.2)  # the three stalled ones hold every slot
+        started = time.monotonic()
+        busy = _get(port, timeout=2.0)
+        assert busy.startswith(b"HTTP/1.0 503") and b"Retry-After: 1" in busy, busy
+        assert time.monotonic() - started < 1.0, "refused at once, not queued behind the stalled ones"
+        assert served.refused >= 1
+        deadline = time.monotonic() + 8.0
+        while time.monotonic() < deadline:  # the stalled ones are cut at their deadline: served again
+            if b"hello" in _get(port, timeout=2.0):
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the server never served again after the stalled clients' deadline")
+        assert time.monotonic() - started < 6.0
+    finally:
+        for client in held:
+            client.close()
