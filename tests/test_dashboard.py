@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -676,3 +677,84 @@ def test_clients_over_the_cap_are_answered_503_at_once_and_never_starve_the_othe
     finally:
         for client in held:
             client.close()
+
+
+# -- alarms: nodes that disagree --------------------------------------------------------------------
+def _write_jobs_file(path: Path, url: str, zone: str = "UTC", lease: int = 30) -> str:
+    path.write_text(
+        "from mutexcron import MutexScheduler\n"
+        f"sched = MutexScheduler(lock_url={url!r}, timezone={zone!r}, unactive_interval={lease})\n"
+        "sched.add_job(print, 'cron', hour=2, id='close_invoices', mutex='billing')\n"
+        "sched.add_job(print, 'interval', minutes=5, id='send_reminders', mutex='billing')\n",
+        encoding="utf-8",
+    )
+    return str(path)
+
+
+def test_the_alarm_names_the_lock_and_its_holder_when_its_record_says_another_jobs_file(tmp_path: Path) -> None:
+    """Zone, lease and triggers as the holder wrote them in the lock record, against the jobs file,
+    by the nodes' own rule (guard.agreement): one alarm per lock, an error when the zone differs."""
+    from mutexcron.dashboard.alarms import alarms
+    from mutexcron.dashboard.jobsfile import load_jobs_file
+    from mutexcron.dashboard.reads import Snapshot
+    from mutexcron.locks.record import LockRecord
+
+    spec = _write_jobs_file(tmp_path / "jobs.py", f"sqlite:///{tmp_path}/dash.db")
+    jobs = load_jobs_file(spec)
+    # What a node running this file writes as holder (MutexScheduler's own _lock_zone/_lock_triggers).
+    assert jobs.zone_of("billing") == jobs.scheduler._lock_zone("billing") == "UTC"
+    assert jobs.triggers_of("billing") == jobs.scheduler._lock_triggers("billing")
+    assert jobs.lease_of("billing") == 30
+    same = LockRecord("billing", holder="node-b:2:bb", heartbeat_age=1.0, ttl=30.0, zone="UTC",
+                      triggers=jobs.triggers_of("billing"))  # fmt: skip
+    trigger = jobs.triggers_of("billing")["close_invoices"]
+
+    def nodes_alarms(record: LockRecord) -> list[Any]:
+        snap = Snapshot("sqlite:///x", datetime.now(timezone.utc), True, [record], [], {}, [])
+        return [a for a in alarms(snap, jobs) if "jobs file" in a.text]
+
+    assert nodes_alarms(same) == []
+    (lease,) = nodes_alarms(dataclasses.replace(same, ttl=60.0))
+    assert lease.level == "warning" and lease.kind == "nodes"
+    assert lease.text.startswith(f"lock billing: its holder node-b:2:bb runs another jobs file than {spec}: ")
+    assert f"lease 60s on node-b:2:bb, 30s in {spec}" in lease.text
+    (zone,) = nodes_alarms(dataclasses.replace(same, zone="Europe/Paris"))
+    assert zone.level == "error" and f"time zone Europe/Paris on node-b:2:bb, UTC in {spec}" in zone.text
+    assert "runs none of the lock's jobs" in zone.text
+    other = {"close_invoices": trigger.replace("hour='2'", "hour='4'"), "purge": "interval[0:01:00]"}
+    (triggers,) = nodes_alarms(dataclasses.replace(same, triggers=other))
+    assert "job 'close_invoices': " in triggers.text and "hour='4'" in triggers.text and f"in {spec}" in triggers.text
+    assert "job 'purge' only on node-b:2:bb" in triggers.text and f"job 'send_reminders' only in {spec}" in triggers.text
+    (everything,) = nodes_alarms(dataclasses.replace(same, ttl=60.0, zone="Europe/Paris", triggers=other))
+    assert everything.level == "error" and "time zone" in everything.text and "lease" in everything.text
+    assert nodes_alarms(dataclasses.replace(same, zone=None, triggers=None)) == [], "a record from before zones: no alarm"
+    assert nodes_alarms(dataclasses.replace(same, ttl=60.0, heartbeat_age=90.0)) == [], "stale: its own alarm"
+    assert nodes_alarms(dataclasses.replace(same, name="unknown", ttl=60.0)) == [], "a lock the file does not name"
+
+
+@pytest.mark.sqlite
+def test_a_holder_running_another_jobs_file_shows_on_the_overview(tmp_path: Path) -> None:
+    """End to end: a real node in another zone, with another lease and trigger, takes the lock and
+    writes its record; the Overview of a dashboard given the jobs file names the lock and the node."""
+    from mutexcron import MutexScheduler
+
+    url = f"sqlite:///{tmp_path}/dash.db"
+    spec = _write_jobs_file(tmp_path / "jobs.py", url)
+    node = MutexScheduler(lock_url=url, node_id="paris-node", timezone="Europe/Paris", unactive_interval=3)
+    node.add_job(print, "cron", hour=3, id="close_invoices", mutex="billing")
+    node.start()
+    app = create_app(url, jobs=spec)
+    try:
+        deadline = time.monotonic() + 20
+        while (record := node.lock_store.read("billing")) is None or record.zone != "Europe/Paris":
+            assert time.monotonic() < deadline, "the node never wrote its zone"
+            time.sleep(0.05)
+        app.reader.invalidate()
+        _, _, body = call(app, "/api/sections/overview")
+        shown = json.loads(body)["sections"]["alarms"]
+        assert f"lock billing: its holder paris-node runs another jobs file than {spec}" in shown, shown
+        assert "time zone Europe/Paris on paris-node, UTC in" in shown and "lease 3s on paris-node, 30s in" in shown
+        assert "job &#x27;send_reminders&#x27; only in" in shown and "alarm error" in shown
+    finally:
+        app.close()
+        node.shutdown(wait=False)

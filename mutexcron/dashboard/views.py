@@ -168,7 +168,10 @@ def _counts(ctx: Context) -> str:
 def _alarms(ctx: Context) -> str:
     found: list[Alarm] = alarms(ctx.snap, ctx.jobs)
     note = (
-        "" if ctx.jobs else '<p class="muted">Missed-run alarms need the schedules: start the dashboard with --jobs jobs.py.</p>'
+        ""
+        if ctx.jobs
+        else '<p class="muted">Missed-run alarms, and a holder running another jobs file (zone, lease, triggers), '
+        "need the jobs file: start the dashboard with --jobs jobs.py.</p>"
     )
     if not found:
         return f'<p class="ok-line">No alarms.</p>{note}'
