@@ -758,3 +758,83 @@ def test_a_holder_running_another_jobs_file_shows_on_the_overview(tmp_path: Path
     finally:
         app.close()
         node.shutdown(wait=False)
+
+
+# -- the Tasks page: throughput ----------------------------------------------------------------------
+def test_the_tasks_page_charts_tasks_finished_per_minute_from_the_finished_tasks_the_store_keeps(
+    url: str, counted_statements: list[str]
+) -> None:
+    """Finished tasks leave their tombstone's time: three finished and a code whose every task finished
+    are charted; a failed task is not finished; the read writes nothing and serves pages for 30 s."""
+    from mutexcron.tasks import Done
+
+    tasks = task_store_from_url(lock_store_from_url(url).url)
+    try:
+        for key in ("k0", "k1", "k2", "k3"):
+            tasks.add("email.send", key, timedelta(0))
+        tasks.add("email.send", "later", timedelta(hours=1))
+        tasks.add("report.build", "daily", timedelta(0))
+        claimed = tasks.claim("node-a", ["email.send", "report.build"], 10, 30)
+        assert len(claimed) == 5
+        for task in claimed:
+            outcome = Fail("no") if task.key == "k3" else Done()
+            assert tasks.complete("node-a", task.code, task.key, task.token, outcome)
+    finally:
+        tasks.close()
+    app = create_app(url)
+    try:
+        counted_statements.clear()
+        status, _, page = call(app, "/tasks")
+        assert status == 200, page
+        flow = app.reader.throughput(app.reader.snapshot().now)
+        assert flow is not None and flow.note is None and flow.complete_from is None
+        assert {code: sum(counts) for code, counts in flow.per_minute.items()} == {"email.send": 3, "report.build": 1}
+        assert all(len(counts) == 60 for counts in flow.per_minute.values())
+        assert "email.send: finished per minute" in page and "last 60 min: 3" in page
+        assert "report.build: finished per minute" in page and "last 60 min: 1" in page, "a code with no task left"
+        for _ in range(3):
+            assert "last 60 min: 3" in json.loads(call(app, "/api/sections/tasks")[2])["sections"]["codes"]
+    finally:
+        app.close()
+    assert not [s for s in counted_statements if _WRITES.match(s)], "a read wrote to the store"
+    assert len([s for s in counted_statements if "state = 'done' AND updated >=" in s]) == 1, "one read for 30 s"
+
+
+@pytest.mark.redis
+def test_a_store_that_keeps_no_finished_task_says_so_instead_of_a_throughput_chart() -> None:
+    url = f"{require_server('redis')}?namespace=dash-{secrets.token_hex(3)}"
+    tasks = task_store_from_url(url)
+    try:
+        tasks.add("email.send", "k", timedelta(hours=1))
+        app = create_app(url)
+        try:
+            page = call(app, "/tasks")[2]
+        finally:
+            app.close()
+        assert "email.send: backlog" in page and "finished per minute" not in page
+        assert "no throughput chart" in page and "keeps no finished task" in page
+    finally:
+        tasks.close()
+        cleanup_redis(url)
+
+
+@pytest.mark.mongodb
+def test_the_finish_times_of_a_mongodb_task_store_are_read_without_a_write() -> None:
+    from mutexcron.dashboard.finished import finished_since
+    from mutexcron.tasks import Done
+    from tests.mongomock_support import CLOCK_ORIGIN, open_mongomock_tasks
+
+    make, clock = open_mongomock_tasks(f"fin{secrets.token_hex(3)}")
+    store = make()
+    store.add("mail", "k1", timedelta(0))
+    store.add("mail", "k2", timedelta(0))
+    for task in store.claim("node-a", ["mail"], 2, 30):
+        clock.advance(61)
+        assert store.complete("node-a", task.code, task.key, task.token, Done())
+    reader = make()
+    reader.backend.read_only = True
+    found = finished_since(reader, CLOCK_ORIGIN, 10)
+    assert [code for code, _ in found] == ["mail", "mail"]
+    assert found[0][1] > found[1][1] >= CLOCK_ORIGIN, "newest first, by the store's clock"
+    assert finished_since(reader, found[0][1], 10) == found[:1]
+    assert finished_since(reader, CLOCK_ORIGIN, 1) == found[:1], "at most the limit"
