@@ -83,10 +83,15 @@ class _Server(ThreadingMixIn, WSGIServer):
         self.shutdown_request(request)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:  # socketserver's name
+        """ThreadingMixIn's, with the slot given back before the socket is closed: a client that saw
+        its answer end can connect again at once without finding the slot still taken."""
         try:
-            super().process_request_thread(request, client_address)
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001 - socketserver's own handling: logged at DEBUG (handle_error)
+            self.handle_error(request, client_address)
         finally:
             self._slots.release()
+            self.shutdown_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:  # socketserver's name
         log.debug("dashboard: connection from %s failed", client_address[0], exc_info=True)
@@ -122,9 +127,9 @@ class _Handler(WSGIRequestHandler):
     def _what(self) -> str:
         """The request for a log line: method and path, no query (it is the client's text: escaped, clipped)."""
         words = str(getattr(self, "requestline", "") or "").split()
-        if not words:
+        if len(words) < 2:
             return "its request line"
-        target = words[1].split("?", 1)[0] if len(words) > 1 else ""
+        target = words[1].split("?", 1)[0]
         return f"its request ({printable(words[0][:16])} {printable(target[:120])})"
 
     def log_message(self, format: str, *args: Any) -> None:
