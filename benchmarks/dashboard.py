@@ -8,7 +8,10 @@ run and interleaved, ``--repeats`` times each:
   snapshot read again (what every refresh of an open page costs the store when it is the only
   page; more pages in the same second share it);
 * **status --json**: the ``mutexcron status --json`` command in process (it opens its stores for
-  the call, as a terminal's ``status --watch`` redraw does not: ``--watch`` keeps them).
+  the call, as a terminal's ``status --watch`` redraw does not: ``--watch`` keeps them);
+* **throughput read**: the Tasks page's read of the finished tasks' times for its throughput
+  chart (made at most every 30 s while a Tasks page is open), over ``--finished`` finished
+  tasks (tombstones, as the store keeps them) spread over the last two hours.
 
 SQL statements are counted by a ``before_cursor_execute`` listener (every statement a connection
 sends); time is the wall time of the call (store and rendering). Prints a markdown table of the
@@ -80,6 +83,25 @@ def fill(url: str, locks: int, codes: int) -> None:
         tasks.close()
 
 
+def fill_finished(url: str, finished: int, codes: int) -> None:
+    """``finished`` tombstones (finished tasks, as the store keeps them), spread over the last two
+    hours by the store's clock: written in one batch, as thousands of completions would leave them."""
+    from mutexcron.tasks.sql_statements import STATEMENTS
+
+    tasks: Any = task_store_from_url(lock_store_from_url(url).url)
+    try:
+        tasks.summary()  # the table
+        now, param = tasks.now(), STATEMENTS[tasks.backend.dialect.name].time_param
+        rows = [{"code": f"code-{i % codes}", "key": f"done-{i}", "t": param(now - timedelta(seconds=7200 * i / finished))}
+                for i in range(finished)]  # fmt: skip
+        sql = (f"INSERT INTO {tasks.table} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, "
+               "created, updated) VALUES (:code, :key, :t, NULL, 'null', 'done', 1, 1, 0, :t, :t)")  # fmt: skip
+        with tasks.backend.engine.begin() as conn:
+            conn.execute(sqlalchemy.text(sql), rows)
+    finally:
+        tasks.close()
+
+
 def drop(url: str) -> None:
     if url.startswith("sqlite"):
         return
@@ -115,27 +137,37 @@ def _refresh(app: Any) -> float:
     return float(body["store_ms"])
 
 
+def _throughput(app: Any, now: datetime) -> None:
+    app.reader.invalidate()  # the read is made again (a refresh shares it for 30 s)
+    flow = app.reader.throughput(now)
+    assert flow is not None and flow.note is None and flow.per_minute, flow
+
+
 def _status(url: str) -> None:
     result = CliRunner().invoke(cli, ["status", "--json", "--lock-url", url])
     assert result.exit_code == 0, result.output
 
 
-def measure(store: str, repeats: int, locks: int, codes: int) -> dict[str, Any]:
+def measure(store: str, repeats: int, locks: int, codes: int, finished: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         url = _url(store, tmp, uuid.uuid4().hex[:8])
         drop(url)
         try:
             fill(url, locks, codes)
+            fill_finished(url, finished, codes)
             app = create_app(url)
             counter = Counter()
-            samples: dict[str, list[tuple[int, float]]] = {"dashboard refresh": [], "status --json": []}
+            samples: dict[str, list[tuple[int, float]]] = {"dashboard refresh": [], "status --json": [], "throughput read": []}
             store_ms: list[float] = []
             try:
                 _refresh(app)
                 _status(url)  # warm: imports, the dashboard's table check
+                now = app.reader.snapshot().now
+                _throughput(app, now)
                 for _ in range(repeats):
                     calls = (("dashboard refresh", lambda: store_ms.append(_refresh(app))),
-                             ("status --json", lambda: _status(url)))  # fmt: skip
+                             ("status --json", lambda: _status(url)),
+                             ("throughput read", lambda: _throughput(app, now)))  # fmt: skip
                     for name, call in calls:
                         before, started = counter.count, time.perf_counter()
                         call()
@@ -158,13 +190,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--locks", type=int, default=50, help="locks (two jobs each, 20 kept runs per job)")
     parser.add_argument("--codes", type=int, default=5, help="task codes (50 tasks each, 5 failed)")
+    parser.add_argument("--finished", type=int, default=20_000, help="finished tasks kept (over the last two hours)")
     args = parser.parse_args()
-    print(f"{args.locks} locks x 2 jobs x 20 kept runs, 3 nodes, {args.codes} task codes x 50 tasks; "
-          f"medians of {args.repeats} interleaved calls\n")  # fmt: skip
+    print(f"{args.locks} locks x 2 jobs x 20 kept runs, 3 nodes, {args.codes} task codes x 50 tasks, "
+          f"{args.finished} finished tasks; medians of {args.repeats} interleaved calls\n")  # fmt: skip
     print("| store | what | SQL statements | of it in the store's reads (ms) | wall time (ms) |")
     print("|---|---|---:|---:|---:|")
     for store in args.stores.split(","):
-        for name, (statements, ms, reads) in measure(store, args.repeats, args.locks, args.codes).items():
+        for name, (statements, ms, reads) in measure(store, args.repeats, args.locks, args.codes, args.finished).items():
             print(f"| {store} | {name} | {statements:.0f} | {reads or '-'} | {ms:.1f} |")
 
 

@@ -5,6 +5,8 @@ against a real cluster are in test_dashboard_browser.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -526,3 +528,313 @@ def test_the_asgi_app_refuses_an_oversized_body_before_buffering_it(tmp_path: Pa
              "root_path": "", "scheme": "http", "server": ("127.0.0.1", 8465), "client": ("127.0.0.1", 1)}  # fmt: skip
     asyncio.run(app(scope, receive, send))
     assert sent[0]["status"] == 413 and received <= 5
+
+
+# -- layering -----------------------------------------------------------------------------------------
+def _imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports (relative imports resolved against its package), at any depth."""
+    import ast
+
+    package = ["mutexcron", *path.parent.relative_to(Path(__file__).parent.parent / "mutexcron").parts]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            found.add(module)
+            found |= {f"{module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_the_dashboard_imports_nothing_from_the_command_line_package() -> None:
+    """cli/ registers the dashboard's command; the dashboard uses what lies below both (formatting,
+    console, jobsfile, jobstores.admin), never cli/: no two-way dependency between the folders."""
+    root = Path(__file__).parent.parent / "mutexcron" / "dashboard"
+    modules = sorted(root.rglob("*.py"))
+    assert len(modules) >= 10
+    offending = {
+        str(path.relative_to(root)): sorted(m for m in _imported_modules(path) if f"{m}.".startswith("mutexcron.cli."))
+        for path in modules
+    }
+    assert not {k: v for k, v in offending.items() if v}
+    assert "mutexcron.formatting" in _imported_modules(root / "views.py")  # the scan resolves relative imports
+
+
+# -- the server: a cap on connections and a deadline per request -----------------------------------
+def _hello(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+    start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", "5")])
+    return [b"hello"]
+
+
+@pytest.fixture
+def served() -> Iterator[Any]:
+    """A dashboard server with a cap of 3 connections and a 2 s deadline, serving in a thread."""
+    import threading
+
+    from mutexcron.dashboard.server import make
+
+    server = make(_hello, "127.0.0.1", 0, max_connections=3, deadline=2.0)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+def _get(port: int, timeout: float = 5.0) -> bytes:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(b"GET /tasks HTTP/1.0\r\nHost: x\r\n\r\n")
+        return _read_all(sock)
+
+
+def _read_all(sock: Any) -> bytes:
+    """Everything the server sends until it closes (a reset counts as closed)."""
+    data = b""
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def _stalled(port: int, sent: bytes = b"GET /tasks?key=secret HTTP/1.1\r\nHost: x\r\n") -> Any:
+    """A client that sends part of a request and then nothing (the server's thread waits for the rest)."""
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10.0)
+    sock.sendall(sent)
+    return sock
+
+
+def test_a_client_that_sends_half_a_request_is_closed_at_the_deadline_with_one_log_line(
+    served: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = served.server_address[1]
+    caplog.set_level("WARNING", logger="mutexcron.dashboard.server")
+    client = _stalled(port)
+    try:
+        started = time.monotonic()
+        assert _read_all(client) == b"", "nothing is served for an incomplete request"
+        assert time.monotonic() - started < 6.0, "closed at its 2 s deadline, not left to hang"
+    finally:
+        client.close()
+    deadline = time.monotonic() + 5
+    while not any("not complete" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (line,) = [r.getMessage() for r in caplog.records if "not complete" in r.getMessage()]
+    assert "127.0.0.1" in line and "GET /tasks" in line and "secret" not in line, line
+    assert b"hello" in _get(port), "the server serves on"
+
+
+def test_a_trickling_client_is_closed_at_the_deadline(served: Any) -> None:
+    """A byte every 0.2 s: no read ever waits long, the whole request never completes."""
+    port = served.server_address[1]
+    client = _stalled(port, b"G")
+    try:
+        started = time.monotonic()
+        closed = False
+        while time.monotonic() - started < 8.0 and not closed:
+            try:
+                client.sendall(b"E")
+                time.sleep(0.2)
+            except OSError:
+                closed = True
+            else:
+                client.settimeout(0.01)
+                with contextlib.suppress(TimeoutError):
+                    closed = client.recv(1) == b""
+        assert closed and time.monotonic() - started < 6.0
+    finally:
+        client.close()
+
+
+def test_clients_over_the_cap_are_answered_503_at_once_and_never_starve_the_others(served: Any) -> None:
+    port = served.server_address[1]
+    held = [_stalled(port) for _ in range(2)]
+    try:
+        assert b"hello" in _get(port, timeout=2.0), "one slot left: a normal client is served at once"
+        held.append(_stalled(port))
+        time.sleep(0.2)  # the three stalled ones hold every slot
+        started = time.monotonic()
+        busy = _get(port, timeout=2.0)
+        assert busy.startswith(b"HTTP/1.0 503") and b"Retry-After: 1" in busy, busy
+        assert time.monotonic() - started < 1.0, "refused at once, not queued behind the stalled ones"
+        assert served.refused >= 1
+        deadline = time.monotonic() + 8.0
+        while time.monotonic() < deadline:  # the stalled ones are cut at their deadline: served again
+            if b"hello" in _get(port, timeout=2.0):
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the server never served again after the stalled clients' deadline")
+        assert time.monotonic() - started < 6.0
+    finally:
+        for client in held:
+            client.close()
+
+
+# -- alarms: nodes that disagree --------------------------------------------------------------------
+def _write_jobs_file(path: Path, url: str, zone: str = "UTC", lease: int = 30) -> str:
+    path.write_text(
+        "from mutexcron import MutexScheduler\n"
+        f"sched = MutexScheduler(lock_url={url!r}, timezone={zone!r}, unactive_interval={lease})\n"
+        "sched.add_job(print, 'cron', hour=2, id='close_invoices', mutex='billing')\n"
+        "sched.add_job(print, 'interval', minutes=5, id='send_reminders', mutex='billing')\n",
+        encoding="utf-8",
+    )
+    return str(path)
+
+
+def test_the_alarm_names_the_lock_and_its_holder_when_its_record_says_another_jobs_file(tmp_path: Path) -> None:
+    """Zone, lease and triggers as the holder wrote them in the lock record, against the jobs file,
+    by the nodes' own rule (guard.agreement): one alarm per lock, an error when the zone differs."""
+    from mutexcron.dashboard.alarms import alarms
+    from mutexcron.dashboard.jobsfile import load_jobs_file
+    from mutexcron.dashboard.reads import Snapshot
+    from mutexcron.locks.record import LockRecord
+
+    spec = _write_jobs_file(tmp_path / "jobs.py", f"sqlite:///{tmp_path}/dash.db")
+    jobs = load_jobs_file(spec)
+    # What a node running this file writes as holder (MutexScheduler's own _lock_zone/_lock_triggers).
+    assert jobs.zone_of("billing") == jobs.scheduler._lock_zone("billing") == "UTC"
+    assert jobs.triggers_of("billing") == jobs.scheduler._lock_triggers("billing")
+    assert jobs.lease_of("billing") == 30
+    same = LockRecord("billing", holder="node-b:2:bb", heartbeat_age=1.0, ttl=30.0, zone="UTC",
+                      triggers=jobs.triggers_of("billing"))  # fmt: skip
+    trigger = jobs.triggers_of("billing")["close_invoices"]
+
+    def nodes_alarms(record: LockRecord) -> list[Any]:
+        snap = Snapshot("sqlite:///x", datetime.now(timezone.utc), True, [record], [], {}, [])
+        return [a for a in alarms(snap, jobs) if "jobs file" in a.text]
+
+    assert nodes_alarms(same) == []
+    (lease,) = nodes_alarms(dataclasses.replace(same, ttl=60.0))
+    assert lease.level == "warning" and lease.kind == "nodes"
+    assert lease.text.startswith(f"lock billing: its holder node-b:2:bb runs another jobs file than {spec}: ")
+    assert f"lease 60s on node-b:2:bb, 30s in {spec}" in lease.text
+    (zone,) = nodes_alarms(dataclasses.replace(same, zone="Europe/Paris"))
+    assert zone.level == "error" and f"time zone Europe/Paris on node-b:2:bb, UTC in {spec}" in zone.text
+    assert "runs none of the lock's jobs" in zone.text
+    other = {"close_invoices": trigger.replace("hour='2'", "hour='4'"), "purge": "interval[0:01:00]"}
+    (triggers,) = nodes_alarms(dataclasses.replace(same, triggers=other))
+    assert "job 'close_invoices': " in triggers.text and "hour='4'" in triggers.text and f"in {spec}" in triggers.text
+    assert "job 'purge' only on node-b:2:bb" in triggers.text and f"job 'send_reminders' only in {spec}" in triggers.text
+    (everything,) = nodes_alarms(dataclasses.replace(same, ttl=60.0, zone="Europe/Paris", triggers=other))
+    assert everything.level == "error" and "time zone" in everything.text and "lease" in everything.text
+    assert nodes_alarms(dataclasses.replace(same, zone=None, triggers=None)) == [], "a record from before zones: no alarm"
+    assert nodes_alarms(dataclasses.replace(same, ttl=60.0, heartbeat_age=90.0)) == [], "stale: its own alarm"
+    assert nodes_alarms(dataclasses.replace(same, name="unknown", ttl=60.0)) == [], "a lock the file does not name"
+
+
+@pytest.mark.sqlite
+def test_a_holder_running_another_jobs_file_shows_on_the_overview(tmp_path: Path) -> None:
+    """End to end: a real node in another zone, with another lease and trigger, takes the lock and
+    writes its record; the Overview of a dashboard given the jobs file names the lock and the node."""
+    from mutexcron import MutexScheduler
+
+    url = f"sqlite:///{tmp_path}/dash.db"
+    spec = _write_jobs_file(tmp_path / "jobs.py", url)
+    node = MutexScheduler(lock_url=url, node_id="paris-node", timezone="Europe/Paris", unactive_interval=3)
+    node.add_job(print, "cron", hour=3, id="close_invoices", mutex="billing")
+    node.start()
+    app = create_app(url, jobs=spec)
+    try:
+        deadline = time.monotonic() + 20
+        while (record := node.lock_store.read("billing")) is None or record.zone != "Europe/Paris":
+            assert time.monotonic() < deadline, "the node never wrote its zone"
+            time.sleep(0.05)
+        app.reader.invalidate()
+        _, _, body = call(app, "/api/sections/overview")
+        shown = json.loads(body)["sections"]["alarms"]
+        assert f"lock billing: its holder paris-node runs another jobs file than {spec}" in shown, shown
+        assert "time zone Europe/Paris on paris-node, UTC in" in shown and "lease 3s on paris-node, 30s in" in shown
+        assert "job &#x27;send_reminders&#x27; only in" in shown and "alarm error" in shown
+    finally:
+        app.close()
+        node.shutdown(wait=False)
+
+
+# -- the Tasks page: throughput ----------------------------------------------------------------------
+def test_the_tasks_page_charts_tasks_finished_per_minute_from_the_finished_tasks_the_store_keeps(
+    url: str, counted_statements: list[str]
+) -> None:
+    """Finished tasks leave their tombstone's time: three finished and a code whose every task finished
+    are charted; a failed task is not finished; the read writes nothing and serves pages for 30 s."""
+    from mutexcron.tasks import Done
+
+    tasks = task_store_from_url(lock_store_from_url(url).url)
+    try:
+        for key in ("k0", "k1", "k2", "k3"):
+            tasks.add("email.send", key, timedelta(0))
+        tasks.add("email.send", "later", timedelta(hours=1))
+        tasks.add("report.build", "daily", timedelta(0))
+        claimed = tasks.claim("node-a", ["email.send", "report.build"], 10, 30)
+        assert len(claimed) == 5
+        for task in claimed:
+            outcome = Fail("no") if task.key == "k3" else Done()
+            assert tasks.complete("node-a", task.code, task.key, task.token, outcome)
+    finally:
+        tasks.close()
+    app = create_app(url)
+    try:
+        counted_statements.clear()
+        status, _, page = call(app, "/tasks")
+        assert status == 200, page
+        flow = app.reader.throughput(app.reader.snapshot().now)
+        assert flow is not None and flow.note is None and flow.complete_from is None
+        assert {code: sum(counts) for code, counts in flow.per_minute.items()} == {"email.send": 3, "report.build": 1}
+        assert all(len(counts) == 60 for counts in flow.per_minute.values())
+        assert "email.send: finished per minute" in page and "last 60 min: 3" in page
+        assert "report.build: finished per minute" in page and "last 60 min: 1" in page, "a code with no task left"
+        for _ in range(3):
+            assert "last 60 min: 3" in json.loads(call(app, "/api/sections/tasks")[2])["sections"]["codes"]
+    finally:
+        app.close()
+    assert not [s for s in counted_statements if _WRITES.match(s)], "a read wrote to the store"
+    assert len([s for s in counted_statements if "state = 'done' AND updated >=" in s]) == 1, "one read for 30 s"
+
+
+@pytest.mark.redis
+def test_a_store_that_keeps_no_finished_task_says_so_instead_of_a_throughput_chart() -> None:
+    url = f"{require_server('redis')}?namespace=dash-{secrets.token_hex(3)}"
+    tasks = task_store_from_url(url)
+    try:
+        tasks.add("email.send", "k", timedelta(hours=1))
+        app = create_app(url)
+        try:
+            page = call(app, "/tasks")[2]
+        finally:
+            app.close()
+        assert "email.send: backlog" in page and "finished per minute" not in page
+        assert "no throughput chart" in page and "keeps no finished task" in page
+    finally:
+        tasks.close()
+        cleanup_redis(url)
+
+
+@pytest.mark.mongodb
+def test_the_finish_times_of_a_mongodb_task_store_are_read_without_a_write() -> None:
+    from mutexcron.dashboard.finished import finished_since
+    from mutexcron.tasks import Done
+    from tests.mongomock_support import CLOCK_ORIGIN, open_mongomock_tasks
+
+    make, clock = open_mongomock_tasks(f"fin{secrets.token_hex(3)}")
+    store = make()
+    store.add("mail", "k1", timedelta(0))
+    store.add("mail", "k2", timedelta(0))
+    for task in store.claim("node-a", ["mail"], 2, 30):
+        clock.advance(61)
+        assert store.complete("node-a", task.code, task.key, task.token, Done())
+    reader = make()
+    reader.backend.read_only = True
+    found = finished_since(reader, CLOCK_ORIGIN, 10)
+    assert [code for code, _ in found] == ["mail", "mail"]
+    assert found[0][1] > found[1][1] >= CLOCK_ORIGIN, "newest first, by the store's clock"
+    assert finished_since(reader, found[0][1], 10) == found[:1]
+    assert finished_since(reader, CLOCK_ORIGIN, 1) == found[:1], "at most the limit"

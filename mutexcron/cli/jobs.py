@@ -17,42 +17,34 @@ import asyncio
 import copy
 import inspect
 import json
-import os
 import traceback
 from datetime import datetime, timezone
 from typing import Any, NoReturn
 
 import click
-import sqlalchemy
 from apscheduler.util import obj_to_ref, ref_to_obj
 
-from ..errors import ConfigurationError, MutexcronError, StoreUnavailableError
+from ..errors import ConfigurationError, MutexcronError
 from ..guard import apscheduler_internals as aps
 from ..guard.firetimes import guard_trigger
-from ..jobstores import is_shared, share
+from ..jobstores import is_shared
+from ..jobstores.admin import CHANGES, change_shared_job, shared_stores, stored_rows
 from ..jobstores.base import SharedJobStore, timestamp
-from ..jobstores.node import config_of_function
-from ..jobstores.states import dump, load
+from ..jobstores.states import load
 from ..locks import DEFAULT_LOCK_URL, lock_store_from_url
 from ..locks.record import LockRecord
 from ..urls import redact
 from .common import EXIT_FAILURE, _fail, _fail_on, _lock_url_option
 
+__all__ = ["CHANGES", "change_shared_job", "jobs", "shared_stores", "stored_rows"]
+
 
 def _stores(jobs_file: str) -> tuple[Any, dict[str, SharedJobStore]]:
     """The jobs file's scheduler (imported, never started) and its shared job stores."""
-    from .loader import load_scheduler
+    from ..jobsfile import load_scheduler
 
     sched = load_scheduler(jobs_file)
     return sched, shared_stores(sched)
-
-
-def shared_stores(sched: Any) -> dict[str, SharedJobStore]:
-    """The shared job stores of a scheduler that is not started, ready to read and change jobs."""
-    found = {alias: share(store, alias) for alias, store in aps.jobstores(sched).items() if is_shared(store)}
-    for store in found.values():
-        store.prepare_changes(create=False)  # a change bumps the nodes' counter (if they made one)
-    return found
 
 
 def _need_shared(jobs_file: str, stores: dict[str, SharedJobStore]) -> None:
@@ -61,17 +53,6 @@ def _need_shared(jobs_file: str, stores: dict[str, SharedJobStore]) -> None:
             f"{jobs_file} has no shared job store: give MutexScheduler(jobstores={{...}}) a SQLAlchemyJobStore, "
             "RedisJobStore or MongoDBJobStore (mutexcron jobs list shows the jobs the file declares)"
         )
-
-
-def _guard_of_stored(sched: Any, fields: dict[str, Any], job_id: str) -> tuple[str, float]:
-    """A shared job's lock and lease: its function's ``@sched.mutex(...)`` if it imports here, else
-    the rule's defaults (a lock per job id, the scheduler's ``unactive_interval``)."""
-    try:
-        config = config_of_function(ref_to_obj(fields["func"]), job_id)
-    except Exception:  # noqa: BLE001 - the function is not importable here: the rule's defaults
-        return job_id, float(sched.unactive_interval)
-    lock = config.lock if isinstance(config.lock, str) else job_id
-    return lock, float(config.unactive_interval or sched.unactive_interval)
 
 
 def _when(value: Any) -> str:
@@ -101,42 +82,6 @@ def _declared_rows(sched: Any, stored: set[str]) -> list[dict[str, Any]]:
                      "lease": guard.ttl if guard is not None else None, "guarded": guard is not None,
                      "args": repr(tuple(job.args)), "kwargs": repr(dict(job.kwargs)),
                      "state": "not stored yet" if shared else ("paused" if next_run is None else "scheduled")})  # fmt: skip
-    return rows
-
-
-def _made(store: SharedJobStore) -> bool:
-    """False for a SQL job store whose SQLite file or table no node has made yet: it has no jobs
-    (and reading it would create the file, or fail)."""
-    engine = getattr(store, "engine", None)
-    if engine is None:
-        return True
-    database = engine.url.database
-    if engine.dialect.name == "sqlite" and database and database != ":memory:" and not os.path.exists(database):
-        return False
-    table = store.jobs_t  # type: ignore[attr-defined]
-    return bool(sqlalchemy.inspect(engine).has_table(table.name, schema=table.schema))
-
-
-def stored_rows(sched: Any, stores: dict[str, SharedJobStore]) -> list[dict[str, Any]]:
-    """One dict per job of the shared ``stores`` (a read: the functions are not imported to list
-    them, and a job table no node has made yet is not created)."""
-    rows: list[dict[str, Any]] = []
-    for alias, store in stores.items():
-        if not _made(store):
-            continue
-        for job_id, state in sorted(store._read_states().items()):
-            try:
-                fields = load(state)
-            except Exception as exc:  # noqa: BLE001 - shown, never deleted
-                rows.append({"job": job_id, "store": alias, "declared": False, "state": "error",
-                             "error": f"{type(exc).__name__}: {exc}"})  # fmt: skip
-                continue
-            lock, lease = _guard_of_stored(sched, fields, job_id)
-            next_run = fields.get("next_run_time")
-            rows.append({"job": job_id, "store": alias, "declared": False, "func": fields.get("func"),
-                         "trigger": str(fields.get("trigger")), "next_run": next_run, "lock": lock, "lease": lease,
-                         "guarded": True, "args": repr(fields.get("args")), "kwargs": repr(fields.get("kwargs")),
-                         "state": "paused" if next_run is None else "scheduled"})  # fmt: skip
     return rows
 
 
@@ -257,44 +202,6 @@ def show(jobs_file: str, job_id: str, lock_url: str | None) -> None:
 
 def _missing(job_id: str) -> NoReturn:
     _fail(f"no job {job_id!r} in the jobs file nor in its shared job stores (mutexcron jobs list shows them)")
-
-
-#: The changes of a shared job that ``mutexcron jobs`` and the dashboard make.
-CHANGES = ("pause", "resume", "remove")
-
-
-def change_shared_job(stores: dict[str, SharedJobStore], job_id: str, how: str) -> str | None:
-    """Pause, resume or remove a shared job with a node's compare-and-set writes and notices; the
-    outcome for people, or None if no shared store has the job.
-
-    Raises:
-        StoreUnavailableError: the job kept changing under the write (try again); a store error.
-    """
-    if how not in CHANGES:
-        raise ConfigurationError(f"change {how!r}: use one of {', '.join(CHANGES)}")
-    for store in stores.values():
-        for _ in range(20):
-            current = store._read_states([job_id]).get(job_id)
-            if current is None:
-                break
-            if how == "remove":
-                if store._delete(job_id, current):
-                    return f"{job_id}: removed from {store.where}"
-                continue
-            fields = load(current)
-            if how == "pause":
-                fields["next_run_time"] = None
-            else:
-                fields["next_run_time"] = fields["trigger"].get_next_fire_time(None, datetime.now(timezone.utc))
-                if fields["next_run_time"] is None:  # its schedule is over: removed, as APScheduler's resume_job does
-                    how = "remove"
-                    continue
-            state = dump(fields, store.pickle_protocol)
-            if state == current or store._replace(job_id, current, timestamp(fields["next_run_time"]), state, True):
-                return f"{job_id}: {how}d; next run {_when(fields['next_run_time'])}"
-        else:
-            raise StoreUnavailableError(f"job {job_id!r} kept changing while it was written; try again")
-    return None
 
 
 def _change(jobs_file: str, job_id: str, lock_url: str | None, how: str) -> None:

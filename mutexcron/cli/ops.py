@@ -18,12 +18,13 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, NoReturn
 
 import click
 
 from ..errors import ConfigurationError, MutexcronError
+from ..formatting import duration as _duration
+from ..formatting import offset as _offset
 from ..locks import DEFAULT_LOCK_URL, LockStore, lock_store_from_url
 from ..locks.base import FORGET_DELETED, FORGET_HELD, FORGET_MISSING
 from ..locks.record import LockRecord, NodePresence, RunRecord
@@ -40,16 +41,6 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in (header, *rows)]
     return "\n".join(lines)
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds * 1000:.0f}ms" if seconds < 1 else f"{seconds:.1f}s" if seconds < 120 else _age(seconds)
-
-
-def _offset(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds:+.3f}s"
 
 
 def format_status(records: Sequence[LockRecord]) -> str:
@@ -311,19 +302,10 @@ def _resume(lock: str, catch_up: bool, by: str | None, force: bool, lock_url: st
 
 
 def _request_runs(lock_url: str | None, lock: str, jobs: Sequence[str]) -> None:
-    """One trigger request per job (:mod:`mutexcron.guard.triggers`): the holder runs each once now.
-    A job the lock's holder no longer has, or that no node runs within
-    :data:`~mutexcron.guard.triggers.CATCH_UP_DEADLINE` seconds, fails its request instead of waiting forever."""
-    from ..guard.triggers import CATCH_UP_DEADLINE, TRIGGER_CODE
-    from ..tasks import task_store_from_url
+    """One trigger request per job: the holder runs each once now (:func:`mutexcron.guard.run_requests.request_runs`)."""
+    from ..guard.run_requests import request_runs
 
-    payload = {"requested_by": "mutexcron resume --catch-up", "lock": lock, "deadline": CATCH_UP_DEADLINE}
-    tasks = task_store_from_url(lock_url or DEFAULT_LOCK_URL)
-    try:
-        for job in jobs:
-            tasks.add(TRIGGER_CODE, job, timedelta(0), payload, on_conflict="keep")
-    finally:
-        tasks.close()
+    request_runs(lock_url or DEFAULT_LOCK_URL, lock, jobs)
 
 
 # -- forget -----------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any, TextIO
 import click
 
 from ..errors import AttrsError, ConfigurationError, MutexcronError
+from ..formatting import record_json
 from ..locks import DEFAULT_LOCK_URL
 from ..tasks import ON_CONFLICT, STATES, AddResult, CodeSummary, NewTask, TaskRecord, TaskStore, task_store_from_url
 from ..tasks.checks import check_batch
@@ -163,15 +164,6 @@ def format_tasks(records: list[TaskRecord], now: datetime) -> str:
     ]
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in (header, *rows))
-
-
-def record_json(task: TaskRecord) -> dict[str, Any]:
-    """Every field of ``task``; times as ISO 8601 UTC."""
-    out: dict[str, Any] = {}
-    for item in dataclasses.fields(task):
-        value = getattr(task, item.name)
-        out[item.name] = value.astimezone(timezone.utc).isoformat() if isinstance(value, datetime) else value
-    return out
 
 
 # -- the store ------------------------------------------------------------------------------------

@@ -133,7 +133,7 @@ class Actions:
     def resume(self, lock: Any, catch_up: bool, by: str) -> dict[str, Any]:
         """``mutexcron resume LOCK [--catch-up] --by BY``; with catch-up, each job that ran under the
         lock runs once now on its holder (a trigger request per job, as the command makes)."""
-        from ..cli.ops import _request_runs
+        from ..guard.run_requests import request_runs
 
         with self._locks() as store:
             name = self._existing_lock(store, lock)
@@ -141,7 +141,7 @@ class Actions:
             record = store.set_paused(name, False, by, catch_up=catch_up)
         jobs = sorted(before.fire_times) if before is not None and catch_up else []
         if jobs:
-            _request_runs(self.reader.lock_store().url, name, jobs)
+            request_runs(self.reader.lock_store().url, name, jobs)
         after = f"; catching up once now: {', '.join(jobs)}" if jobs else ""
         self.audit.add(by, "resume" + (" --catch-up" if catch_up else ""), name, "resumed" + after)
         return {"message": f"{name}: resumed by {record.paused_by}{after}", "lock": record.to_json(), "catch_up": jobs}
@@ -183,7 +183,7 @@ class Actions:
     # -- shared jobs ------------------------------------------------------------------------
     def shared_job(self, how: str, job: Any, by: str) -> dict[str, Any]:
         """``mutexcron jobs pause|resume|remove JOBS JOB``: the same compare-and-set write and notice."""
-        from ..cli.jobs import change_shared_job
+        from ..jobstores.admin import change_shared_job
 
         if not isinstance(job, str) or not job:
             raise ActionError("job: give the shared job's id")

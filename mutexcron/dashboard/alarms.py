@@ -4,8 +4,10 @@
 * missed runs: a guarded job's latest fire time older than its misfire grace time and later than
   the last fire time any node claimed (the nodes' own alarm, ``EVENT_RUN_MISSED``, judged here by
   the store's clock); only with the jobs file, which says the schedules;
-* nodes that disagree: mutexcron versions, a clock offset over 1 s, a holder renewing a lease the
-  jobs file does not ask for, a lock whose holder stopped renewing;
+* nodes that disagree: mutexcron versions, a clock offset over 1 s, a lock whose holder stopped
+  renewing; with the jobs file, a holder whose lock record says it runs another jobs file (another
+  time zone, lease, or job triggers for the lock: what each holder writes, compared by the nodes'
+  own rule, :mod:`mutexcron.guard.agreement`);
 * tasks: failed tasks, a backlog that waits.
 """
 
@@ -14,7 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+from ..guard.agreement import differences, zone_difference
 from ..guard.firetimes import latest_fire_time
+from ..locks.record import LockRecord
+from ..names import printable
 from .jobsfile import JobsFile
 from .reads import Snapshot
 
@@ -75,12 +80,27 @@ def _disagreements(snap: Snapshot, jobs: JobsFile | None) -> list[Alarm]:
         if record.state == "stale":
             found.append(Alarm("warning", "nodes", f"lock {record.name}: holder {record.holder} stopped renewing "
                                                    f"{record.heartbeat_age or 0:.0f}s ago (lease {record.ttl:g}s)"))  # fmt: skip
-        wanted = {job.ttl for job in jobs.of_lock(record.name)} if jobs is not None else set()
-        if record.state == "active" and wanted and record.ttl not in wanted:
-            asked = ", ".join(f"{t:g}s" for t in sorted(wanted))
-            found.append(Alarm("warning", "nodes", f"lock {record.name}: holder {record.holder} renews a lease of "
-                                                   f"{record.ttl:g}s; {jobs.spec if jobs else '-'} asks {asked}"))  # fmt: skip
+        if jobs is not None and record.state == "active":
+            found += _other_jobs_file(record, jobs)
     return found
+
+
+def _other_jobs_file(record: LockRecord, jobs: JobsFile) -> list[Alarm]:
+    """The lock's holder against the jobs file, by what the holder wrote in the record (its lease,
+    zone and jobs' triggers) and the rule the nodes themselves apply (:mod:`mutexcron.guard.agreement`)."""
+    if not jobs.of_lock(record.name):
+        return []
+    here = f"in {jobs.spec}"
+    zone = zone_difference(record, jobs.zone_of(record.name), here=here)
+    found = differences(record, jobs.lease_of(record.name), jobs.triggers_of(record.name), record.triggers, here=here)
+    if zone is None and not found:
+        return []
+    holder, said = printable(record.holder or "?"), "; ".join([zone, *found] if zone is not None else found)
+    text = f"lock {record.name}: its holder {holder} runs another jobs file than {jobs.spec}: {said}"
+    if zone is not None:  # the nodes running this file refuse the lock's jobs and never take it over
+        return [Alarm("error", "nodes", f"{text}. A node with {jobs.spec} runs none of the lock's jobs and does not "
+                                        "take the lock over")]  # fmt: skip
+    return [Alarm("warning", "nodes", f"{text}. The lock's fire times and failover follow whichever node holds it")]
 
 
 def _tasks(snap: Snapshot) -> list[Alarm]:

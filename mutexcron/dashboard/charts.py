@@ -56,12 +56,13 @@ def _frame(title: str, top: float, note: str, fmt: Callable[[float], str] = seco
     return parts
 
 
-def bar_chart(title: str, bars: Sequence[Bar], note: str = "") -> str:
-    """One bar per value, oldest left; a tooltip on each."""
+def bar_chart(title: str, bars: Sequence[Bar], note: str = "", fmt: Callable[[float], str] = seconds,
+              floor: float = 1e-6, empty: str = "no runs kept yet") -> str:  # fmt: skip
+    """One bar per value, oldest left; a tooltip on each. ``floor``: the least top of the axis."""
     if not bars:
-        return f'<p class="muted">{escape(title)}: no runs kept yet</p>'
-    top = max(max(b.value for b in bars), 1e-6) * 1.1
-    parts = _frame(title, top, note)
+        return f'<p class="muted">{escape(title)}: {escape(empty)}</p>'
+    top = max(max(b.value for b in bars), floor) * 1.1
+    parts = _frame(title, top, note, fmt)
     plot_w, plot_h = _W - _LEFT - 4, _H - _BOTTOM - _TOP
     step = plot_w / len(bars)
     for i, bar in enumerate(bars):

@@ -62,15 +62,15 @@ log = logging.getLogger(__name__)
 def dashboard(lock_url: str | None, jobs: str | None, host: str, port: int, action_token: str | None, refresh: float,
               log_level: str) -> None:  # fmt: skip
     """Serve the web dashboard: nodes, alarms, locks and jobs, runs, tasks; actions with --action-token."""
-    from ..cli.common import _fail_on, _setup_logging
+    from ..console import fail_on, setup_logging
     from .server import is_loopback, make, serve
 
-    _setup_logging(log_level)
+    setup_logging(log_level)
     try:
         app = _create(lock_url, jobs, action_token, refresh)
         server = make(app, host, port)
     except Exception as exc:  # noqa: BLE001 - any startup failure is one message and an exit code
-        _fail_on(exc, debug=log_level == "debug", what="dashboard")
+        fail_on(exc, debug=log_level == "debug", what="dashboard")
     where = f"http://{f'[{host}]' if ':' in host else host}:{server.server_port}/"
     mode = "actions enabled (token required)" if app.guard.actions_enabled else "read-only"
     log.info("dashboard of %s on %s (%s)", app.reader.masked_url, where, mode)

@@ -29,7 +29,7 @@ from ..locks.record import LockRecord, NodePresence, RunRecord
 from ..tasks import CodeSummary, TaskRecord, TaskStore, task_store_from_url
 from ..urls import mask_url
 
-__all__ = ["LIVE_WITHIN", "Snapshot", "StoreReader", "TaskSample"]
+__all__ = ["LIVE_WITHIN", "Snapshot", "StoreReader", "TaskSample", "Throughput"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -39,6 +39,12 @@ _T = TypeVar("_T")
 LIVE_WITHIN = 3 * PRESENCE_EVERY
 #: Samples of the task summary kept per code for the backlog chart (one per refresh at most).
 TASK_SAMPLES = 240
+#: The throughput chart: tasks finished per minute over this many minutes (the store's clock).
+THROUGHPUT_MINUTES = 60
+#: Seconds one read of the finish times serves every Tasks page (the read scans the finished tasks).
+THROUGHPUT_EVERY = 30.0
+#: Finish times read at most (the newest first): beyond, the chart starts at the oldest one read.
+THROUGHPUT_ROWS = 50_000
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,19 @@ class TaskSample:
     running: int
     failed: int
     lag: float  # seconds the oldest due task has waited (0: none waits)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Tasks finished per minute and code, from the finish times the store keeps (:mod:`.finished`)."""
+
+    #: The start of the first minute (the store's clock); each list has :data:`THROUGHPUT_MINUTES` counts.
+    start: datetime
+    per_minute: dict[str, list[int]]
+    #: The read stopped at :data:`THROUGHPUT_ROWS`: the minutes before this one are not complete.
+    complete_from: datetime | None = None
+    #: Why there is no throughput to show (a store that keeps no finished task, a store error).
+    note: str | None = None
 
 
 @dataclass
@@ -101,6 +120,8 @@ class StoreReader:
         self._read = threading.Lock()
         self._last: tuple[float, Snapshot] | None = None
         self.samples: dict[str, deque[TaskSample]] = {}
+        self._flow_lock = threading.Lock()
+        self._flow: tuple[float, Throughput | None] | None = None
 
     # -- the stores -------------------------------------------------------------------------
     def lock_store(self) -> LockStore:
@@ -139,6 +160,8 @@ class StoreReader:
         """The next snapshot is read from the store (after an action: show its effect at once)."""
         with self._read:
             self._last = None
+        with self._flow_lock:
+            self._flow = None
 
     def _snapshot(self) -> Snapshot:
         started = time.perf_counter()
@@ -189,6 +212,45 @@ class StoreReader:
         with _caught_quietly():
             return self.lock_store().history(lock, job)
         return []
+
+    def throughput(self, now: datetime) -> Throughput | None:
+        """Tasks finished per minute over the :data:`THROUGHPUT_MINUTES` before ``now`` (the
+        snapshot's store clock), read at most every :data:`THROUGHPUT_EVERY` seconds; None if there
+        is no task table to read."""
+        if not self.has_tasks or self._missing_file():
+            return None
+        with self._flow_lock:
+            if self._flow is not None and time.monotonic() - self._flow[0] < THROUGHPUT_EVERY:
+                return self._flow[1]
+            flow = self._read_throughput(now)
+            self._flow = (time.monotonic(), flow)
+            return flow
+
+    def _read_throughput(self, now: datetime) -> Throughput | None:
+        from .finished import finished_since
+
+        end = now.replace(second=0, microsecond=0) + timedelta(minutes=1)  # the current minute is the last bar
+        start = end - timedelta(minutes=THROUGHPUT_MINUTES)
+        try:
+            finished = finished_since(self.task_store(), start, THROUGHPUT_ROWS)
+        except SchemaMissingError:
+            return None
+        except NotImplementedError as exc:
+            return Throughput(start, {}, note=str(exc))
+        except MutexcronError as exc:  # masked by the store
+            return Throughput(start, {}, note=f"finished tasks: {exc}")
+        per_minute: dict[str, list[int]] = {}
+        for code, at in finished:
+            minute = int((at - start).total_seconds() // 60)
+            if 0 <= minute < THROUGHPUT_MINUTES:
+                per_minute.setdefault(code, [0] * THROUGHPUT_MINUTES)[minute] += 1
+        capped = finished[-1][1] if len(finished) >= THROUGHPUT_ROWS else None
+        complete_from = capped.replace(second=0, microsecond=0) + timedelta(minutes=1) if capped else None
+        if complete_from is not None:  # the oldest minute read may be partial, and those before it unread
+            first = min(THROUGHPUT_MINUTES, max(0, int((complete_from - start).total_seconds() // 60)))
+            for counts in per_minute.values():
+                counts[:first] = [0] * first
+        return Throughput(start, per_minute, complete_from)
 
     def tasks(self, code: str | None, state: str | None, key_contains: str | None, limit: int) -> list[TaskRecord]:
         if not self.has_tasks or self._missing_file():

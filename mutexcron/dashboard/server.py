@@ -1,30 +1,136 @@
-"""``mutexcron dashboard``'s web server: the standard library's WSGI server, one thread per request."""
+"""``mutexcron dashboard``'s web server: the standard library's WSGI server, one thread per connection.
+
+Idle, slow or trickling clients can neither pile up threads nor keep theirs: at most
+:data:`MAX_CONNECTIONS` connections are served at once (more are answered ``503`` with
+``Retry-After`` at once, and closed), and each has :data:`REQUEST_DEADLINE` seconds for its whole
+request and answer, after which its socket is shut down
+(:data:`mutexcron.observability.socket_deadlines.SOCKET_DEADLINES`, as the metrics endpoint does)
+and one WARNING line names the client (its address, and its request's method and path, without
+the query).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import socket
+import threading
+import time
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-__all__ = ["is_loopback", "serve"]
+from ..names import printable
+from ..observability.socket_deadlines import SOCKET_DEADLINES
+
+__all__ = ["MAX_CONNECTIONS", "REQUEST_DEADLINE", "is_loopback", "make", "serve"]
 
 log = logging.getLogger(__name__)
+
+#: Connections served at once (each holds a thread while it is open); more are answered 503 at once.
+MAX_CONNECTIONS = 32
+#: Seconds a connection has for its whole request and answer: a per-read timeout would let a client
+#: sending a byte every few seconds keep its thread forever. A page's refresh takes milliseconds.
+REQUEST_DEADLINE = 30.0
+
+_BUSY_BODY = b"the dashboard is serving too many connections: try again in a moment\n"
+_BUSY = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nRetry-After: 1\r\n"
+    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
+)
 
 
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     allow_reuse_address = True
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limit(MAX_CONNECTIONS, REQUEST_DEADLINE)
+
+    def limit(self, max_connections: int, deadline: float) -> None:
+        """At most ``max_connections`` served at once, each for at most ``deadline`` seconds (before serving)."""
+        self.max_connections, self.deadline = max_connections, deadline
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0
+        self._full = False
+
+    def process_request(self, request: Any, client_address: Any) -> None:  # socketserver's name
+        if not self._slots.acquire(blocking=False):
+            self._refuse(request)
+            return
+        if self._full:
+            self._full = False
+            log.warning("dashboard: accepting connections again (%d were answered 503 meanwhile)", self.refused)
+        try:
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def _refuse(self, request: socket.socket) -> None:
+        """Over the cap: a 503 sent without waiting (into the socket's empty buffer), then closed."""
+        self.refused += 1
+        if not self._full:  # one line per change of state
+            self._full = True
+            log.warning("dashboard: %d connections open, answering new ones 503 until one ends (or its %gs deadline)",
+                        self.max_connections, self.deadline)  # fmt: skip
+        with contextlib.suppress(OSError):
+            request.setblocking(False)
+            request.send(_BUSY)
+            request.recv(65536)  # what the client sent already: closing with it unread would reset the connection
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:  # socketserver's name
+        """ThreadingMixIn's, with the slot given back before the socket is closed: a client that saw
+        its answer end can connect again at once without finding the slot still taken."""
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001 - socketserver's own handling: logged at DEBUG (handle_error)
+            self.handle_error(request, client_address)
+        finally:
+            self._slots.release()
+            self.shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:  # socketserver's name
+        log.debug("dashboard: connection from %s failed", client_address[0], exc_info=True)
+
 
 class _IPv6Server(_Server):
     address_family = socket.AF_INET6
 
 
-class _QuietHandler(WSGIRequestHandler):
-    """Requests are logged at DEBUG (a page polls every few seconds)."""
+class _Handler(WSGIRequestHandler):
+    """One request per connection, within the server's deadline; requests are logged at DEBUG (a
+    page polls every few seconds)."""
+
+    server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        self._deadline = time.monotonic() + self.server.deadline
+        self._watch = SOCKET_DEADLINES.watch(self.connection, self._deadline)
+
+    def parse_request(self) -> bool:
+        """False (nothing served) for a request cut off at the deadline: what it sent is incomplete."""
+        return super().parse_request() and time.monotonic() < self._deadline
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            if SOCKET_DEADLINES.unwatch(self._watch):
+                log.warning("dashboard: closed the connection from %s after %gs: %s was not complete by then",
+                            self.client_address[0], self.server.deadline, self._what())  # fmt: skip
+
+    def _what(self) -> str:
+        """The request for a log line: method and path, no query (it is the client's text: escaped, clipped)."""
+        words = str(getattr(self, "requestline", "") or "").split()
+        if len(words) < 2:
+            return "its request line"
+        target = words[1].split("?", 1)[0]
+        return f"its request ({printable(words[0][:16])} {printable(target[:120])})"
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
@@ -37,9 +143,12 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def make(app: Any, host: str, port: int) -> _Server:
+def make(app: Any, host: str, port: int, *, max_connections: int = MAX_CONNECTIONS,
+         deadline: float = REQUEST_DEADLINE) -> _Server:  # fmt: skip
+    """The server of ``app`` on ``host:port``: at most ``max_connections`` at once, each within ``deadline`` seconds."""
     server_class = _IPv6Server if ":" in host else _Server
-    server: _Server = make_server(host, port, app, server_class=server_class, handler_class=_QuietHandler)
+    server: _Server = make_server(host, port, app, server_class=server_class, handler_class=_Handler)
+    server.limit(max_connections, deadline)
     return server
 
 

@@ -12,22 +12,25 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from html import escape
 from typing import Any
 from urllib.parse import urlencode
 
-from ..cli.common import _age, _clip, _when
-from ..cli.ops import _duration, _offset
-from ..cli.tasks import record_json
+from ..formatting import age as _age
+from ..formatting import clip as _clip
+from ..formatting import duration as _duration
+from ..formatting import offset as _offset
+from ..formatting import record_json
+from ..formatting import when as _when
 from ..locks.record import LockRecord, RunRecord
-from ..tasks import STATES, TaskRecord
+from ..tasks import STATES, CodeSummary, TaskRecord
 from ..version import __version__
 from .actions import AuditEntry
 from .alarms import Alarm, alarms
 from .charts import Bar, Series, bar_chart, count, line_chart
 from .jobsfile import JobsFile
-from .reads import Snapshot, StoreReader
+from .reads import THROUGHPUT_MINUTES, Snapshot, StoreReader, Throughput
 
 __all__ = ["PAGES", "Context", "PageDef", "render_page"]
 
@@ -165,7 +168,10 @@ def _counts(ctx: Context) -> str:
 def _alarms(ctx: Context) -> str:
     found: list[Alarm] = alarms(ctx.snap, ctx.jobs)
     note = (
-        "" if ctx.jobs else '<p class="muted">Missed-run alarms need the schedules: start the dashboard with --jobs jobs.py.</p>'
+        ""
+        if ctx.jobs
+        else '<p class="muted">Missed-run alarms, and a holder running another jobs file (zone, lease, triggers), '
+        "need the jobs file: start the dashboard with --jobs jobs.py.</p>"
     )
     if not found:
         return f'<p class="ok-line">No alarms.</p>{note}'
@@ -308,10 +314,14 @@ def _codes(ctx: Context) -> str:
     snap = ctx.snap
     if snap.tasks is None:
         return _notes(snap, "tasks") or '<p class="muted">No task pool.</p>'
-    if not snap.tasks:
+    flow = ctx.reader.throughput(snap.now)
+    summaries = {c.code: c for c in snap.tasks}
+    for code in flow.per_minute if flow is not None else ():  # finished lately, none left: still charted
+        summaries.setdefault(code, CodeSummary(code))
+    if not summaries:
         return _notes(snap, "tasks") or '<p class="muted">No tasks.</p>'
     rows, charts = [], []
-    for c in snap.tasks:
+    for code, c in sorted(summaries.items()):
         handled = (
             ""
             if ctx.jobs is None or c.code in ctx.jobs.task_codes or not c.due_now
@@ -328,14 +338,36 @@ def _codes(ctx: Context) -> str:
                                                     Series("failed", "failed", [s.failed for s in samples])],
                              fmt=count)  # fmt: skip
         lag = line_chart(f"{c.code}: lag of the oldest due task", [Series("lag", "lag", [s.lag for s in samples])])
-        charts.append(f'<div class="charts">{backlog}{lag}</div>')
+        charts.append(f'<div class="charts">{_throughput_chart(code, flow)}{backlog}{lag}</div>')
     table = _table(("code", "queued", "due now", "running", "failed", "oldest due waiting"), rows)
     span = ""
     if any(ctx.reader.samples.values()):
         first = min(s[0].at for s in ctx.reader.samples.values() if s)
-        span = (f"sampled by this dashboard at each refresh since {_when(first)} UTC "
-                "(finished tasks leave the store: the backlog shows the flow)")
-    return f'{table}<p class="muted">{escape(span)}</p>{"".join(charts)}'
+        span = f"backlog and lag sampled by this dashboard at each refresh since {_when(first)} UTC"
+    return f'{table}<p class="muted">{escape(span)}{_throughput_note(flow)}</p>{"".join(charts)}'
+
+
+def _throughput_chart(code: str, flow: Throughput | None) -> str:
+    """Tasks of ``code`` finished per minute (its tombstones' times), the current minute last."""
+    if flow is None or flow.note is not None:
+        return ""
+    counts = flow.per_minute.get(code, [0] * THROUGHPUT_MINUTES)
+    last = len(counts) - 1
+    bars = [Bar(f"{_when(flow.start + timedelta(minutes=i))[11:16]} UTC: {n} finished{' (so far)' if i == last else ''}",
+                n, "ok") for i, n in enumerate(counts)]  # fmt: skip
+    return bar_chart(f"{code}: finished per minute", bars, f"last {THROUGHPUT_MINUTES} min: {sum(counts)}", count, 1.0)
+
+
+def _throughput_note(flow: Throughput | None) -> str:
+    if flow is None:
+        return ""
+    if flow.note is not None:
+        return escape(f" · no throughput chart: {flow.note}")
+    text = (" · finished per minute: each (code, key) once, at its latest finish or cancel, as the store keeps it"
+            " (a key run again since is not counted)")  # fmt: skip
+    if flow.complete_from is not None:
+        text += f"; more finished than were read: counted from {_when(flow.complete_from)} UTC"
+    return escape(text)
 
 
 def selection_filter(query: Mapping[str, str]) -> dict[str, str | None]:

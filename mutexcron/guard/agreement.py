@@ -21,7 +21,7 @@ from ..locks.base import FireClaim
 from ..locks.record import LockRecord
 from ..names import printable
 
-__all__ = ["Agreement", "SharedNodeId", "differences"]
+__all__ = ["Agreement", "SharedNodeId", "differences", "zone_difference"]
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +30,20 @@ _SAME_LEASE = 0.001
 
 
 def differences(
-    record: LockRecord, lease: float | None, jobs: Mapping[str, str] | None, holder_jobs: Mapping[str, str] | None
+    record: LockRecord,
+    lease: float | None,
+    jobs: Mapping[str, str] | None,
+    holder_jobs: Mapping[str, str] | None,
+    *,
+    here: str = "here",
 ) -> list[str]:
     """How this node's ``lease`` and ``jobs`` (job id -> trigger) for ``record``'s lock differ from
-    its holder's (``holder_jobs``: what the holder wrote; None: it wrote nothing to compare)."""
+    its holder's (``holder_jobs``: what the holder wrote; None: it wrote nothing to compare).
+    ``here`` names this side in the text (the dashboard: ``in jobs.py``, ``on node-a``)."""
     theirs = printable(record.holder or "?")
     out: list[str] = []
     if lease is not None and record.ttl and abs(record.ttl - lease) >= _SAME_LEASE:
-        out.append(f"lease {record.ttl:g}s on {theirs}, {lease:g}s here")
+        out.append(f"lease {record.ttl:g}s on {theirs}, {lease:g}s {here}")
     if jobs is None or holder_jobs is None:
         return out
     for job in sorted(set(jobs) | set(holder_jobs)):
@@ -46,12 +52,21 @@ def differences(
             continue
         name = printable(job)
         if other is None:
-            out.append(f"job {name!r} only here ({printable(mine)})")
+            out.append(f"job {name!r} only {here} ({printable(mine)})")
         elif mine is None:
             out.append(f"job {name!r} only on {theirs} ({printable(other)})")
         else:
-            out.append(f"job {name!r}: {printable(other)} on {theirs}, {printable(mine)} here")
+            out.append(f"job {name!r}: {printable(other)} on {theirs}, {printable(mine)} {here}")
     return out
+
+
+def zone_difference(record: LockRecord, zone: str | None, *, here: str = "here") -> str | None:
+    """How this node's ``zone`` for ``record``'s lock differs from the zone its holder wrote, or None
+    (the same, or either side names none: a lock of interval jobs only). A node in another zone
+    than the holder's runs none of the lock's jobs and does not take it over."""
+    if zone is None or record.zone is None or record.zone == zone:
+        return None
+    return f"time zone {printable(record.zone)} on {printable(record.holder or '?')}, {printable(zone)} {here}"
 
 
 class Agreement:

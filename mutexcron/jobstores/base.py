@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import abstractmethod
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -227,26 +227,54 @@ class SharedJobStore:
         if base is None and added is not None and added[0] is job:
             base = added[1]  # the object this store added: a change of it, not a replacement
         new = self._fields(job)
-        for _ in range(MERGE_ATTEMPTS):
-            current = self._read_states([job.id]).get(job.id)
-            if current is None:
-                raise JobLookupError(job.id)
+
+        def fields_for(current: bytes) -> dict[str, Any]:
             if base is None:  # a new Job object for an existing id: add_job(replace_existing=True)
-                fields = replacement_state(new, load(current), self.shared.explicit_next_run_time(job.id))
-            elif current == base:
-                fields = new
-            else:  # changed since this writer read it: apply this writer's changes onto it
-                fields = merged_state(load(base), new, load(current))
+                return replacement_state(new, load(current), self.shared.explicit_next_run_time(job.id))
+            if current == base:
+                return new
+            return merged_state(load(base), new, load(current))  # changed since this writer read it: merged onto it
+
+        written = self.compare_and_set(job.id, fields_for)
+        if written is None:
+            raise JobLookupError(job.id)
+        state, fields = written
+        assert state is not None and fields is not None  # fields_for never removes
+        self._wrote(job.id, state)
+        job._modify(next_run_time=fields["next_run_time"])
+        if isinstance(job, SharedJob):
+            job._mc_base = state
+        if added is not None and added[0] is job:
+            self._added[job.id] = (job, state)
+
+    def compare_and_set(
+        self, job_id: str, fields_for: Callable[[bytes], dict[str, Any] | None], *, announce: bool = True
+    ) -> tuple[bytes | None, dict[str, Any] | None] | None:
+        """One change of a stored job, written only over the state it was made from: read the job's
+        state, ``fields_for(state)`` gives the fields to store (None: delete the job), written (or
+        deleted) only if the stored state is still the one read; else read and made again, up to
+        :data:`MERGE_ATTEMPTS` times. Used by :meth:`update_job` and by a writer that runs no
+        scheduler (:mod:`mutexcron.jobstores.admin`); it does not tell this node's watcher.
+
+        Returns:
+            ``(state, fields)`` written (``(None, None)``: deleted), or None if no job ``job_id`` is stored.
+
+        Raises:
+            StoreUnavailableError: the job kept changing under the write (try again); a store error.
+        """
+        for _ in range(MERGE_ATTEMPTS):
+            current = self._read_states([job_id]).get(job_id)
+            if current is None:
+                return None
+            fields = fields_for(current)
+            if fields is None:
+                if self._delete(job_id, current):
+                    return None, None
+                continue
             state = dump(fields, self.pickle_protocol)
-            if state == current or self._replace(job.id, current, timestamp(fields["next_run_time"]), state, True):
-                self._wrote(job.id, state)
-                job._modify(next_run_time=fields["next_run_time"])
-                if isinstance(job, SharedJob):
-                    job._mc_base = state
-                if added is not None and added[0] is job:
-                    self._added[job.id] = (job, state)
-                return
-        raise StoreUnavailableError(f"job {job.id!r} in {self.where} kept changing while it was written; try again")
+            if state == current or self._replace(job_id, current, timestamp(fields["next_run_time"]), state, announce):
+                return state, fields
+        raise StoreUnavailableError(f"job {job_id!r} in {self.where} kept changing while it was written; try again")
 
     def _advance(self, job: Job) -> None:
         """The loop's write of a job it read: only over the state it read, else the other change wins."""

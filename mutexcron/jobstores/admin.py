@@ -1,0 +1,122 @@
+"""The shared job stores of a scheduler that is not started: read their jobs, pause, resume or
+remove one. What ``mutexcron jobs`` and the dashboard's Shared jobs page do.
+
+Nothing here runs a scheduler or imports a job's function to list it (APScheduler's pickled
+state is read as data). A change is a node's compare-and-set write
+(:meth:`SharedJobStore.compare_and_set`) with the store's change notice, so every node sees it as
+another writer's change.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from typing import Any
+
+import sqlalchemy
+from apscheduler.util import ref_to_obj
+
+from ..errors import ConfigurationError
+from ..guard import apscheduler_internals as aps
+from . import is_shared, share
+from .base import SharedJobStore
+from .node import config_of_function
+from .states import load
+
+__all__ = ["CHANGES", "change_shared_job", "shared_stores", "stored_rows"]
+
+#: The changes of a shared job that ``mutexcron jobs`` and the dashboard make.
+CHANGES = ("pause", "resume", "remove")
+
+
+def shared_stores(sched: Any) -> dict[str, SharedJobStore]:
+    """The shared job stores of a scheduler that is not started, ready to read and change jobs."""
+    found = {alias: share(store, alias) for alias, store in aps.jobstores(sched).items() if is_shared(store)}
+    for store in found.values():
+        store.prepare_changes(create=False)  # a change bumps the nodes' counter (if they made one)
+    return found
+
+
+def stored_rows(sched: Any, stores: dict[str, SharedJobStore]) -> list[dict[str, Any]]:
+    """One dict per job of the shared ``stores`` (a read: the functions are not imported to list
+    them, and a job table no node has made yet is not created)."""
+    rows: list[dict[str, Any]] = []
+    for alias, store in stores.items():
+        if not _made(store):
+            continue
+        for job_id, state in sorted(store._read_states().items()):
+            try:
+                fields = load(state)
+            except Exception as exc:  # noqa: BLE001 - shown, never deleted
+                rows.append({"job": job_id, "store": alias, "declared": False, "state": "error",
+                             "error": f"{type(exc).__name__}: {exc}"})  # fmt: skip
+                continue
+            lock, lease = _guard_of_stored(sched, fields, job_id)
+            next_run = fields.get("next_run_time")
+            rows.append({"job": job_id, "store": alias, "declared": False, "func": fields.get("func"),
+                         "trigger": str(fields.get("trigger")), "next_run": next_run, "lock": lock, "lease": lease,
+                         "guarded": True, "args": repr(fields.get("args")), "kwargs": repr(fields.get("kwargs")),
+                         "state": "paused" if next_run is None else "scheduled"})  # fmt: skip
+    return rows
+
+
+def change_shared_job(stores: dict[str, SharedJobStore], job_id: str, how: str) -> str | None:
+    """Pause, resume or remove a shared job with a node's compare-and-set writes and notices; the
+    outcome for people, or None if no shared store has the job. A resumed job whose schedule is
+    over is removed, as APScheduler's ``resume_job`` does.
+
+    Raises:
+        ConfigurationError: ``how`` is not one of :data:`CHANGES`.
+        StoreUnavailableError: the job kept changing under the write (try again); a store error.
+    """
+    if how not in CHANGES:
+        raise ConfigurationError(f"change {how!r}: use one of {', '.join(CHANGES)}")
+    for store in stores.values():
+        written = store.compare_and_set(job_id, lambda current: _changed(current, how))
+        if written is None:
+            continue
+        _state, fields = written
+        if fields is None:
+            return f"{job_id}: removed from {store.where}"
+        return f"{job_id}: {how}d; next run {_when(fields['next_run_time'])}"
+    return None
+
+
+def _changed(current: bytes, how: str) -> dict[str, Any] | None:
+    """The fields of a job's stored state after ``how``; None: remove it."""
+    if how == "remove":
+        return None
+    fields: dict[str, Any] = load(current)
+    if how == "pause":
+        fields["next_run_time"] = None
+        return fields
+    fields["next_run_time"] = fields["trigger"].get_next_fire_time(None, datetime.now(timezone.utc))
+    return fields if fields["next_run_time"] is not None else None  # its schedule is over: removed
+
+
+def _when(value: Any) -> str:
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC") if isinstance(value, datetime) else "-"
+
+
+def _made(store: SharedJobStore) -> bool:
+    """False for a SQL job store whose SQLite file or table no node has made yet: it has no jobs
+    (and reading it would create the file, or fail)."""
+    engine = getattr(store, "engine", None)
+    if engine is None:
+        return True
+    database = engine.url.database
+    if engine.dialect.name == "sqlite" and database and database != ":memory:" and not os.path.exists(database):
+        return False
+    table = store.jobs_t  # type: ignore[attr-defined]
+    return bool(sqlalchemy.inspect(engine).has_table(table.name, schema=table.schema))
+
+
+def _guard_of_stored(sched: Any, fields: dict[str, Any], job_id: str) -> tuple[str, float]:
+    """A shared job's lock and lease: its function's ``@sched.mutex(...)`` if it imports here, else
+    the rule's defaults (a lock per job id, the scheduler's ``unactive_interval``)."""
+    try:
+        config = config_of_function(ref_to_obj(fields["func"]), job_id)
+    except Exception:  # noqa: BLE001 - the function is not importable here: the rule's defaults
+        return job_id, float(sched.unactive_interval)
+    lock = config.lock if isinstance(config.lock, str) else job_id
+    return lock, float(config.unactive_interval or sched.unactive_interval)
