@@ -521,6 +521,11 @@ class MutexThreadPoolExecutor(RunEnds, ThreadPoolExecutor):  # type: ignore[misc
             return
         self.start_run(job, run_times, None)
 
+    def run_here(self, job: Any, run_times: list[datetime]) -> list[Any]:
+        """A guarded job's fire times on the calling thread (a batch's, for locks another node
+        holds: the runs only skip); returns APScheduler's events, which the caller reports."""
+        return _run_with_fire_times(job, run_times, self._logger.name)
+
     def start_run(self, job: Any, run_times: list[datetime], token: int | None) -> None:
         """Submit a guarded run to the pool: with the token a batch won for it, or None for the
         per-job path (the run makes its own claim)."""
