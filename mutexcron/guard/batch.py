@@ -111,7 +111,7 @@ def _held_elsewhere(manager: Any, entry: _Entry) -> bool:
     config, views = getattr(entry.job.func, "config", None), getattr(manager, "views", None)
     if config is None or config.lock_else is not None or views is None:
         return False
-    return views.held_elsewhere(entry.job.func.lock, manager.clock()) is not None
+    return bool(views.holds_elsewhere(entry.job.func.lock, manager.clock()))
 
 
 def _run_here(entry: _Entry) -> None:
