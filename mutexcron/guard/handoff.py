@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,6 +22,8 @@ from typing import Any
 from ..errors import AttrsError
 from ..locks import HandOff, LockStore, Node, RunInfo
 from ..locks.record import LockRecord, dump_attrs
+
+log = logging.getLogger(__name__)
 
 #: The most hand-offs one store call carries (a larger backlog goes in several calls, one after the other).
 MAX_BATCH = 200
@@ -58,20 +61,23 @@ class HandOffStats:
 class _Pending:
     item: HandOff
     queued: float
-    done: bool = False
-    written: bool = False
-    error: BaseException | None = None
+    done: Callable[[bool, BaseException | None], None]
+
+
+#: What a queued hand-off's sender is told when its store call ends: (written, the call's error or None).
+Done = Callable[[bool, BaseException | None], None]
 
 
 class HandOffBatcher:
-    """Group commit of a node's hand-offs: each caller waits for the store call that carries its item.
+    """A node's hand-offs, sent in batches by one thread: each store call carries every hand-off
+    queued since the previous call began (up to :data:`MAX_BATCH`).
 
-    A hand-off that finds no store call in flight is sent at once (with any others waiting, up to
-    :data:`MAX_BATCH`); one that arrives while a call is in flight waits for it to end and goes in
-    the next call with everything that arrived meanwhile. No hand-off waits for a timer: the wait
-    is at most the call in flight (plus one per :data:`MAX_BATCH` items queued ahead of it), and is
-    measured (:attr:`stats`). Store calls per second therefore do not grow with the number of
-    hand-offs due at once. Every item stays fenced by holder and token on its own.
+    A hand-off queued while no call is in flight is sent at once; one queued during a call goes in
+    the next call with everything else that came meanwhile. No hand-off waits for a timer: the wait
+    is at most the call in flight (plus one call per :data:`MAX_BATCH` hand-offs queued ahead of
+    it), and it is measured (:meth:`snapshot`). Store calls per second therefore do not grow with
+    the number of hand-offs due at once, and the queue is one FIFO, so the hand-offs of one lock
+    are sent in the order they were queued. Every item stays fenced by holder and token on its own.
     """
 
     def __init__(self, store: LockStore, node: Node, *, clock: Callable[[], float] = time.monotonic) -> None:
@@ -79,64 +85,90 @@ class HandOffBatcher:
         self.node = node
         self.clock = clock
         self.stats = HandOffStats()
-        self._queue: list[_Pending] = []
+        self._queue: collections.deque[_Pending] = collections.deque()
         self._sending = False
         self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
 
     def hand_off(self, item: HandOff) -> bool:
-        """Write ``item`` in the next store call; True if written, False if the lock moved on.
+        """Write ``item`` in the next store call and wait for it; True if written, False if the lock moved on.
 
-        Raises what the store call raised (StoreUnavailableError, StoreError) for the items it carried.
+        Raises what the store call raised (StoreUnavailableError, StoreError).
         """
-        pending = _Pending(item, self.clock())
+        done = threading.Event()
+        outcome: list[Any] = []
+
+        def record(written: bool, error: BaseException | None) -> None:
+            outcome.extend((written, error))
+            done.set()
+
+        self.hand_off_later(item, record)
+        done.wait()
+        if outcome[1] is not None:
+            raise outcome[1]
+        return bool(outcome[0])
+
+    def hand_off_later(self, item: HandOff, done: Done) -> None:
+        """Queue ``item``; ``done(written, error)`` is called from the sending thread once its store call ends."""
         with self._changed:
-            self._queue.append(pending)
-        while True:
-            with self._changed:
-                while self._sending and not pending.done:
-                    self._changed.wait()
-                if pending.done:
-                    break
-                batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
-                self._sending = True
-                now = self.clock()
-                self.stats.add([now - p.queued for p in batch])
-            self._send(batch)
-        if pending.error is not None:
-            raise pending.error
-        return pending.written
+            self._queue.append(_Pending(item, self.clock(), done))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._send_loop, name="mutexcron-handoff", daemon=True)
+                self._thread.start()
+            self._changed.notify_all()
 
     def snapshot(self) -> dict[str, float]:
         """:meth:`HandOffStats.snapshot`, read while no batch is being counted."""
         with self._changed:
             return self.stats.snapshot()
 
-    def _send(self, batch: list[_Pending]) -> None:
-        """One store call for ``batch`` (then wake the waiters, whatever happened)."""
-        try:
-            try:
-                written = self.store.hand_off_many(self.node, [p.item for p in batch])
-            except AttrsError:  # checked before queuing; should one slip through, it fails alone
-                written = [self._alone(p) for p in batch]
-            except BaseException as exc:  # noqa: BLE001 - every caller of the batch sees the store's error
-                for p in batch:
-                    p.error = exc
-                written = [False] * len(batch)
-            for p, ok in zip(batch, written, strict=True):
-                p.written = ok
-        finally:
-            with self._changed:
-                for p in batch:
-                    p.done = True
-                self._sending = False
-                self._changed.notify_all()
+    def idle(self) -> bool:
+        """Nothing queued and no store call in flight."""
+        with self._changed:
+            return not self._queue and not self._sending
 
-    def _alone(self, pending: _Pending) -> bool:
+    def _send_loop(self) -> None:
+        while True:
+            with self._changed:
+                while not self._queue:
+                    self._sending = False
+                    self._changed.wait()
+                batch = [self._queue.popleft() for _ in range(min(MAX_BATCH, len(self._queue)))]
+                self._sending = True
+                now = self.clock()
+                self.stats.add([now - p.queued for p in batch])
+            self._send(batch)
+
+    def _send(self, batch: list[_Pending]) -> None:
+        """One store call for ``batch``, then each sender told (a failing ``done`` is logged, never
+        stops the thread)."""
         try:
-            return self.store.hand_off_many(self.node, [pending.item])[0]
-        except BaseException as exc:  # noqa: BLE001 - this caller's own error
-            pending.error = exc
-            return False
+            outcomes: list[tuple[bool, BaseException | None]] = [
+                (written, None) for written in self.store.hand_off_many(self.node, [p.item for p in batch])
+            ]
+        except AttrsError:  # checked before queuing; should one slip through, it fails alone
+            outcomes = [self._alone(p) for p in batch]
+        except Exception as exc:  # noqa: BLE001 - every sender of the batch is told the store's error
+            outcomes = [(False, exc)] * len(batch)
+        for pending, (written, error) in zip(batch, outcomes, strict=True):
+            try:
+                pending.done(written, error)
+            except Exception:  # noqa: BLE001 - one sender's failure must not strand the others
+                log.exception("hand-off of lock %r: its outcome could not be reported", pending.item.lock)
+
+    def _alone(self, pending: _Pending) -> tuple[bool, BaseException | None]:
+        try:
+            return self.store.hand_off_many(self.node, [pending.item])[0], None
+        except Exception as exc:  # noqa: BLE001 - this sender's own error
+            return False, exc
+
+
+@dataclasses.dataclass
+class Queued:
+    """A write queued by :meth:`AttrsHandOff.write_later`, and the attrs copy it replaced."""
+
+    item: HandOff
+    replaced: tuple[int, dict[str, Any]] | None = None
 
 
 class AttrsHandOff:
@@ -173,6 +205,52 @@ class AttrsHandOff:
     def check(self, attrs: Mapping[str, Any], job: str) -> None:
         """Raise AttrsError for attrs that are not JSON or too large, before any write."""
         dump_attrs(attrs, job=job, limit=self.max_attrs_bytes)
+
+    def write_later(
+        self, lock: str, token: int, seen: set[str], attrs: Mapping[str, Any] | None, run: RunInfo | None, job: str,
+        done: Callable[[Queued], Done],
+    ) -> Queued:
+        """:meth:`write` without waiting: the merged item is queued behind this lock's earlier
+        writes, and this node's copy of the attrs moves to it at once (the lock's next run starts
+        from it; :meth:`abandon` puts it back if the write is given up). ``done(queued)`` gives the
+        callback that the sending thread calls with ``(written, error)``.
+
+        Raises AttrsError before queuing.
+        """
+        if run is not None and run.job is None:
+            run = dataclasses.replace(run, job=job)
+        with self._lock:
+            writing = self._writing.setdefault(lock, threading.Lock())
+        with writing:
+            merged = None
+            if attrs is not None:
+                merged = {k: v for k, v in self.attrs(lock, token).items() if k not in seen}
+                merged.update(attrs)
+                self.check(merged, job)
+            queued = Queued(HandOff(lock, token, merged, run))
+            with self._lock:
+                queued.replaced = self._attrs.get(lock)
+                if merged is not None:
+                    self._attrs[lock] = (token, merged)
+            self.batcher.hand_off_later(queued.item, done(queued))  # queued under the lock: in the lock's order
+            return queued
+
+    def resend(self, queued: Queued, done: Done) -> None:
+        """Queue a write from :meth:`write_later` again, after its store call failed."""
+        self.batcher.hand_off_later(queued.item, done)
+
+    def abandon(self, queued: Queued) -> None:
+        """A write from :meth:`write_later` is given up: this node's copy of the attrs goes back to
+        what it was, unless a later write moved it meanwhile."""
+        if queued.item.attrs is None:
+            return
+        with self._lock:
+            current = self._attrs.get(queued.item.lock)
+            if current is not None and current[1] is queued.item.attrs:
+                if queued.replaced is None:
+                    self._attrs.pop(queued.item.lock, None)
+                else:
+                    self._attrs[queued.item.lock] = queued.replaced
 
     def write(
         self, lock: str, token: int, seen: set[str], attrs: Mapping[str, Any] | None, run: RunInfo | None, job: str
