@@ -5,10 +5,11 @@
 Configured by the environment scale.py gives the nodes: ``MUTEXCRON_SCALE_JOBS`` (J),
 ``MUTEXCRON_SCALE_LOCKS`` (L: job j takes lock ``<prefix>-<j mod L>``, so L < J makes lock groups),
 ``MUTEXCRON_SCALE_PREFIX`` (the lock names' prefix), ``MUTEXCRON_SCALE_DIR`` (where each node
-appends its runs, see ``scale_runs.py``, and the waits of its batched hand-offs), ``MUTEXCRON_SCALE_WORKERS`` (executor threads, empty for
-APScheduler's default), ``MUTEXCRON_SCALE_STORE_OPTIONS`` (JSON options of the store), plus the
-drill's ``MUTEXCRON_DRILL_*``. The store is wrapped in the drill's node-side
-:class:`~mutexcron.drill.TimedLockStore`, which counts and times every store call in the node.
+appends its runs, see ``scale_runs.py``, and the waits of its batched hand-offs),
+``MUTEXCRON_SCALE_WORKERS`` (executor threads, empty for APScheduler's default),
+``MUTEXCRON_SCALE_STORE_OPTIONS`` (JSON options of the store), plus the drill's ``MUTEXCRON_DRILL_*``.
+The store is wrapped in the drill's node-side :class:`~mutexcron.drill.TimedLockStore`, which counts
+and times every store call in the node.
 ``plain_jobs.py`` is the same jobs on plain APScheduler, unguarded.
 """
 

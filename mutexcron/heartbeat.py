@@ -515,7 +515,8 @@ class LeaseManager:
                     retry.start()
                 else:
                     self.handoff.abandon(queued)
-                    what = "could not save attrs of" if isinstance(error, StoreUnavailableError) else "the store refused the attrs of"
+                    unreachable = isinstance(error, StoreUnavailableError)
+                    what = "could not save attrs of" if unreachable else "the store refused the attrs of"
                     log.error("job %r: %s lock %r (%s); the previous attrs are kept", job, what, name, error)
                     then(False)
 

@@ -62,7 +62,7 @@ def start(target: Callable[[], Any], results: list[Any]) -> threading.Thread:
     def run() -> None:
         try:
             results.append(target())
-        except BaseException as exc:  # noqa: BLE001 - the test reads it
+        except BaseException as exc:
             results.append(exc)
 
     thread = threading.Thread(target=run, daemon=True)

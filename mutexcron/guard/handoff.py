@@ -153,7 +153,7 @@ class HandOffBatcher:
         for pending, (written, error) in zip(batch, outcomes, strict=True):
             try:
                 pending.done(written, error)
-            except Exception:  # noqa: BLE001 - one sender's failure must not strand the others
+            except Exception:
                 log.exception("hand-off of lock %r: its outcome could not be reported", pending.item.lock)
 
     def _alone(self, pending: _Pending) -> tuple[bool, BaseException | None]:

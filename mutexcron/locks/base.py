@@ -96,7 +96,7 @@ _nonce_counter = itertools.count(1)
 
 
 def _new_nonce_prefix() -> None:
-    global _NONCE_PREFIX, _nonce_counter  # noqa: PLW0603 - per process, redrawn in a forked child
+    global _NONCE_PREFIX, _nonce_counter
     _NONCE_PREFIX, _nonce_counter = secrets.token_hex(8), itertools.count(1)
 
 
