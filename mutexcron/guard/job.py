@@ -329,31 +329,35 @@ class GuardedJob:
             stats.run_started(self.job_id, self.lock, lag)
         return _Run(token, attrs, seen, context, manager.clock(), fire_time)
 
-    def _end(self, manager: LeaseKeeper, run: _Run, *, result: Any = None, error: BaseException | None = None) -> bool:
+    def _end(
+        self, manager: LeaseKeeper, run: _Run, *, result: Any = None, error: BaseException | None = None, wait: bool = False
+    ) -> bool:
         """The fenced hand-off of the run's attrs and run info.
 
         A scheduled run's hand-off is queued (:meth:`LeaseKeeper.finish_later`: the node's next
         batch of hand-offs carries it) and the pool thread is free at once; the run stays counted
         until it is settled, and its RUN_FINISHED event follows the write, as before. True then (the
-        hand-off ends the run). A run started by :meth:`run_now` waits for its hand-off (False).
+        hand-off ends the run). A run started by :meth:`run_now`, or with ``wait`` (a coroutine job's,
+        on a worker thread already), waits for its hand-off (False).
         """
         duration = manager.clock() - run.started
         if error is not None:
-            return self._hand_off(manager, run, None, self._info(run, duration, _describe(error)), _describe(error))
+            return self._hand_off(manager, run, None, self._info(run, duration, _describe(error)), _describe(error), wait)
         returned = self._returned_attrs(result)
         try:
-            return self._hand_off(manager, run, returned, self._info(run, duration, None), None)
+            return self._hand_off(manager, run, returned, self._info(run, duration, None), None, wait)
         except AttrsError as exc:
-            ended_later = self._hand_off(manager, run, None, self._info(run, duration, _describe(exc)), _describe(exc))
+            info = self._info(run, duration, _describe(exc))
+            ended_later = self._hand_off(manager, run, None, info, _describe(exc), wait)
             self._attrs_failed(exc)
             return ended_later
 
     def _hand_off(
-        self, manager: LeaseKeeper, run: _Run, attrs: Mapping[str, Any] | None, info: RunInfo, error: str | None
+        self, manager: LeaseKeeper, run: _Run, attrs: Mapping[str, Any] | None, info: RunInfo, error: str | None, wait: bool
     ) -> bool:
         """Hand the run off, then report it finished; True if that happens later (queued)."""
         later = getattr(manager, "finish_later", None)
-        if later is None or _REPORT.get() is not None:
+        if wait or later is None or _REPORT.get() is not None:
             manager.finish(self.lock, run.token, run.seen, attrs, info, self.job_id)
             self._finished(manager, run, info.duration, error)
             return False
