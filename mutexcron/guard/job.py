@@ -209,6 +209,8 @@ class GuardedJob:
 
     def _attr_kwargs(self, attrs: Mapping[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The attrs to pass as keyword arguments: those the job takes and that are not bound yet."""
+        if not attrs:
+            return {}
         try:
             bound = set(inspect.signature(self.func).bind_partial(*args, **kwargs).arguments)
         except (TypeError, ValueError):
