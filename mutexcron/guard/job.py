@@ -336,7 +336,7 @@ class GuardedJob:
     ) -> bool:
         """The fenced hand-off of the run's attrs and run info.
 
-        A scheduled run's hand-off is queued (:meth:`LeaseKeeper.finish_later`: the node's next
+        A scheduled run's hand-off (on mutexcron's executor) is queued (``finish_later``: the node's next
         batch of hand-offs carries it) and the pool thread is free at once; the run stays counted
         until it is settled, and its RUN_FINISHED event follows the write, as before. True then (the
         hand-off ends the run). A run started by :meth:`run_now`, or with ``wait`` (a coroutine job's,
@@ -359,7 +359,8 @@ class GuardedJob:
     ) -> bool:
         """Hand the run off, then report it finished; True if that happens later (queued)."""
         later = getattr(manager, "finish_later", None)
-        if wait or later is None or _REPORT.get() is not None:
+        scheduled = _QUIET_ERRORS.get() is not None and _REPORT.get() is None  # on mutexcron's executor, not run_now
+        if wait or later is None or not scheduled:
             manager.finish(self.lock, run.token, run.seen, attrs, info, self.job_id)
             self._finished(manager, run, info.duration, error)
             return False
