@@ -708,6 +708,7 @@ class LeaseManager:
         self._release_all(self.held(), busy)
         with self._mutex:
             self._held.clear()
+        self.handoff.batcher.close()
 
     def _release_all(self, held: Mapping[str, int], busy: Mapping[str, int], *, quiet: bool = False) -> None:
         """Release the leases in ``held``, except those with a guarded run still going (``busy``;

@@ -170,3 +170,25 @@ def test_a_store_without_its_own_hand_off_many_writes_each_item() -> None:
     items = [HandOff("l", token, {"a": 1}), HandOff("l", token + 1, {"a": 2})]
     assert BaseStore.hand_off_many(inner, A, items) == [True, False]
     assert dict(inner.read("l").attrs) == {"a": 1}  # type: ignore[union-attr]
+
+
+def test_close_ends_the_sending_thread_after_what_is_queued_and_a_later_hand_off_starts_it_again() -> None:
+    store = GatedStore()
+    tokens = held(store, ["a", "b"])
+    batcher = HandOffBatcher(store, A)  # type: ignore[arg-type]
+    results: list[Any] = []
+    first = start(lambda: batcher.hand_off(HandOff("a", tokens["a"], {"n": 1})), results)
+    assert store.entered.wait(30)
+    thread = batcher._thread
+    assert thread is not None
+    batcher.close()
+    second = start(lambda: batcher.hand_off(HandOff("b", tokens["b"], {"n": 2})), results)
+    wait_until(lambda: len(batcher._queue) == 1)
+    batcher.close()  # queued before this close: still sent
+    store.gate.set()
+    first.join(30)
+    second.join(30)
+    thread.join(30)
+    assert results == [True, True] and not thread.is_alive() and batcher.idle()
+    assert batcher.hand_off(HandOff("a", tokens["a"], {"n": 3})), "a later hand-off starts a new thread"
+    assert dict(store.inner.read("a").attrs) == {"n": 3}  # type: ignore[union-attr]

@@ -89,6 +89,7 @@ class HandOffBatcher:
         self._sending = False
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._closing = False
 
     def hand_off(self, item: HandOff) -> bool:
         """Write ``item`` in the next store call and wait for it; True if written, False if the lock moved on.
@@ -112,6 +113,7 @@ class HandOffBatcher:
         """Queue ``item``; ``done(written, error)`` is called from the sending thread once its store call ends."""
         with self._changed:
             self._queue.append(_Pending(item, self.clock(), done))
+            self._closing = False
             if self._thread is None:
                 self._thread = threading.Thread(target=self._send_loop, name="mutexcron-handoff", daemon=True)
                 self._thread.start()
@@ -127,11 +129,20 @@ class HandOffBatcher:
         with self._changed:
             return not self._queue and not self._sending
 
+    def close(self) -> None:
+        """End the sending thread once everything queued is sent (a later hand-off starts it again)."""
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()
+
     def _send_loop(self) -> None:
         while True:
             with self._changed:
                 while not self._queue:
                     self._sending = False
+                    if self._closing:
+                        self._thread, self._closing = None, False
+                        return
                     self._changed.wait()
                 batch = [self._queue.popleft() for _ in range(min(MAX_BATCH, len(self._queue)))]
                 self._sending = True
