@@ -1,6 +1,7 @@
 """How far it scales, and what the guard costs: J every-second jobs on 3 nodes, guarded vs plain APScheduler.
 
     python benchmarks/scale.py [--stores sqlite,redis] [--jobs 10,100,1000] [--groups 10] [--duration 30] [--json [FILE]]
+    python benchmarks/scale.py --quick   # a smoke run: SQLite, 10 jobs, 2 nodes, 3 s
 
 Row sets: each ``--jobs`` count J with one lock per job, and the largest J in ``--groups`` lock
 groups (J / G jobs per lock). For each row set it first runs the **plain baseline**: ``--nodes``
@@ -16,7 +17,9 @@ and are cleaned up the same way) run the same J jobs guarded. Each run warms up,
   :class:`~mutexcron.drill.TimedLockStore` (plain: 0), and the ``acquire_or_renew`` latency they saw;
 * fire times run (within ``--drain`` s), missed, duplicated: guarded, cluster-wide (each fire time
   of each job exactly once across the nodes); plain, per node (each node runs each fire time once);
-* APScheduler's warnings in the node logs: runs skipped by ``max_instances``, misfires.
+* APScheduler's warnings in the node logs: runs skipped by ``max_instances``, misfires;
+* the batched hand-offs: how long a run's hand-off waited for the store call that carried it
+  (p50 / p99 of the worst node, max of all), and hand-offs per store call.
 
 With ``--operations`` each store runs two clusters **side by side**, measured in one window: one
 without run history or metrics (``?history=0``, no port), one with both (the default 20 runs per
@@ -146,6 +149,12 @@ class Result:
     acquire_p99: float = math.nan
     skipped_max_instances: int = 0  # all nodes
     misfired: int = 0
+    #: Guarded: how long a run's hand-off waited for the store call carrying it (p50 / p99 / max over
+    #: the nodes' latest 4,096 hand-offs each, ms), and hand-offs per store call.
+    handoff_wait_p50: float = math.nan
+    handoff_wait_p99: float = math.nan
+    handoff_wait_max: float = math.nan
+    handoffs_per_call: float = math.nan
     #: By node: plain, its run/missed/duplicated; guarded, its CPU s per minute and the runs it started per second.
     per_node: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -340,10 +349,25 @@ def guarded_result(kind: str, name: str, rs: RowSet, settings: Settings, cluster
     }
     return result(
         name, kind, rs, window, count_fires(runs, window, rs.jobs, settings.drain),
+        **hand_off_figures(cluster.workdir),
         calls_per_s_node=len(calls) / window.seconds / settings.nodes,
         acquire_p50=percentile(acquire, 50), acquire_p99=percentile(acquire, 99),
         skipped_max_instances=skipped, misfired=misfired, per_node=per_node,
     )
+
+
+def hand_off_figures(workdir: Path) -> dict[str, float]:
+    """The nodes' batched hand-offs (``handoff-<pid>.json``, written by ``scale_jobs.py``): the waits
+    for a batch (the worst node's p50 and p99, the max of all, ms) and hand-offs per store call."""
+    stats = [json.loads(p.read_text()) for p in sorted(workdir.glob("handoff-*.json"))]
+    if not stats:
+        return {}
+    return {
+        "handoff_wait_p50": max(s["p50_wait"] for s in stats) * 1000,
+        "handoff_wait_p99": max(s["p99_wait"] for s in stats) * 1000,
+        "handoff_wait_max": max(s["max_wait"] for s in stats) * 1000,
+        "handoffs_per_call": sum(s["items"] for s in stats) / max(1, sum(s["calls"] for s in stats)),
+    }
 
 
 def guarded_rows(kind: str, rs: RowSet, setups: list[Settings], notes: list[str]) -> list[Result]:
@@ -441,6 +465,9 @@ def table_row(r: Result, plain: Result | None) -> list[str]:
         f"{number(r.acquire_p50, 1)} / {number(r.acquire_p99, 1)}" if r.kind != "plain" else "-",
         cell(r, plain, "skipped_max_instances", f"{r.skipped_max_instances:,}"),
         cell(r, plain, "misfired", f"{r.misfired:,}"),
+        "-" if r.kind == "plain" else
+        f"{number(r.handoff_wait_p50, 1)} / {number(r.handoff_wait_p99, 1)} / {number(r.handoff_wait_max, 1)} "
+        f"({number(r.handoffs_per_call, 1)})",
     ]
 
 
@@ -448,7 +475,7 @@ def render(rs: RowSet, plain: Result | None, guarded: list[Result], notes: list[
     header = [
         "nodes running", "CPU s per node per min (mean / max)", "start delay p50 ms", "start delay p99 ms",
         "store calls/s per node", "fire times", "run", "missed", "duplicated", "acquire p50 / p99 ms",
-        "skipped: max_instances", "misfire warnings",
+        "skipped: max_instances", "misfire warnings", "hand-off wait p50 / p99 / max ms (hand-offs per call)",
     ]
     rows = [table_row(r, plain) for r in ([plain] if plain else []) + guarded]
     text = f"## {rs.title}\n\n" + md_table(header, rows) + "\n"
@@ -525,7 +552,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--json", nargs="?", const="-", metavar="FILE", help="print JSON instead of the tables; with FILE, write it there too"
     )
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="a smoke run (tests/test_benchmarks_scale.py): SQLite unless --stores is given, 10 jobs on 2 nodes, "
+        "3 s measured after 3 s warm-up, no group row",
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        given = set(argv if argv is not None else sys.argv[1:])
+        if "--stores" not in given:
+            args.stores = "sqlite"
+        args.jobs, args.groups, args.nodes = "10", 0, 2
+        args.duration, args.warmup, args.drain = 3.0, 3.0, 2.0
     args.kinds = [k.strip() for k in args.stores.split(",") if k.strip()]
     if set(args.kinds) - set(ALL_STORES) or "memory" in args.kinds:
         parser.error(f"choose stores from {', '.join(k for k in ALL_STORES if k != 'memory')}")

@@ -37,7 +37,7 @@ from .events import (
     log_event,
 )
 from .guard.agreement import Agreement, SharedNodeId
-from .guard.handoff import AttrsHandOff
+from .guard.handoff import AttrsHandOff, Queued
 from .guard.views import STANDBY_REFRESH, RecordViews
 from .locks import AcquireResult, FireClaim, HeldClaim, LockStore, Node, RunInfo
 from .locks.base import Presence
@@ -489,6 +489,41 @@ class LeaseManager:
                 log.error("job %r: the store refused the attrs of lock %r (%s); the previous attrs are kept", job, name, exc)
                 return False
 
+    def finish_later(
+        self, name: str, token: int, seen: set[str], attrs: Mapping[str, Any] | None, run: RunInfo, job: str,
+        then: Callable[[bool], None],
+    ) -> None:
+        """:meth:`finish` without waiting: the hand-off is queued (the next batch of the node's
+        hand-offs carries it) and ``then(saved)`` is called from the hand-off thread once it is
+        settled, with the same retries, log lines and lease drop as :meth:`finish`. A retry waits
+        on a timer, never on the hand-off thread. Raises AttrsError before queuing.
+        """
+        give_up = self.clock() + self.ttl(name)
+
+        def settle(queued: Queued, delay: float) -> Callable[[bool, BaseException | None], None]:
+            def settled(written: bool, error: BaseException | None) -> None:
+                if error is None:
+                    if not written:
+                        log.warning("job %r finished after lock %r (token %d) passed to another node: its attrs and "
+                                    "run info were NOT saved, the new holder's state is kept", job, name, token)  # fmt: skip
+                        self._drop(name, "taken over during a run", token)
+                    then(written)
+                elif isinstance(error, StoreUnavailableError) and self.holds(name, token) and not self._stop.is_set() \
+                        and self.clock() + delay <= give_up:  # fmt: skip
+                    retry = threading.Timer(delay, self.handoff.resend, (queued, settle(queued, min(delay * 2, 2.0))))
+                    retry.daemon = True
+                    retry.start()
+                else:
+                    self.handoff.abandon(queued)
+                    unreachable = isinstance(error, StoreUnavailableError)
+                    what = "could not save attrs of" if unreachable else "the store refused the attrs of"
+                    log.error("job %r: %s lock %r (%s); the previous attrs are kept", job, what, name, error)
+                    then(False)
+
+            return settled
+
+        self.handoff.write_later(name, token, seen, attrs, run, job, lambda queued: settle(queued, 0.2))
+
     # -- the heartbeat thread -------------------------------------------------------------------
     def start(self) -> None:
         with self._mutex:
@@ -673,6 +708,7 @@ class LeaseManager:
         self._release_all(self.held(), busy)
         with self._mutex:
             self._held.clear()
+        self.handoff.batcher.close()
 
     def _release_all(self, held: Mapping[str, int], busy: Mapping[str, int], *, quiet: bool = False) -> None:
         """Release the leases in ``held``, except those with a guarded run still going (``busy``;

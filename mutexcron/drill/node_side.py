@@ -16,7 +16,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import ConfigurationError, StoreError
-from ..locks import AcquireResult, BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, Presence, RunInfo, lock_store_from_url
+from ..locks import (
+    AcquireResult,
+    BatchClaimResult,
+    FireClaim,
+    HandOff,
+    HeldClaim,
+    LockStore,
+    Node,
+    Presence,
+    RunInfo,
+    lock_store_from_url,
+)
 from ..locks.record import LockRecord, NodePresence, RunRecord
 from .records import OpTimings
 
@@ -89,6 +100,10 @@ class TimedLockStore(LockStore):
     ) -> bool:
         with self._timed("hand_off"):
             return self.inner.hand_off(name, node, token, attrs, run)
+
+    def hand_off_many(self, node: Node, items: Sequence[HandOff]) -> list[bool]:
+        with self._timed("hand_off_many"):
+            return self.inner.hand_off_many(node, items)
 
     def renew_many(self, node: Node, leases: Mapping[str, int], presence: Presence | None = None) -> set[str]:
         with self._timed("renew_many"):

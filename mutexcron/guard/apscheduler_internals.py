@@ -79,6 +79,17 @@ def submit_to_pool(executor: Any, job: Any, work: Callable[[], list[Any]]) -> No
     executor._pool.submit(work).add_done_callback(callback)
 
 
+def run_inline(executor: Any, job: Any, work: Callable[[], list[Any]]) -> None:
+    """Run ``work`` (which returns APScheduler events) on the calling thread, and report its
+    outcome as :func:`submit_to_pool`'s callback does (``_run_job_error``, ``_run_job_success``)."""
+    try:
+        events = work()
+    except Exception as exc:  # noqa: BLE001 - reported as the pool reports a run's error
+        executor._run_job_error(job.id, exc, exc.__traceback__)
+    else:
+        executor._run_job_success(job.id, events)
+
+
 def submit_work(executor: Any, work: Callable[[], Any]) -> None:
     """Run ``work`` on the executor's thread pool (``_pool``), outside any job's accounting."""
     executor._pool.submit(work)

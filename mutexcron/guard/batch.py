@@ -87,9 +87,13 @@ def run_batch(entries: list[_Entry], start_one: Callable[[_Entry, int | None], N
         return
     held = manager.held()
     claims: list[tuple[_Entry, HeldClaim]] = []
+    elsewhere: list[_Entry] = []
     for lock, group in by_lock.items():
         token = held.get(lock)
         for entry in group:
+            if token is None and _held_elsewhere(manager, entry):
+                elsewhere.append(entry)  # skipped here, after this node's own runs have started
+                continue
             if token is None or _misfired(entry) or not manager.begin_run(lock):
                 _start(entry, None, start_one)  # not held here, or too late, or stopping: the ordinary path decides
                 continue
@@ -97,6 +101,23 @@ def run_batch(entries: list[_Entry], start_one: Callable[[_Entry, int | None], N
             claims.append((entry, HeldClaim(lock, token, claim)))
     if claims:
         _claim_and_start(manager, claims, start_one)
+    for entry in elsewhere:
+        _run_here(entry)
+
+
+def _held_elsewhere(manager: Any, entry: _Entry) -> bool:
+    """A fresh view says another node holds the job's lock: its run only skips, with no store call
+    and no code of the user's (no ``lock_else``), so it can run on the batch's thread."""
+    config, views = getattr(entry.job.func, "config", None), getattr(manager, "views", None)
+    if config is None or config.lock_else is not None or views is None:
+        return False
+    return bool(views.holds_elsewhere(entry.job.func.lock, manager.clock()))
+
+
+def _run_here(entry: _Entry) -> None:
+    """Run a fire time on this thread, reported to APScheduler as the pool would (its events, its
+    instance given back): the guarded job decides, as on the pool, and only skips."""
+    aps.run_inline(entry.executor, entry.job, lambda: entry.executor.run_here(entry.job, [entry.run_time]))
 
 
 def _claim_and_start(

@@ -209,6 +209,8 @@ class GuardedJob:
 
     def _attr_kwargs(self, attrs: Mapping[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The attrs to pass as keyword arguments: those the job takes and that are not bound yet."""
+        if not attrs:
+            return {}
         try:
             bound = set(inspect.signature(self.func).bind_partial(*args, **kwargs).arguments)
         except (TypeError, ValueError):
@@ -229,6 +231,7 @@ class GuardedJob:
         if manager is None or (preclaimed is None and not manager.begin_run(self.lock)):
             self._skipped(manager, fire_time, "stopping")
             return None
+        ended_later = False  # the run's hand-off was queued: it ends the run once settled
         try:
             token = preclaimed.token if preclaimed is not None else self._claim(manager, fire_time)
             run = None if token is None else self._start(manager, token, fire_time, args, kwargs)
@@ -238,13 +241,14 @@ class GuardedJob:
                 result = self.func(*args, **{**run.attrs, **kwargs})
             except BaseException as exc:
                 _exit(run.context)
-                self._end(manager, run, error=exc)
+                ended_later = self._end(manager, run, error=exc)
                 raise
             _exit(run.context)
-            self._end(manager, run, result=result)
+            ended_later = self._end(manager, run, result=result)
             return result
         finally:
-            manager.end_run(self.lock)
+            if not ended_later:
+                manager.end_run(self.lock)
 
     def _fire_time(self) -> datetime:
         try:
@@ -327,22 +331,48 @@ class GuardedJob:
             stats.run_started(self.job_id, self.lock, lag)
         return _Run(token, attrs, seen, context, manager.clock(), fire_time)
 
-    def _end(self, manager: LeaseKeeper, run: _Run, *, result: Any = None, error: BaseException | None = None) -> None:
-        """The fenced hand-off of the run's attrs and run info (one store call)."""
+    def _end(
+        self, manager: LeaseKeeper, run: _Run, *, result: Any = None, error: BaseException | None = None, wait: bool = False
+    ) -> bool:
+        """The fenced hand-off of the run's attrs and run info.
+
+        A scheduled run's hand-off (on mutexcron's executor) is queued (``finish_later``: the node's next
+        batch of hand-offs carries it) and the pool thread is free at once; the run stays counted
+        until it is settled, and its RUN_FINISHED event follows the write, as before. True then (the
+        hand-off ends the run). A run started by :meth:`run_now`, or with ``wait`` (a coroutine job's,
+        on a worker thread already), waits for its hand-off (False).
+        """
         duration = manager.clock() - run.started
         if error is not None:
-            manager.finish(self.lock, run.token, run.seen, None, self._info(run, duration, _describe(error)), self.job_id)
-            self._finished(manager, run, duration, _describe(error))
-            return
+            return self._hand_off(manager, run, None, self._info(run, duration, _describe(error)), _describe(error), wait)
         returned = self._returned_attrs(result)
         try:
-            manager.finish(self.lock, run.token, run.seen, returned, self._info(run, duration, None), self.job_id)
+            return self._hand_off(manager, run, returned, self._info(run, duration, None), None, wait)
         except AttrsError as exc:
-            manager.finish(self.lock, run.token, run.seen, None, self._info(run, duration, _describe(exc)), self.job_id)
-            self._finished(manager, run, duration, _describe(exc))
+            info = self._info(run, duration, _describe(exc))
+            ended_later = self._hand_off(manager, run, None, info, _describe(exc), wait)
             self._attrs_failed(exc)
-            return
-        self._finished(manager, run, duration, None)
+            return ended_later
+
+    def _hand_off(
+        self, manager: LeaseKeeper, run: _Run, attrs: Mapping[str, Any] | None, info: RunInfo, error: str | None, wait: bool
+    ) -> bool:
+        """Hand the run off, then report it finished; True if that happens later (queued)."""
+        later = getattr(manager, "finish_later", None)
+        scheduled = _QUIET_ERRORS.get() is not None and _REPORT.get() is None  # on mutexcron's executor, not run_now
+        if wait or later is None or not scheduled:
+            manager.finish(self.lock, run.token, run.seen, attrs, info, self.job_id)
+            self._finished(manager, run, info.duration, error)
+            return False
+
+        def settled(_saved: bool) -> None:
+            try:
+                self._finished(manager, run, info.duration, error)
+            finally:
+                manager.end_run(self.lock)
+
+        later(self.lock, run.token, run.seen, attrs, info, self.job_id, settled)
+        return True
 
     def _attrs_failed(self, exc: AttrsError) -> None:
         """A run whose attrs cannot be stored: one ERROR line per distinct problem, then a count.
@@ -520,6 +550,11 @@ class MutexThreadPoolExecutor(RunEnds, ThreadPoolExecutor):  # type: ignore[misc
             self.batch.add(self, job, run_times)
             return
         self.start_run(job, run_times, None)
+
+    def run_here(self, job: Any, run_times: list[datetime]) -> list[Any]:
+        """A guarded job's fire times on the calling thread (a batch's, for locks another node
+        holds: the runs only skip); returns APScheduler's events, which the caller reports."""
+        return _run_with_fire_times(job, run_times, self._logger.name)
 
     def start_run(self, job: Any, run_times: list[datetime], token: int | None) -> None:
         """Submit a guarded run to the pool: with the token a batch won for it, or None for the

@@ -44,10 +44,10 @@ class AsyncGuardedJob(GuardedJob):
                 result = await self.func(*args, **{**run.attrs, **kwargs})
             except BaseException as exc:
                 _exit(run.context)
-                await asyncio.to_thread(self._end, manager, run, error=exc)
+                await asyncio.to_thread(self._end, manager, run, error=exc, wait=True)
                 raise
             _exit(run.context)
-            await asyncio.to_thread(self._end, manager, run, result=result)
+            await asyncio.to_thread(self._end, manager, run, result=result, wait=True)
             return result
         finally:
             manager.end_run(self.lock)

@@ -19,7 +19,6 @@ try a takeover).
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -74,12 +73,21 @@ class RecordViews:
 
         Its ``heartbeat_age`` is the age at the read plus the monotonic time since.
         """
+        view = self._fresh(lock, now)
+        if view is None:
+            return None
+        return view.record.aged((view.record.heartbeat_age or 0.0) + (now - view.received))
+
+    def holds_elsewhere(self, lock: str, now: float) -> bool:
+        """True if :meth:`held_elsewhere` would return a record (none is built)."""
+        return self._fresh(lock, now) is not None
+
+    def _fresh(self, lock: str, now: float) -> _View | None:
         with self._lock:
             view = self._views.get(lock)
         if view is None or now - view.received > self.refresh or now >= view.sent + view.remaining:
             return None
-        age = (view.record.heartbeat_age or 0.0) + (now - view.received)
-        return dataclasses.replace(view.record, heartbeat_age=age)
+        return view
 
     def stale(self, locks: list[str], now: float) -> tuple[list[str], list[str]]:
         """Split ``locks`` into (those whose holder's lease has run out by now at the latest, those

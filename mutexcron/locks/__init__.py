@@ -9,7 +9,7 @@ from typing import Any
 from ..backends import FAMILIES, build, family_of
 from ..errors import ConfigurationError
 from ..urls import url_scheme
-from .base import AcquireResult, BatchClaimResult, FireClaim, HeldClaim, LockStore, Node, Presence, RunInfo
+from .base import AcquireResult, BatchClaimResult, FireClaim, HandOff, HeldClaim, LockStore, Node, Presence, RunInfo
 from .record import NodePresence, RunRecord
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "AcquireResult",
     "BatchClaimResult",
     "FireClaim",
+    "HandOff",
     "HeldClaim",
     "LockStore",
     "Node",

@@ -24,6 +24,10 @@ Rules every implementation follows (the contract suite in ``tests/test_contract.
   makes the other writes raise :class:`~mutexcron.errors.StoreUnavailableError`: it is never
   reported as a renewal, and never as a loss of the lease.
 * A store that cannot be reached raises :class:`~mutexcron.errors.StoreUnavailableError`.
+* Batched hand-offs: ``hand_off_many(node, [HandOff(lock, token, attrs, run), ...])`` is one
+  store operation for many hand-offs: each item is the same write as ``hand_off``, conditional on
+  holder **and** token on its own (a refused item changes nothing and the others still count), and
+  the items of one lock are applied in the order given. It returns one bool per item.
 * Run history: ``hand_off(..., run=RunInfo(...))`` appends the run to its job's history in the
   same atomic operation (and only if the hand-off is accepted), keeping the last
   ``history_length`` runs per job (``?history=N``, default 20).
@@ -44,7 +48,9 @@ Rules every implementation follows (the contract suite in ``tests/test_contract.
 from __future__ import annotations
 
 import builtins
+import itertools
 import json
+import os
 import re
 import secrets
 from abc import ABC, abstractmethod
@@ -78,7 +84,23 @@ class FireClaim:
 
     @classmethod
     def new(cls, job_id: str, fire_us: int) -> FireClaim:
-        return cls(job_id=job_id, fire_us=fire_us, nonce=secrets.token_hex(8))
+        """A claim with a nonce no other claim has: this process's random prefix and a counter (no
+        system call per claim: a holder makes one per guarded job per fire time)."""
+        return cls(job_id=job_id, fire_us=fire_us, nonce=f"{_NONCE_PREFIX}{next(_nonce_counter):x}")
+
+
+#: The nonces of this process's claims: 8 random bytes per process (a fork draws its own, see
+#: below) and a counter. A nonce only needs to be one no other claim uses.
+_NONCE_PREFIX = secrets.token_hex(8)
+_nonce_counter = itertools.count(1)
+
+
+def _new_nonce_prefix() -> None:
+    global _NONCE_PREFIX, _nonce_counter
+    _NONCE_PREFIX, _nonce_counter = secrets.token_hex(8), itertools.count(1)
+
+
+os.register_at_fork(after_in_child=_new_nonce_prefix)
 
 
 @dataclass(frozen=True)
@@ -220,6 +242,35 @@ class AcquireResult:
     @property
     def token(self) -> int:
         return self.record.token
+
+
+@dataclass(frozen=True)
+class HandOff:
+    """One item of :meth:`LockStore.hand_off_many`: what ``hand_off(lock, node, token, attrs, run)`` writes."""
+
+    #: The lock name.
+    lock: str
+    #: The token the caller holds the lock with: the item is written only if the record still names it.
+    token: int
+    #: The attrs to store (None: keep the stored ones).
+    attrs: Mapping[str, Any] | None = None
+    #: The run to record (None: none).
+    run: RunInfo | None = None
+
+
+def hand_off_rounds(items: Sequence[HandOff]) -> list[list[tuple[int, HandOff]]]:
+    """``items`` (with their index) in rounds where each lock appears at most once, in order: the
+    n-th hand-off of a lock goes to round n. Applying the rounds one after the other applies each
+    lock's hand-offs in the order given (a statement that updates a row once per call needs this)."""
+    rounds: list[list[tuple[int, HandOff]]] = []
+    seen: dict[str, int] = {}
+    for index, item in enumerate(items):
+        n = seen.get(item.lock, 0)
+        seen[item.lock] = n + 1
+        if n == len(rounds):
+            rounds.append([])
+        rounds[n].append((index, item))
+    return rounds
 
 
 @dataclass(frozen=True)
@@ -368,6 +419,22 @@ class LockStore(ABC):
         Conditional on holder **and** token: returns False (and changes nothing) if another
         node took the lock since ``token`` was issued. ``attrs=None`` keeps the stored attrs.
         """
+
+    def hand_off_many(self, node: Node, items: Sequence[HandOff]) -> builtins.list[bool]:
+        """Many :meth:`hand_off` writes in one store operation; one bool per item, in order.
+
+        Each item is conditional on holder **and** its token on its own: a refused item (the lock
+        moved on) changes nothing and is answered False while the others are written. Items of one
+        lock are applied in the order given. Every item's attrs are checked before anything is
+        sent (AttrsError). The stores of :mod:`mutexcron.locks` make it one atomic operation (one
+        statement or transaction, one Lua script; MongoDB: one ordered bulk write, each document's
+        update atomic); this fallback, for other stores, is one ``hand_off`` per item.
+
+        Raises:
+            StoreUnavailableError: the store cannot be reached or met contention: no item may be
+                counted as written (a retry with the same items is safe: each is fenced).
+        """
+        return [self.hand_off(item.lock, node, item.token, item.attrs, item.run) for item in items]
 
     @abstractmethod
     def renew_many(self, node: Node, leases: Mapping[str, int], presence: Presence | None = None) -> set[str]:

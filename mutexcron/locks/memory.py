@@ -23,6 +23,7 @@ from .base import (
     AcquireResult,
     BatchClaimResult,
     FireClaim,
+    HandOff,
     HeldClaim,
     LockStore,
     Node,
@@ -151,22 +152,29 @@ class MemoryLockStore(LockStore):
         attrs: Mapping[str, Any] | None = None,
         run: RunInfo | None = None,
     ) -> bool:
-        text = dump_attrs(attrs, job=name) if attrs is not None else None
+        return self.hand_off_many(node, [HandOff(name, token, attrs, run)])[0]
+
+    def hand_off_many(self, node: Node, items: Sequence[HandOff]) -> list[bool]:
+        texts = [dump_attrs(item.attrs, job=item.lock) if item.attrs is not None else None for item in items]
         with self.backend.mutex:
             now = self.clock()
-            row = self._rows.get(name)
-            if row is None or row.holder != node.node_id or row.token != token:
-                return False
-            row.hb = now
-            if text is not None:
-                row.attrs = text
-            if run is not None:
-                row.last_run_finished = now
-                row.last_run_started = now - run.duration
-                row.last_error = run.error
-                if self.history_length:
-                    self._append_run(row, name, node, token, run, now)
-            return True
+            return [self._hand_off_one(node, item, text, now) for item, text in zip(items, texts, strict=True)]
+
+    def _hand_off_one(self, node: Node, item: HandOff, text: str | None, now: float) -> bool:
+        row = self._rows.get(item.lock)
+        if row is None or row.holder != node.node_id or row.token != item.token:
+            return False
+        row.hb = now
+        if text is not None:
+            row.attrs = text
+        run = item.run
+        if run is not None:
+            row.last_run_finished = now
+            row.last_run_started = now - run.duration
+            row.last_error = run.error
+            if self.history_length:
+                self._append_run(row, item.lock, node, item.token, run, now)
+        return True
 
     def _append_run(self, row: _Row, name: str, node: Node, token: int, run: RunInfo, now: float) -> None:
         entry = run.history_entry(node, token)

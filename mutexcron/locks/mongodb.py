@@ -58,6 +58,7 @@ from .base import (
     AcquireResult,
     BatchClaimResult,
     FireClaim,
+    HandOff,
     HeldClaim,
     LockStore,
     Node,
@@ -276,7 +277,42 @@ class MongoDBLockStore(LockStore):
         attrs: Mapping[str, Any] | None = None,
         run: RunInfo | None = None,
     ) -> bool:
-        text = dump_attrs(attrs, job=name) if attrs is not None else None  # AttrsError: nothing sent
+        query, fields = self._hand_off_update(node, HandOff(name, token, attrs, run))  # AttrsError: nothing sent
+        try:
+            with self.backend.errors("hand_off", write=True):
+                doc = self.collection.find_one_and_update(
+                    query, [{"$set": fields}], projection={"_id": True}, return_document=ReturnDocument.AFTER
+                )
+        except UncertainOutcome as exc:
+            # A re-read cannot tell whether ``hb`` moved: neither a renewal nor a loss. The caller retries.
+            raise self.backend.uncertain(exc) from exc
+        return doc is not None
+
+    def hand_off_many(self, node: Node, items: Sequence[HandOff]) -> builtins.list[bool]:
+        """One ordered ``bulk_write`` of every item's fenced update (each document's update is
+        atomic, and applied in order); if not every item matched, one read says which did (a
+        token never comes back, so a record still naming this node with the item's token was written)."""
+        if not items:
+            return []
+        updates = [self._hand_off_update(node, item) for item in items]  # AttrsError: nothing sent
+        ops = [UpdateOne(query, [{"$set": fields}]) for query, fields in updates]
+        try:
+            with self.backend.errors("hand_off", write=True):
+                matched = self._bulk(ops, "hand_off", ordered=True)
+        except UncertainOutcome as exc:
+            raise self.backend.uncertain(exc) from exc
+        if matched == len(items):
+            return [True] * len(items)
+        names = list(dict.fromkeys(item.lock for item in items))
+        with self.backend.errors("hand_off (read)"):
+            docs = list(self.collection.find({"_id": {"$in": names}, "holder": node.node_id}, {"token": True}))
+        held = {doc["_id"]: doc.get("token") for doc in docs}
+        return [held.get(item.lock) == item.token for item in items]
+
+    def _hand_off_update(self, node: Node, item: HandOff) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The filter and the ``$set`` of one fenced hand-off. Raises AttrsError for bad attrs."""
+        name, token, run = item.lock, item.token, item.run
+        text = dump_attrs(item.attrs, job=name) if item.attrs is not None else None
         now = self.now_expr()
         fields: dict[str, Any] = {"hb": now}
         if text is not None:
@@ -287,16 +323,7 @@ class MongoDBLockStore(LockStore):
             fields["last_error"] = {"$literal": run.error}
             if self.history_length:
                 fields["history"] = self._history_expr(name, node, token, run, now)
-        query = {"_id": name, "holder": node.node_id, "token": token}
-        try:
-            with self.backend.errors("hand_off", write=True):
-                doc = self.collection.find_one_and_update(
-                    query, [{"$set": fields}], projection={"_id": True}, return_document=ReturnDocument.AFTER
-                )
-        except UncertainOutcome as exc:
-            # A re-read cannot tell whether ``hb`` moved: neither a renewal nor a loss. The caller retries.
-            raise self.backend.uncertain(exc) from exc
-        return doc is not None
+        return {"_id": name, "holder": node.node_id, "token": token}, fields
 
     def _history_expr(self, name: str, node: Node, token: int, run: RunInfo, now: Any) -> dict[str, Any]:
         """``history`` with the run appended to its job's list, cut to the last ``history_length``.

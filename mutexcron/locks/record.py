@@ -94,6 +94,14 @@ class LockRecord(Mapping[str, Any]):
         object.__setattr__(self, "attrs", MappingProxyType(dict(self.attrs)))
         object.__setattr__(self, "fire_times", MappingProxyType(dict(self.fire_times)))
 
+    def aged(self, heartbeat_age: float) -> LockRecord:
+        """This record with another ``heartbeat_age`` (the same values otherwise): a copy made
+        without re-running ``__init__``, for the views a standby checks at every fire time."""
+        copy = object.__new__(LockRecord)
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__["heartbeat_age"] = heartbeat_age
+        return copy
+
     @property
     def state(self) -> str:
         """``active``, ``stale`` (holder missed its heartbeats) or ``released``."""

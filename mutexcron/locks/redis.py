@@ -30,6 +30,7 @@ from .base import (
     AcquireResult,
     BatchClaimResult,
     FireClaim,
+    HandOff,
     HeldClaim,
     LockStore,
     Node,
@@ -56,6 +57,7 @@ from .redis_scripts import (
     FORGET_LUA,
     FORGET_NODE_LUA,
     HAND_OFF_LUA,
+    HAND_OFF_MANY_LUA,
     HISTORY_LUA,
     NODES_LUA,
     NODES_READ_LUA,
@@ -96,6 +98,7 @@ class RedisLockStore(LockStore):
         self.backend = backend
         self._acquire = backend.script(ACQUIRE_LUA)
         self._hand_off = backend.script(HAND_OFF_LUA)
+        self._hand_off_many = backend.script(HAND_OFF_MANY_LUA)
         self._renew_many = backend.script(RENEW_MANY_LUA)
         self._claim_many = backend.script(CLAIM_MANY_LUA)
         self._release = backend.script(RELEASE_LUA)
@@ -242,16 +245,36 @@ class RedisLockStore(LockStore):
         attrs: Mapping[str, Any] | None = None,
         run: RunInfo | None = None,
     ) -> bool:
-        text = dump_attrs(attrs, job=name) if attrs is not None else None  # raises before any write
+        keys, args = self._hand_off_args(node, HandOff(name, token, attrs, run))  # AttrsError before any write
+        with self.backend.errors("hand_off"):
+            return bool(self._hand_off(keys=keys, args=args, client=self.backend.client))
+
+    def hand_off_many(self, node: Node, items: Sequence[HandOff]) -> list[bool]:
+        """One script (``HAND_OFF_MANY_LUA``): each item's hand-off in order, each fenced on its own."""
+        if not items:
+            return []
+        keys: list[str] = []
+        args: list[str | int] = []
+        for item in items:  # every item's attrs checked before anything is sent
+            item_keys, item_args = self._hand_off_args(node, item)
+            keys += item_keys
+            args += item_args
+        with self.backend.errors("hand_off"):
+            reply = self._hand_off_many(keys=keys, args=args, client=self.backend.client)
+        return [bool(int(flag)) for flag in reply]
+
+    def _hand_off_args(self, node: Node, item: HandOff) -> tuple[list[str], list[str | int]]:
+        """HAND_OFF_LUA's KEYS and ARGV for one hand-off. Raises AttrsError for bad attrs."""
+        name, token, run = item.lock, item.token, item.run
+        text = dump_attrs(item.attrs, job=name) if item.attrs is not None else None
         args: list[str | int] = [node.node_id, token, "0" if text is None else "1", text or ""]
         if run is None:
-            args += ["0", 0, "0", ""]
+            args += ["0", 0, "0", "", "", "", 0]
         else:
             args += ["1", max(0, round(run.duration * 1000)), "0" if run.error is None else "1", run.error or ""]
             args += [run.job or name, run.history_tail(node, token) if self.history_length else "", self.history_length]
         keys = [self._lock_key(name), self._history_key(name), self._runs_key(name, (run.job or name) if run else name)]
-        with self.backend.errors("hand_off"):
-            return bool(self._hand_off(keys=keys, args=args, client=self.backend.client))
+        return keys, args
 
     def renew_many(self, node: Node, leases: Mapping[str, int], presence: Presence | None = None) -> set[str]:
         if not leases and presence is None:

@@ -15,6 +15,7 @@ __all__ = [
     "FORGET_LUA",
     "FORGET_NODE_LUA",
     "HAND_OFF_LUA",
+    "HAND_OFF_MANY_LUA",
     "HISTORY_LUA",
     "NODES_LUA",
     "NODES_READ_LUA",
@@ -128,6 +129,28 @@ if ARGV[5] == '1' then
   end
 end
 return 1
+"""
+)
+
+# hand_off_many: HAND_OFF_LUA's body once per item, in order, in one script (one atomic operation):
+# item i (from 0) has KEYS[3i+1..3i+3] and ARGV[11i+1..11i+11], as HAND_OFF_LUA's. Returns one 1
+# or 0 per item (each item is fenced on its own: a refused one changes nothing).
+_HAND_OFF_BODY = HAND_OFF_LUA[len(LUA_NOW) :].replace("KEYS[", "K[").replace("ARGV[", "A[")
+HAND_OFF_MANY_LUA = (
+    LUA_NOW
+    + """
+local function hand_off(K, A)
+"""
+    + _HAND_OFF_BODY
+    + """
+end
+local out = {}
+for i = 0, #KEYS / 3 - 1 do
+  local A = {}
+  for j = 1, 11 do A[j] = ARGV[11 * i + j] end
+  out[i + 1] = hand_off({KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]}, A)
+end
+return out
 """
 )
 

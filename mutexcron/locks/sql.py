@@ -58,6 +58,7 @@ from .base import (
     AcquireResult,
     BatchClaimResult,
     FireClaim,
+    HandOff,
     HeldClaim,
     LockStore,
     Node,
@@ -66,6 +67,7 @@ from .base import (
     claim_won,
     fire_times_from_json,
     group_claims,
+    hand_off_rounds,
     history_option,
     won_claims,
 )
@@ -341,6 +343,69 @@ class SQLLockStore(LockStore):
                 params.update(self._history_params(name, node, token, run))
         _, count = self._write(self._sql.hand_off[attrs is not None, run is not None, history], params, "hand_off")
         return bool(count == 1)
+
+    def hand_off_many(self, node: Node, items: Sequence[HandOff]) -> list[bool]:
+        """One UPDATE over every item (``hand_off_many``; items of one lock in rounds, one UPDATE
+        each, in one transaction). MySQL/MariaDB return a count: if not every item was written, one
+        read says which were (as ``renew_many`` does)."""
+        if not items:
+            return []
+        records = [self._item_record(node, item) for item in items]  # AttrsError before any write
+        self._ensure_table()
+        rounds = hand_off_rounds(items)
+        if len(rounds) == 1:
+            written = self._hand_off_round(node, rounds[0], records, None)
+        else:
+
+            def work(conn: Connection) -> set[int]:
+                return {i for r in rounds for i in self._hand_off_round(node, r, records, conn)}
+
+            written = self._transaction(work, "hand_off")
+        return [i in written for i in range(len(items))]
+
+    def _hand_off_round(
+        self, node: Node, round_: Sequence[tuple[int, HandOff]], records: Sequence[dict[str, Any]], conn: Connection | None
+    ) -> set[int]:
+        """One UPDATE of one round (no lock twice): the indexes of the items it wrote."""
+        params = {"me": node.node_id, "hn": self.history_length, "items": json.dumps([records[i] for i, _ in round_])}
+        if conn is None:
+            rows, count = self._write(self._sql.hand_off_many, params, "hand_off")
+        else:
+            result = conn.execute(self.backend.text(self._sql.hand_off_many), params)
+            rows, count = (list(result.fetchall()) if result.returns_rows else []), result.rowcount
+        if self._sql.hand_off_many_returns_names:
+            names = {row[0] for row in rows}
+        elif count == len(round_):
+            names = {item.lock for _, item in round_}
+        else:
+            names = self._still_held(node, {item.lock: item.token for _, item in round_}, conn)
+        return {i for i, item in round_ if item.lock in names}
+
+    def _still_held(self, node: Node, leases: Mapping[str, int], conn: Connection | None) -> set[str]:
+        """The names of ``leases`` whose row names ``node`` with that token (MySQL/MariaDB: what a count cannot say)."""
+        if conn is None:
+            current = self.read_many(leases)
+            return {n for n, rec in current.items() if rec.holder == node.node_id and rec.token == leases[n]}
+        sql, params = self._sql.renew_shape(self._sql.claim_read, leases)
+        rows = conn.execute(self.backend.text(sql), {"me": node.node_id, **params}).fetchall()
+        return {row[0] for row in rows}
+
+    def _item_record(self, node: Node, item: HandOff) -> dict[str, Any]:
+        """One item of ``hand_off_many`` as the statement reads it (keys without a value left out)."""
+        record: dict[str, Any] = {"n": item.lock, "tok": item.token, "set_attrs": 0, "has_run": 0, "hkind": ""}
+        if item.attrs is not None:
+            record.update(set_attrs=1, new_attrs=dump_attrs(item.attrs, job=item.lock))
+        run = item.run
+        if run is not None:
+            duration = max(0.0, run.duration)
+            record.update(has_run=1, dur=duration, dur_us=int(duration * 1e6))
+            if run.error is not None:
+                record["err"] = run.error
+            if self.history_length > 0:
+                record["hkind"] = HISTORY_COLUMN if run.sole_job else HISTORY_OBJECT
+                record.update(self._history_params(item.lock, node, item.token, run))
+                record.pop("hn", None)
+        return record
 
     def _history_params(self, name: str, node: Node, token: int, run: RunInfo) -> dict[str, Any]:
         job = run.job or name

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +113,25 @@ _HAND_OFFS: Mapping[tuple[bool, bool, str], str] = {
     for history in (HISTORY_NONE, HISTORY_OBJECT, HISTORY_COLUMN)
     if run or not history
 }
+
+#: ``hand_off_many``'s SET list (``{batch_sets}``): ``hand_off``'s assignments, each item's parts
+#: switched on by its own flags, with the item's values read from the derived table ``v`` (one row
+#: per item: n, tok, set_attrs, new_attrs, has_run, dur, dur_us, err, hkind, hjob, hpath, htail).
+_BATCH_SETS = """hb = {now},
+    attrs = CASE WHEN v.set_attrs = 1 THEN v.new_attrs ELSE attrs END,
+    last_run_started = CASE WHEN v.has_run = 1 THEN {run_started} ELSE last_run_started END,
+    last_run_finished = CASE WHEN v.has_run = 1 THEN {now} ELSE last_run_finished END,
+    last_error = CASE WHEN v.has_run = 1 THEN v.err ELSE last_error END,
+    history = CASE WHEN v.hkind = 'object' THEN {history} ELSE history END,
+    runs = CASE WHEN v.hkind = 'column' THEN {runs} ELSE runs END"""
+_ITEM_PARAMS = re.compile(r":(hjob|hpath|htail|dur_us|dur)\b")
+
+
+def _batch_sets(fill: Mapping[str, str]) -> str:
+    """:data:`_BATCH_SETS` filled, each per-run parameter of the single statement read from ``v``."""
+    parts = {k: _ITEM_PARAMS.sub(r"v.\1", fill[k]) for k in ("now", "run_started", "history", "runs")}
+    return _BATCH_SETS.format(**parts)
+
 
 # Run history: one JSON object per lock row, ``{job: runs}``, where a job's runs are its history
 # lines (``mutexcron.locks.record.HISTORY_LINE``: JSON arrays, which never hold a raw newline) one per
@@ -251,6 +271,11 @@ class LockStatements:
     begin: str = "START TRANSACTION"
     claim_read: str = ""
     hand_off: Mapping[tuple[bool, bool, str], str] = field(default_factory=lambda: dict(_HAND_OFFS))
+    #: ``hand_off_many``: every item's fenced hand-off in one UPDATE over the items (params me, hn,
+    #: items: a JSON array of one record per item, at most one per lock), ``{batch_sets}``.
+    hand_off_many: str = ""
+    #: True: ``hand_off_many`` returns the names it wrote; False (MySQL/MariaDB): only the count.
+    hand_off_many_returns_names: bool = True
     release: str = "UPDATE {t} SET holder = NULL WHERE name = :name AND holder = :me AND token = :token"
     set_zone: str = "UPDATE {t} SET zone = :zone, triggers = :triggers WHERE name = :name AND holder = :me AND token = :token"
     #: ``forget`` of a record no node ever held (token 0, e.g. paused by name only): it goes.
@@ -290,6 +315,7 @@ class LockStatements:
         fill["history"] = self.history_set.format(**fill)
         fill["runs"] = self.runs_set.format(**fill)
         fill["presence_upsert"] = self.presence_upsert.format(**fill)
+        fill["batch_sets"] = _batch_sets(fill)
 
         def filled(value: Any) -> Any:
             if isinstance(value, str):
@@ -414,6 +440,12 @@ WHERE l.name = c.name AND l.token = c.token AND l.holder = :me
 RETURNING l.name, l.holder, l.token, l.fires, l.paused""",
     claim_shape=_claims_json,
     claim_returns_rows=True,
+    hand_off_many="""
+UPDATE {t} AS l SET {batch_sets}
+FROM jsonb_to_recordset(CAST(:items AS jsonb)) AS v(n text, tok bigint, set_attrs int, new_attrs text, has_run int,
+    dur double precision, dur_us bigint, err text, hkind text, hjob text, hpath text, htail text)
+WHERE l.name = v.n AND l.token = v.tok AND l.holder = :me
+RETURNING l.name""",
 )
 
 # MySQL assigns ON DUPLICATE KEY UPDATE columns left to right, and later expressions see the new
@@ -469,6 +501,12 @@ ON DUPLICATE KEY UPDATE
     fires = IF({t}.holder = :me AND {t}.token = VALUE({t}.token) AND NOT {t}.paused, {newer}, {t}.fires),
     hb = IF({t}.holder = :me AND {t}.token = VALUE({t}.token), {now}, {t}.hb)
 RETURNING name, holder, token, fires, paused"""
+
+
+_MY_ITEM_COLUMNS = """n VARCHAR(255) PATH '$.n', tok BIGINT PATH '$.tok', set_attrs INT PATH '$.set_attrs',
+    new_attrs LONGTEXT PATH '$.new_attrs', has_run INT PATH '$.has_run', dur DOUBLE PATH '$.dur',
+    dur_us BIGINT PATH '$.dur_us', err LONGTEXT PATH '$.err', hkind VARCHAR(8) PATH '$.hkind',
+    hjob LONGTEXT PATH '$.hjob', hpath LONGTEXT PATH '$.hpath', htail LONGTEXT PATH '$.htail'"""
 
 
 def _my_claim_many(template: str, fires: str, claims: str) -> str:
@@ -546,6 +584,14 @@ ON DUPLICATE KEY UPDATE ip = :ip, version = :version, seen = {{now}}, clock_offs
     claim_shape=_claims_json_with_paths,
     claim_returns_rows=False,  # MySQL 8 has no RETURNING
     claim_read="SELECT name, holder, token, fires, paused FROM {t} WHERE holder = :me AND (name, token) IN ({pairs})",
+    # One joined UPDATE (STRAIGHT_JOIN: the items first, so only their rows are read and locked);
+    # it returns a count only: the store reads which were written when not all were.
+    hand_off_many=f"""
+UPDATE JSON_TABLE(:items, '$[*]' COLUMNS ({_MY_ITEM_COLUMNS})) AS v
+STRAIGHT_JOIN {{t}} AS l ON l.name = v.n AND l.token = v.tok
+SET {{batch_sets}}
+WHERE l.holder = :me""",  # noqa: S608 - fixed fragments; every value is a bound parameter
+    hand_off_many_returns_names=False,
 )
 
 #: MariaDB returns the row as updated, even from ON DUPLICATE KEY UPDATE (its UPDATE has no RETURNING).
@@ -657,6 +703,16 @@ WHERE l.name = c.name AND l.token = c.token AND l.holder = :me
 RETURNING name, holder, token, fires, paused""",
     claim_shape=_claims_json,
     claim_returns_rows=True,
+    hand_off_many="""
+UPDATE {t} AS l SET {batch_sets}
+FROM (SELECT json_extract(value, '$.n') AS n, json_extract(value, '$.tok') AS tok,
+             json_extract(value, '$.set_attrs') AS set_attrs, json_extract(value, '$.new_attrs') AS new_attrs,
+             json_extract(value, '$.has_run') AS has_run, json_extract(value, '$.dur') AS dur,
+             json_extract(value, '$.err') AS err, json_extract(value, '$.hkind') AS hkind,
+             json_extract(value, '$.hjob') AS hjob, json_extract(value, '$.htail') AS htail
+      FROM json_each(:items)) AS v
+WHERE l.name = v.n AND l.token = v.tok AND l.holder = :me
+RETURNING name""",
 )
 
 #: The statements for each backend dialect; MariaDB's row replaces MySQL's once the server says it is MariaDB.

@@ -294,6 +294,14 @@ class MeteredLockStore(LockStore):
         finally:
             self._hand_off_timing(time.perf_counter() - start)
 
+    def hand_off_many(self, *args: Any, **kwargs: Any) -> list[bool]:
+        """Timed as ``hand_off``: one observation per store call, however many hand-offs it carries."""
+        start = time.perf_counter()
+        try:
+            return self.inner.hand_off_many(*args, **kwargs)
+        finally:
+            self._hand_off_timing(time.perf_counter() - start)
+
     def renew_many(self, *args: Any, **kwargs: Any) -> set[str]:
         start = time.perf_counter()
         try:
