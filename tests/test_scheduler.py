@@ -15,6 +15,8 @@ import pytest
 from apscheduler.events import EVENT_JOB_ERROR, EVENT_SCHEDULER_PAUSED, EVENT_SCHEDULER_SHUTDOWN
 
 from mutexcron import (
+    EVENT_RUN_FINISHED,
+    EVENT_RUN_STARTED,
     ConfigurationError,
     LeaseError,
     LockRecord,
@@ -412,6 +414,39 @@ def test_store_down_means_no_guarded_run_and_one_log_line(caplog: pytest.LogCapt
         assert sum("reachable again" in r.getMessage() for r in caplog.records) == 1
     finally:
         sched.shutdown()
+
+
+def test_a_run_whose_lease_runs_out_in_its_started_listeners_never_reaches_its_first_line() -> None:
+    """The last lease check comes after the EVENT_RUN_STARTED listeners: one that takes longer than
+    the lease while renewals fail (here it takes the store down itself) ends the run unrun."""
+    store = FlakyStore(MemoryLockStore())
+    sched = MutexScheduler(lock_store=store, node_id="n")
+    runs: list[int] = []
+    finished: list[Any] = []
+    slowed = threading.Event()
+
+    @sched.mutex(lock="late", unactive_interval=0.6)
+    @sched.interval_schedule(seconds=0.2)
+    def guarded() -> None:
+        runs.append(1)
+
+    def slow_listener(event: Any) -> None:
+        if event.code == EVENT_RUN_STARTED and not slowed.is_set():
+            slowed.set()
+            store.down = True  # no renewal gets through while this listener runs past the lease
+            time.sleep(1.2)
+        elif event.code == EVENT_RUN_FINISHED:
+            finished.append(event)
+
+    sched.add_listener(slow_listener, EVENT_RUN_STARTED | EVENT_RUN_FINISHED)
+    sched.start()
+    try:
+        wait_for(lambda: bool(finished), timeout=10)
+    finally:
+        sched.shutdown()
+    first = finished[0]
+    assert first.outcome == "error" and "lease ran out while the run-started listeners ran" in (first.error or "")
+    assert runs == [], "the job's first line never ran without a lease"
 
 
 def test_node_demotes_itself_when_renewals_fail_for_a_lease() -> None:

@@ -33,6 +33,9 @@ from .firetimes import slot_of
 from .lease import Lease, _enter, _exit
 
 log = logging.getLogger(__name__)
+#: The error of a run whose lease ran out while its EVENT_RUN_STARTED listeners ran (with the
+#: store unreachable, so no renewal got through): it ends without running the job's first line.
+LATE_START = "not run: the lease ran out while the run-started listeners ran (renewals failing meanwhile)"
 
 _FIRE_TIME: contextvars.ContextVar[datetime] = contextvars.ContextVar("mutexcron_fire_time")
 #: Set by mutexcron's executors around a run: where a run's attrs error goes instead of being
@@ -329,7 +332,12 @@ class GuardedJob:
         stats = self.context.run_stats
         if stats is not None:
             stats.run_started(self.job_id, self.lock, lag)
-        return _Run(token, attrs, seen, context, manager.clock(), fire_time)
+        run = _Run(token, attrs, seen, context, manager.clock(), fire_time)
+        if not manager.holds(self.lock, token):  # the RUN_STARTED listeners outlasted the lease
+            _exit(context)
+            self._finished(manager, run, 0.0, LATE_START)
+            return None
+        return run
 
     def _end(
         self, manager: LeaseKeeper, run: _Run, *, result: Any = None, error: BaseException | None = None, wait: bool = False
