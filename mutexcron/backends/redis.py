@@ -25,7 +25,6 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import redis
 import redis.exceptions
 from redis.backoff import NoBackoff
-from redis.client import Pipeline
 from redis.cluster import REDIS_ALLOWED_KEYS, ClusterNode, RedisCluster
 from redis.commands.core import Script
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS, to_bool
@@ -328,15 +327,6 @@ class RedisBackend(Backend):
                     assert self.make_cluster is not None
                     self.redis = self.make_cluster()
         return self.redis
-
-    def pipeline_for(self, key: str) -> Pipeline:
-        """A pipeline (no MULTI) on the node serving ``key``'s slot: a cluster client's own
-        pipelines refuse scripts, and one namespace's keys share a slot (its hash tag)."""
-        client = self.client
-        if isinstance(client, RedisCluster):
-            node = client.get_node_from_key(key)  # type: ignore[no-untyped-call]
-            return client.get_redis_connection(node).pipeline(transaction=False)
-        return client.pipeline(transaction=False)
 
     def script(self, lua: str) -> Script:
         """Register a Lua script; call it with ``client=`` the live :attr:`client` (or a pipeline).

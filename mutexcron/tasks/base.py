@@ -300,7 +300,7 @@ class TaskStore(ABC):
 
         Every task is checked before anything is written: a bad one, or the same ``(code, key)``
         twice, raises and adds nothing. The SQL stores write the batch in one transaction (all or
-        nothing) and Redis in one pipelined round trip; this default adds them one at a time.
+        nothing) and Redis in one script call per 1,000 tasks; this default adds them one at a time.
 
         Raises:
             ConfigurationError: a bad task (its position in ``tasks`` named), a duplicate, or a bad ``on_conflict``.

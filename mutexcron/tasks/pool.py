@@ -154,7 +154,7 @@ class TaskPool:
 
         Every task is checked first: a bad one, or the same ``(code, key)`` twice, raises and adds
         nothing. SQL stores write the batch in one transaction (all or nothing); Redis sends it in
-        one pipelined round trip; MongoDB adds one task at a time (:meth:`TaskStore.add_many`).
+        one script call per 1,000 tasks; MongoDB adds one task at a time (:meth:`TaskStore.add_many`).
 
         Args:
             transaction: your open transaction on the store's database, as for :meth:`add`: the

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 __all__ = [
     "ADD_LUA",
+    "ADD_MANY_LUA",
     "CANCEL_LUA",
     "CLAIM_LUA",
     "COMPLETE_LUA",
@@ -97,51 +98,69 @@ local function apply_pending(h, code, key)
 end
 """
 
+#: One task's add, as a Lua function of ``a = {code, key, due_us or '', delay_us or '', payload, mode}``
+#: (ADD_LUA runs it once, ADD_MANY_LUA once per task). Needs LUA_NOW_US's helpers.
+_ADD_FUNCTION = """
+local function add(a)
+  local code, key, mode = a[1], a[2], a[6]
+  local due
+  if a[3] ~= '' then due = tonumber(a[3]) else due = now + tonumber(a[4]) end
+  local h = hkey(code, key)
+  local f = redis.call('HMGET', h, 'state', 'due', 'pending_due')
+  local state, old, pending = f[1], tonumber(f[2]), tonumber(f[3])
+  local function wins(old_due)
+    if mode == 'earliest' then return due < old_due end
+    return mode == 'latest' and due > old_due
+  end
+  local before = head(code)
+  if not state then
+    local token = us(floor())
+    redis.call('HSET', h, 'code', code, 'key', key, 'state', 'queued', 'due', us(due), 'run_at', us(due), 'payload', a[5],
+               'attempt', '0', 'token', token, 'occurrence', token, 'owner', '', 'lease_until', '', 'last_error', '',
+               'pending_due', '', 'pending_payload', '', 'cancel_requested', '0', 'created', us(now), 'updated', us(now))
+    redis.call('ZADD', zkey(code), due, key)
+    redis.call('ZADD', dkey(code), due, key)
+    redis.call('SADD', KEYS[1], code)
+    wake(code, due, before)
+    return 'inserted'
+  end
+  if mode == 'keep' then return 'kept' end
+  if state == 'running' then
+    if (not pending) or mode == 'replace' or wins(pending) then
+      redis.call('HSET', h, 'pending_due', us(due), 'pending_payload', a[5], 'cancel_requested', '0',
+                 'updated', us(now))
+      return 'pending'
+    end
+    return 'kept'
+  end
+  if state == 'failed' or mode == 'replace' or wins(old) then
+    queue(h, code, key, due)
+    redis.call('HSET', h, 'payload', a[5], 'attempt', '0', 'last_error', '')
+    wake(code, due, before)
+    return 'replaced'
+  end
+  return 'kept'
+end
+"""
+
 # add: upsert (code, key) by on_conflict (tasks.checks.decide_add, the same rule).
 # KEYS: codes set. ARGV: prefix, code, key, due_us or '', delay_us or '', payload, mode.
 # Returns 'inserted', 'replaced', 'kept' or 'pending'. An insert or a replace publishes the code
 # (see wake) if the task is now the first of its code to become claimable.
-ADD_LUA = (
+ADD_LUA = LUA_NOW_US + _ADD_FUNCTION + "return add({ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]})\n"
+
+# add_many: ADD_LUA for many tasks in one call, in order, one clock reading.
+# KEYS: codes set. ARGV: prefix, mode, then per task: code, key, due_us or '', delay_us or '', payload.
+# Returns each task's result, in order.
+ADD_MANY_LUA = (
     LUA_NOW_US
+    + _ADD_FUNCTION
     + """
-local code, key, mode = ARGV[2], ARGV[3], ARGV[7]
-local due
-if ARGV[4] ~= '' then due = tonumber(ARGV[4]) else due = now + tonumber(ARGV[5]) end
-local h = hkey(code, key)
-local f = redis.call('HMGET', h, 'state', 'due', 'pending_due')
-local state, old, pending = f[1], tonumber(f[2]), tonumber(f[3])
-local function wins(old_due)
-  if mode == 'earliest' then return due < old_due end
-  return mode == 'latest' and due > old_due
+local out = {}
+for i = 3, #ARGV, 5 do
+  out[#out + 1] = add({ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[2]})
 end
-local before = head(code)
-if not state then
-  local token = us(floor())
-  redis.call('HSET', h, 'code', code, 'key', key, 'state', 'queued', 'due', us(due), 'run_at', us(due), 'payload', ARGV[6],
-             'attempt', '0', 'token', token, 'occurrence', token, 'owner', '', 'lease_until', '', 'last_error', '',
-             'pending_due', '', 'pending_payload', '', 'cancel_requested', '0', 'created', us(now), 'updated', us(now))
-  redis.call('ZADD', zkey(code), due, key)
-  redis.call('ZADD', dkey(code), due, key)
-  redis.call('SADD', KEYS[1], code)
-  wake(code, due, before)
-  return 'inserted'
-end
-if mode == 'keep' then return 'kept' end
-if state == 'running' then
-  if (not pending) or mode == 'replace' or wins(pending) then
-    redis.call('HSET', h, 'pending_due', us(due), 'pending_payload', ARGV[6], 'cancel_requested', '0',
-               'updated', us(now))
-    return 'pending'
-  end
-  return 'kept'
-end
-if state == 'failed' or mode == 'replace' or wins(old) then
-  queue(h, code, key, due)
-  redis.call('HSET', h, 'payload', ARGV[6], 'attempt', '0', 'last_error', '')
-  wake(code, due, before)
-  return 'replaced'
-end
-return 'kept'
+return out
 """
 )
 

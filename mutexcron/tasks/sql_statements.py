@@ -189,6 +189,10 @@ class TaskStatements:
     #: Run in the add's transaction after a replace, and once per code in a hand-back's: the task
     #: notice (PostgreSQL's ``NOTIFY``), or "".
     notify: str = ""
+    #: Inserts many new tasks in one statement (``:codes``, ``:keys``, ``:dues``, ``:delays``,
+    #: ``:payloads``: arrays), reviving tombstones; returns ``code, task_key`` of each one it
+    #: inserted. "": the dialect adds a batch one statement per task.
+    insert_many: str = ""
     #: Counts per code of every code with a task (``{counts}``: see :data:`COUNTS`), one GROUP BY.
     summary_all: str = "SELECT code, {counts} FROM {t} WHERE state <> 'done' GROUP BY code"
     #: Counts of the listed codes, one row each (zeros for a code without tasks): ``summary_part``
@@ -329,6 +333,16 @@ WITH ins AS (
     RETURNING code
 )
 SELECT pg_notify('{t}', code) FROM ins""",
+    insert_many="""
+INSERT INTO {t} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated, occurrence)
+SELECT r.code, r.task_key, r.due, r.due, r.payload, 'queued', 0, 0, 0, {now}, {now}, 0
+FROM (
+    SELECT code, task_key, payload, COALESCE(at, statement_timestamp() + delay * interval '1 second') AS due
+    FROM unnest(CAST(:codes AS text[]), CAST(:keys AS text[]), CAST(:dues AS timestamptz[]),
+                CAST(:delays AS double precision[]), CAST(:payloads AS text[])) AS b(code, task_key, at, delay, payload)
+) AS r
+ON CONFLICT (code, task_key) DO UPDATE SET {revive_excluded} WHERE {t}.state = 'done'
+RETURNING code, task_key""",
     lock_row="SELECT state, due, pending_due, {now} FROM {t} WHERE code = :code AND task_key = :key FOR UPDATE",
     # The task notice (tasks.wakeup_postgresql) on the channel named after the table, sent when the
     # insert, the replace, the retry or the hand-back commits. The insert returns one row if it inserted.
