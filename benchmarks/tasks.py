@@ -107,6 +107,7 @@ class Settings:
     lease: float
     profile: Path | None
     analyze: bool = False
+    claim_ahead: int | None = None
 
 
 # -- small helpers ---------------------------------------------------------------------------------
@@ -505,6 +506,7 @@ class Mutexcron(System):
         env = {
             "MUTEXCRON_LOCK_URL": self.url,
             "MUTEXCRON_TASK_CONCURRENCY": str(self.settings.concurrency),
+            **({"MUTEXCRON_TASK_CLAIM_AHEAD": str(self.settings.claim_ahead)} if self.settings.claim_ahead is not None else {}),
             "MUTEXCRON_BENCH_CODE": CODE,
             "MUTEXCRON_BENCH_SLOW_CODE": SLOW_CODE,
             **extra,
@@ -1459,6 +1461,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tasks", type=int, default=None, help="tasks in the throughput run [20000; --quick 300]")
     parser.add_argument("--nodes", type=int, default=3, help="worker processes [3]")
     parser.add_argument("--concurrency", type=int, default=8, help="handler threads per node [8, the default]")
+    parser.add_argument("--claim-ahead", type=int, default=None, help="tasks a node claims beyond its free threads [the default]")
     parser.add_argument("--raw-seconds", type=float, default=None, help="seconds of the raw write baseline [5]")
     parser.add_argument("--idle-seconds", type=float, default=None, help="seconds of the idle run [30]")
     parser.add_argument("--lag-seconds", type=float, default=None, help="seconds producers add tasks, per lag load [30]")
@@ -1487,6 +1490,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.peers = [p.strip() for p in args.peer.split(",") if p.strip() and p.strip() != "none"]
     if set(args.peers) - set(PEERS):
         parser.error(f"choose peers from {', '.join(PEERS)}")
+    args.compare = bool(args.peers) or args.rounds is not None  # --rounds alone: mutexcron's rows only
     args.rounds = args.rounds or (1 if args.quick else 3)
     if set(args.kinds) - set(STORES):
         parser.error(f"choose stores from {', '.join(STORES)}")
@@ -1505,6 +1509,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         lease=args.lease,
         profile=args.profile,
         analyze=args.analyze,
+        claim_ahead=args.claim_ahead,
     )
     return args
 
@@ -1520,7 +1525,7 @@ def main(argv: list[str] | None = None) -> int:
     STARTED_LOAD = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     settings: Settings = args.settings
     print(legend(settings, raw_argv), flush=True)
-    if args.peers:
+    if args.compare:
         rows = bench_peers(args.peers, settings, args.rounds, args.quick)
         print(render_peers(rows, settings, args.rounds), flush=True)
     outcomes = [bench_store(kind, settings) for kind in args.kinds]

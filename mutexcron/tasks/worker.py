@@ -55,7 +55,7 @@ _W = TypeVar("_W")
 DEFAULT_CONCURRENCY = 8
 #: The most tasks a node claims beyond its free handler threads unless configured
 #: (``$MUTEXCRON_TASK_CLAIM_AHEAD``; 0: claim only for free threads).
-DEFAULT_CLAIM_AHEAD = 32
+DEFAULT_CLAIM_AHEAD = 96
 
 
 @dataclass
