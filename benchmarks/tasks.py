@@ -1,7 +1,8 @@
 """The task pool under load: throughput, due-to-start lag, recovery after SIGKILL and CPU, per store.
 
     python benchmarks/tasks.py [--stores sqlite,mysql,postgresql,redis] [--tasks 20000] [--nodes 3]
-                               [--concurrency 8] [--peer procrastinate] [--profile DIR] [--quick]
+                               [--concurrency 8] [--peer pgqueuer,procrastinate] [--rounds 3]
+                               [--profile DIR] [--quick]
 
 Per store, on a table (``?tasks_table=``) or namespace of its own, with ``--nodes`` worker
 processes (``mutexcron run benchmarks/task_nodes.py``: one no-op handler, ``--concurrency``
@@ -30,9 +31,14 @@ handler threads each, through ``$MUTEXCRON_TASK_CONCURRENCY``):
    lease), plus how long after the killed node's lease ended (the store's ``lease_until``, store
    clock) the other node started it. A fresh node replaces the killed one before the next kill.
 
-``--peer procrastinate`` runs steps 2 to 4 on procrastinate (``benchmarks/task_peer.py``: 3
-workers, ``concurrency`` 1 and 10, its default polling) against the same local PostgreSQL, in a
-database of its own, with the same load as mutexcron's PostgreSQL run, and prints the ratios.
+``--peer pgqueuer,procrastinate`` first runs the **peer comparison**: ``--rounds`` interleaved
+rounds (the order rotated each round), each configuration on a fresh store of the same local
+PostgreSQL: mutexcron (``--nodes`` ``mutexcron run`` nodes), PgQueuer at batch 10 (its default) and
+100 (``benchmarks/task_pgqueuer.py``, ``--nodes`` workers), procrastinate at concurrency 10
+(``benchmarks/task_peer.py``). Each drains ``--tasks`` no-op tasks added before its workers start
+(drain rate: first handler start to last completion; queueing time: gate opened to each task's
+handler start), then takes the light lag load. The table gives the medians over rounds and
+mutexcron's rate over each peer's, round by round. ``--stores none`` runs the comparison alone.
 ``--profile DIR`` samples one node with py-spy during the throughput run and the 50 % lag run
 (raw stacks and a summary of where the on-CPU time goes, in DIR).
 
@@ -74,6 +80,7 @@ log = logging.getLogger("benchmarks.tasks")
 HERE = Path(__file__).resolve().parent
 NODE_JOBS = str(HERE / "task_nodes.py")
 PEER_WORKER = str(HERE / "task_peer.py")
+PGQUEUER_WORKER = str(HERE / "task_pgqueuer.py")
 STORES = ("sqlite", "mysql", "postgresql", "redis")
 CODE = "bench_noop"
 SLOW_CODE = "bench_slow"
@@ -100,6 +107,7 @@ class Settings:
     lease: float
     profile: Path | None
     analyze: bool = False
+    claim_ahead: int | None = None
 
 
 # -- small helpers ---------------------------------------------------------------------------------
@@ -498,6 +506,7 @@ class Mutexcron(System):
         env = {
             "MUTEXCRON_LOCK_URL": self.url,
             "MUTEXCRON_TASK_CONCURRENCY": str(self.settings.concurrency),
+            **({"MUTEXCRON_TASK_CLAIM_AHEAD": str(self.settings.claim_ahead)} if self.settings.claim_ahead is not None else {}),
             "MUTEXCRON_BENCH_CODE": CODE,
             "MUTEXCRON_BENCH_SLOW_CODE": SLOW_CODE,
             **extra,
@@ -584,6 +593,65 @@ class Procrastinate(System):
             print(f"could not drop database {self.db}: {exc}", file=sys.stderr)
 
 
+class PgQueuer(System):
+    """PgQueuer on a database of its own on the local PostgreSQL server (``benchmarks/task_pgqueuer.py``)."""
+
+    def __init__(self, batch: int) -> None:
+        import pgqueuer
+        import psycopg
+        from pgqueuer.adapters.drivers.psycopg import SyncPsycopgDriver
+        from pgqueuer.queries import SyncQueries
+        from task_pgqueuer import install
+
+        self.kind = "postgresql"
+        self.tag = f"pgqueuer-b{batch}"
+        self.batch = batch
+        self.name = f"PgQueuer {pgqueuer.__version__}, batch {batch}"
+        self.admin = (server_url("postgresql") or "").split("?")[0]
+        self.db = f"mc_bench_pgq_{secrets.token_hex(3)}"
+        with psycopg.connect(self.admin, autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {self.db}")
+        self.dsn = self.admin.rsplit("/", 1)[0] + "/" + self.db
+        import asyncio
+
+        asyncio.run(install(self.dsn))
+        self.conn = psycopg.connect(self.dsn, autocommit=True)
+        self.queries = SyncQueries(SyncPsycopgDriver(self.conn))
+
+    def add_now(self, key: str) -> None:
+        self.queries.enqueue(CODE, key.encode())
+
+    def left(self) -> int:
+        row = self.conn.execute("SELECT count(*) FROM pgqueuer").fetchone()
+        return int(row[0]) if row else 0
+
+    def store_offset(self) -> float:
+        def now() -> datetime:
+            row = self.conn.execute("SELECT clock_timestamp()").fetchone()
+            assert row is not None
+            return row[0]  # type: ignore[no-any-return]
+
+        return offset_of(now)
+
+    def nodes(self, count: int, **extra: str) -> Nodes:
+        env = {"MUTEXCRON_BENCH_PG": self.dsn, "MUTEXCRON_BENCH_BATCH": str(self.batch), **extra}
+        return Nodes(self.tag, [sys.executable, PGQUEUER_WORKER], env, count)
+
+    def producer_spec(self) -> dict[str, Any]:
+        return {"system": "pgqueuer", "url": self.dsn}
+
+    def close(self) -> None:
+        import psycopg
+
+        with contextlib.suppress(Exception):
+            self.conn.close()
+        try:
+            with psycopg.connect(self.admin, autocommit=True) as conn:
+                conn.execute(f"DROP DATABASE IF EXISTS {self.db} WITH (FORCE)")
+        except Exception as exc:
+            print(f"could not drop database {self.db}: {exc}", file=sys.stderr)
+
+
 # -- children: raw writers and producers -----------------------------------------------------------
 def child_main(spec: dict[str, Any]) -> None:
     """A subprocess of this script: a raw writer or a producer. Prints one JSON line."""
@@ -640,6 +708,18 @@ def producer(spec: dict[str, Any]) -> dict[str, float]:
             task.configure(schedule_in={"seconds": ahead}).defer(key=key)
 
         close = app.close
+    elif spec["system"] == "pgqueuer":
+        import psycopg
+        from pgqueuer.adapters.drivers.psycopg import SyncPsycopgDriver
+        from pgqueuer.queries import SyncQueries
+
+        conn = psycopg.connect(spec["url"], autocommit=True)
+        queries = SyncQueries(SyncPsycopgDriver(conn))
+
+        def add(key: str, ahead: float) -> None:
+            queries.enqueue(CODE, key.encode(), 0, timedelta(seconds=ahead))
+
+        close = conn.close
     else:
         pool = TaskPool(spec["url"])
 
@@ -696,6 +776,7 @@ class Throughput:
     rate: float = math.nan  # tasks/s, first start -> last completion
     seconds: float = math.nan
     first_start_ms: float = math.nan  # gate -> first handler start
+    queue_ms: list[float] = field(default_factory=list, repr=False)  # per task: gate -> its handler's start
     duplicates: int = 0
     cpu_nodes: list[float] = field(default_factory=list)  # CPU s per node, gate -> last completion
     cpu_server: float = math.nan
@@ -828,6 +909,7 @@ def run_throughput(system: System, nodes: Nodes, settings: Settings) -> Throughp
     result.seconds = end_wall - first
     result.rate = len(keys) / result.seconds
     result.first_start_ms = (first - gate_wall) * 1000
+    result.queue_ms = [(nodes.starts.first[(CODE, k)].start_us / 1e6 - gate_wall) * 1000 for k in keys]
     result.duplicates = sum(len(nodes.starts.by_key[(CODE, k)]) - 1 for k in keys)
     result.cpu_nodes = [cpu1[n] - cpu0[n] for n in cpu0]
     return result
@@ -1006,20 +1088,130 @@ def bench_store(kind: str, settings: Settings) -> Outcome:
     return out
 
 
-def bench_peer(concurrency: int, settings: Settings, half_rate: float | None, raw: float) -> Outcome:
-    out = Outcome(f"procrastinate, concurrency {concurrency}", "postgresql", peer=True, raw_rate=raw)
-    system: Procrastinate | None = None
+# -- peers: interleaved rounds on the same PostgreSQL ----------------------------------------------
+PEERS = ("pgqueuer", "procrastinate")
+
+
+@dataclass
+class PeerRow:
+    """One configuration of the interleaved comparison, its figures per round."""
+
+    name: str
+    rates: list[float] = field(default_factory=list)  # drain tasks/s per round
+    queue_ms: list[float] = field(default_factory=list, repr=False)  # every round's per-task gate -> start
+    lags_ms: list[float] = field(default_factory=list, repr=False)  # light load, every round
+    duplicates: int = 0
+    cpu_ms_per_task: list[float] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+
+Maker = Callable[[], tuple[System, Callable[[], None]]]
+
+
+def peer_makers(peers: list[str], settings: Settings, quick: bool) -> list[tuple[str, Maker]]:
+    """(label, make) for mutexcron on PostgreSQL and each peer configuration; make returns a fresh system and its cleanup."""
+
+    def mutexcron() -> tuple[System, Callable[[], None]]:
+        url, cleanup = task_url("postgresql")
+        return Mutexcron("postgresql", url, settings), cleanup
+
+    def pgqueuer(batch: int) -> Maker:
+        return lambda: (PgQueuer(batch), lambda: None)
+
+    def procrastinate(concurrency: int) -> Maker:
+        return lambda: (Procrastinate(concurrency), lambda: None)
+
+    makers: list[tuple[str, Maker]] = [("mutexcron", mutexcron)]
+    if "pgqueuer" in peers and peer_installed("pgqueuer"):
+        makers += [(f"pgqueuer-b{b}", pgqueuer(b)) for b in ((10,) if quick else (10, 100))]
+    if "procrastinate" in peers and peer_installed("procrastinate"):
+        makers.append(("procrastinate-c10", procrastinate(10)))
+    return makers
+
+
+def peer_installed(name: str) -> bool:
     try:
-        system = Procrastinate(concurrency)
-        out.name = system.name
-        say(f"{system.name}...")
-        run_system(system, settings, out, half_rate)
-    except Exception as exc:  # a peer's failure must not cost mutexcron's tables
-        out.notes.append(f"{out.name}: failed ({type(exc).__name__}: {exc})")
+        __import__(name)
+    except ImportError:
+        say(f"--peer {name}: not installed (pip install -e '.[bench]'): left out")
+        return False
+    return True
+
+
+def bench_peers(peers: list[str], settings: Settings, rounds: int, quick: bool) -> dict[str, PeerRow]:
+    """Every configuration once per round, the order rotated each round, each on a fresh store:
+    drain ``--tasks`` tasks added before the workers start, then the light lag load."""
+    makers = peer_makers(peers, settings, quick)
+    rows: dict[str, PeerRow] = {}
+    for r in range(rounds):
+        order = makers[r % len(makers) :] + makers[: r % len(makers)]
+        for label, make in order:
+            row = rows.setdefault(label, PeerRow(label))
+            say(f"round {r + 1}/{rounds}: {label}...")
+            try:
+                peer_round(make, settings, row)
+            except Exception as exc:  # one configuration's failure must not cost the others' rows
+                row.failures.append(f"round {r + 1}: {type(exc).__name__}: {exc}")
+                row.rates.append(math.nan)
+    return {label: rows[label] for label, _ in makers if label in rows}
+
+
+def peer_round(make: Maker, settings: Settings, row: PeerRow) -> None:
+    system, cleanup = make()
+    try:
+        row.name = system.name
+        offset = system.store_offset()
+        with system.nodes(settings.nodes) as nodes:
+            t = run_throughput(system, nodes, settings)
+            lag = run_lag(system, nodes, settings, "light", settings.light_rate, t.add_rate, offset)
+        row.rates.append(t.rate)
+        row.queue_ms += t.queue_ms
+        row.lags_ms += lag.lags_ms
+        row.duplicates += t.duplicates + lag.duplicates
+        row.cpu_ms_per_task.append(1000 * sum(t.cpu_nodes) / max(t.tasks, 1))
+        if lag.started < lag.added:
+            row.failures.append(f"only {lag.started} of {lag.added} light-load tasks started")
     finally:
-        if system is not None:
-            system.close()
-    return out
+        system.close()
+        cleanup()
+
+
+def render_peers(rows: dict[str, PeerRow], settings: Settings, rounds: int) -> str:
+    """The comparison table: the ratio is mutexcron's drain rate over the configuration's, round by round."""
+    base = rows.get("mutexcron")
+    header = [
+        "system",
+        "drain tasks/s (median of rounds)",
+        "each round",
+        "mutexcron / this (median of per-round ratios)",
+        "queueing ms p50 / p99 (drain)",
+        "lag ms p50 / p99 (light load)",
+        "run twice",
+        "node CPU ms per task",
+    ]
+    out = []
+    for label, row in rows.items():
+        pairs = zip(base.rates, row.rates, strict=False) if base else []
+        ratios = [m / p for m, p in pairs if math.isfinite(m) and math.isfinite(p) and p > 0]
+        out.append(
+            [
+                row.name,
+                number(percentile([x for x in row.rates if math.isfinite(x)], 50)),
+                ", ".join(number(x) for x in row.rates),
+                "-" if label == "mutexcron" or not ratios else f"{percentile(ratios, 50):.2f}x",
+                f"{number(percentile(row.queue_ms, 50))} / {number(percentile(row.queue_ms, 99))}",
+                f"{number(percentile(row.lags_ms, 50), 1)} / {number(percentile(row.lags_ms, 99), 1)}",
+                f"{row.duplicates:,}",
+                number(percentile(row.cpu_ms_per_task, 50), 3),
+            ]
+        )
+    notes = [f"_{row.name}: {f}_" for row in rows.values() for f in row.failures]
+    title = (
+        f"## Peers on the same PostgreSQL: {rounds} interleaved round(s), {settings.tasks:,} no-op tasks drained by "
+        f"{settings.nodes} workers, then {settings.light_rate:g} tasks/s for {settings.lag_seconds:g}s due "
+        f"{settings.due_min:g}-{settings.due_max:g}s ahead"
+    )
+    return title + "\n\n" + md_table(header, out) + ("\n\n" + "\n\n".join(notes) if notes else "") + "\n"
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -1269,6 +1461,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tasks", type=int, default=None, help="tasks in the throughput run [20000; --quick 300]")
     parser.add_argument("--nodes", type=int, default=3, help="worker processes [3]")
     parser.add_argument("--concurrency", type=int, default=8, help="handler threads per node [8, the default]")
+    parser.add_argument("--claim-ahead", type=int, default=None, help="tasks a node claims beyond its free threads [the default]")
     parser.add_argument("--raw-seconds", type=float, default=None, help="seconds of the raw write baseline [5]")
     parser.add_argument("--idle-seconds", type=float, default=None, help="seconds of the idle run [30]")
     parser.add_argument("--lag-seconds", type=float, default=None, help="seconds producers add tasks, per lag load [30]")
@@ -1277,20 +1470,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lease", type=float, default=3.0, help="the slow handler's lease in the recovery run [3]")
     parser.add_argument(
         "--peer",
-        choices=["procrastinate", "none"],
         default="none",
-        help="also run the load on procrastinate against the same PostgreSQL (benchmark-only dependency)",
+        help=f"comma-separated [{','.join(PEERS)}]: interleaved rounds of mutexcron (PostgreSQL) and these peers against "
+        "the same PostgreSQL (benchmark-only dependencies: pip install -e '.[bench]') [none]",
     )
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds of the peer comparison [3; --quick 1]")
     parser.add_argument("--profile", type=Path, default=None, help="sample a node with py-spy; write the profiles here")
     parser.add_argument(
         "--analyze",
         action="store_true",
         help="SQL stores: ANALYZE the task table once the throughput run's tasks are added [no: autovacuum's timing]",
     )
+    parser.add_argument("--due-min", type=float, default=1.0, help="lag runs: tasks due at least this many s ahead [1]")
+    parser.add_argument("--due-max", type=float, default=None, help="lag runs: due at most this many s ahead [10; --quick 3]")
     parser.add_argument("--quick", action="store_true", help="small numbers for a smoke run (due 1-3 s ahead)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.kinds = [k.strip() for k in args.stores.split(",") if k.strip()]
+    args.kinds = [k.strip() for k in args.stores.split(",") if k.strip() and k.strip() != "none"]
+    args.peers = [p.strip() for p in args.peer.split(",") if p.strip() and p.strip() != "none"]
+    if set(args.peers) - set(PEERS):
+        parser.error(f"choose peers from {', '.join(PEERS)}")
+    args.compare = bool(args.peers) or args.rounds is not None  # --rounds alone: mutexcron's rows only
+    args.rounds = args.rounds or (1 if args.quick else 3)
     if set(args.kinds) - set(STORES):
         parser.error(f"choose stores from {', '.join(STORES)}")
     quick = args.quick
@@ -1302,12 +1503,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         idle_seconds=args.idle_seconds or (2.0 if quick else 30.0),
         lag_seconds=args.lag_seconds or (3.0 if quick else 30.0),
         light_rate=args.light_rate,
-        due_min=1.0,
-        due_max=3.0 if quick else 10.0,
+        due_min=args.due_min,
+        due_max=args.due_max or (3.0 if quick else 10.0),
         kills=args.kills if args.kills is not None else (1 if quick else 3),
         lease=args.lease,
         profile=args.profile,
         analyze=args.analyze,
+        claim_ahead=args.claim_ahead,
     )
     return args
 
@@ -1323,20 +1525,12 @@ def main(argv: list[str] | None = None) -> int:
     STARTED_LOAD = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     settings: Settings = args.settings
     print(legend(settings, raw_argv), flush=True)
+    if args.compare:
+        rows = bench_peers(args.peers, settings, args.rounds, args.quick)
+        print(render_peers(rows, settings, args.rounds), flush=True)
     outcomes = [bench_store(kind, settings) for kind in args.kinds]
-    if args.peer == "procrastinate":
-        try:
-            import procrastinate  # noqa: F401
-        except ImportError:
-            note = "procrastinate is not installed: `pip install procrastinate==3.10.0` (a benchmark-only dependency)"
-            print(f"_--peer procrastinate: {note}_\n", flush=True)
-        else:
-            pg = next((o for o in outcomes if o.kind == "postgresql" and o.throughput), None)
-            half = 0.5 * pg.throughput.rate if pg and pg.throughput else None
-            raw = pg.raw_rate if pg else math.nan
-            for concurrency in (1, 10):
-                outcomes.append(bench_peer(concurrency, settings, half, raw))
-    print(render(outcomes, settings), flush=True)
+    if outcomes:
+        print(render(outcomes, settings), flush=True)
     return 0
 
 

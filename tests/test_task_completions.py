@@ -1,17 +1,18 @@
-"""Group commit of task completions (mutexcron/tasks/completions.py) on the memory store."""
+"""Task completions batched on a thread of their own (mutexcron/tasks/completions.py), on the memory store."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
-from mutexcron.errors import StoreUnavailableError
+from mutexcron.errors import ConfigurationError, StoreUnavailableError
 from mutexcron.tasks import Done, Outcome
-from mutexcron.tasks.completions import CompletionBatcher
+from mutexcron.tasks.completions import Completion, CompletionQueue
 from mutexcron.tasks.memory import MemoryTaskStore
 
 NODE = "node-a:1:aaaa"
@@ -45,48 +46,94 @@ def _claim_all(store: SlowStore, n: int) -> list[tuple[str, int]]:
     return [(t.key, t.token) for t in store.claim(NODE, ["c"], n, 60)]
 
 
-def test_completions_that_arrive_together_share_store_calls_and_each_gets_its_result(store: SlowStore) -> None:
+class Results:
+    """What the queue settled, per key; ``wait`` until ``n`` are in."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[str, bool | BaseException] = {}
+        self.cond = threading.Condition()
+
+    def __call__(self, item: Completion, result: bool | BaseException) -> None:
+        with self.cond:
+            self.by_key[item.key] = result
+            self.cond.notify_all()
+
+    def wait(self, n: int, timeout: float = 10.0) -> dict[str, bool | BaseException]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.by_key) >= n, timeout), self.by_key
+            return dict(self.by_key)
+
+
+def _queue(store: SlowStore, results: Results, linger: Callable[[], bool] = lambda: False, **options: Any) -> CompletionQueue:
+    queue = CompletionQueue(store, NODE, results, linger=linger, **options)
+    queue.start()
+    return queue
+
+
+def test_completions_that_arrive_together_share_a_store_call_and_a_stale_one_is_refused_alone(store: SlowStore) -> None:
     claimed = _claim_all(store, 40)
-    batcher = CompletionBatcher(store, NODE)
-    results: dict[str, bool] = {}
-
-    def finish(key: str, token: int) -> None:
-        results[key] = batcher.complete("c", key, token if key != "k7" else token + 5, Done())  # k7: a stale token
-
-    threads = [threading.Thread(target=finish, args=item) for item in claimed]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert len(results) == 40 and results.pop("k7") is False and all(results.values())
+    results = Results()
+    queue = _queue(store, results)
+    for key, token in claimed:  # k7: a stale worker's completion (its token was taken over)
+        queue.submit(Completion("c", key, token if key != "k7" else token - 1, Done(), give_up=60))
+    got = results.wait(40)
+    queue.close()
+    assert got.pop("k7") is False and all(r is True for r in got.values())
     assert sum(store.batches) == 40 and len(store.batches) < 40  # batched while a call was in flight
+    assert queue.calls == len(store.batches) and queue.completed == 40
     assert [t.key for t in store.list()] == ["k7"]  # only the refused one is left, still running
 
 
-def test_a_lone_completion_goes_at_once(store: SlowStore) -> None:
+def test_a_lone_completion_goes_at_once_when_no_handler_runs(store: SlowStore) -> None:
     [(key, token)] = _claim_all(store, 1)
-    began = time.monotonic()
-    assert CompletionBatcher(store, NODE).complete("c", key, token, Done())
-    assert time.monotonic() - began < store.delay + 0.5 and store.batches == [1]
+    results = Results()
+    queue = _queue(store, results, linger=lambda: False, max_delay=30)
+    queue.submit(Completion("c", key, token, Done(), give_up=60))
+    assert results.wait(1, timeout=10) == {key: True}  # not held back for the 30 s a batch may wait
+    queue.close()
+    assert store.batches == [1] and queue.delay_max < 10
 
 
-def test_a_store_error_reaches_every_waiter(store: SlowStore) -> None:
-    claimed = _claim_all(store, 10)
+def test_while_handlers_run_a_completion_waits_for_company_at_most_max_delay(store: SlowStore) -> None:
+    claimed = _claim_all(store, 3)
+    results = Results()
+    queue = _queue(store, results, linger=lambda: True, max_delay=0.3)
+    queue.submit(Completion("c", claimed[0][0], claimed[0][1], Done(), give_up=60))
+    time.sleep(0.05)
+    for key, token in claimed[1:]:  # arrive within the first one's wait: the same batch
+        queue.submit(Completion("c", key, token, Done(), give_up=60))
+    assert set(results.wait(3).values()) == {True}
+    queue.close()
+    assert store.batches == [3]
+    assert 0.25 <= queue.delay_max < 10  # it did wait (lingered), and the wait ended by itself
+
+
+def test_a_batch_is_tried_again_while_the_store_is_briefly_down_then_given_up_after_give_up(store: SlowStore) -> None:
+    claimed = _claim_all(store, 4)
     store.fail = True
-    batcher = CompletionBatcher(store, NODE)
-    errors: list[BaseException] = []
+    results = Results()
+    queue = _queue(store, results)
+    for key, token in claimed[:2]:
+        queue.submit(Completion("c", key, token, Done(), give_up=0.1))  # gives up after one try
+    got = results.wait(2)
+    assert all(isinstance(r, StoreUnavailableError) for r in got.values())
+    for key, token in claimed[2:]:
+        queue.submit(Completion("c", key, token, Done(), give_up=60))
+    time.sleep(0.3)
+    store.fail = False  # back: the queued ones go through
+    got = results.wait(4)
+    queue.close()
+    assert [got[k] for k, _ in claimed[2:]] == [True, True]
 
-    def finish(key: str, token: int) -> None:
-        try:
-            batcher.complete("c", key, token, Done())
-        except StoreUnavailableError as exc:
-            errors.append(exc)
 
-    threads = [threading.Thread(target=finish, args=item) for item in claimed]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert len(errors) == 10 and not any(t.is_alive() for t in threads)
-    store.fail = False
-    assert batcher.complete("c", claimed[0][0], claimed[0][1], Done())  # the batcher still works
+def test_a_completion_the_store_refuses_as_bad_input_does_not_take_its_batch_down(store: SlowStore) -> None:
+    claimed = _claim_all(store, 3)
+    results = Results()
+    queue = _queue(store, results, linger=lambda: True, max_delay=0.2)
+    queue.submit(Completion("c", claimed[0][0], claimed[0][1], Done(), give_up=60))
+    queue.submit(Completion("c", claimed[1][0], claimed[1][1], "done", give_up=60))  # type: ignore[arg-type]
+    queue.submit(Completion("c", claimed[2][0], claimed[2][1], Done(), give_up=60))
+    got = results.wait(3)
+    queue.close()
+    assert got[claimed[0][0]] is True and got[claimed[2][0]] is True
+    assert isinstance(got[claimed[1][0]], ConfigurationError)

@@ -57,7 +57,6 @@ class TaskCtx:
             time.sleep(seconds)
 
 
-
 @pytest.fixture
 def tasks_ctx(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[TaskCtx]:
     """A task store on backend ``kind`` with a table (or memory space) of its own, dropped afterwards."""
@@ -592,7 +591,10 @@ def test_complete_many_is_complete_for_each_in_one_round_trip(tasks_ctx: TaskCtx
     }
     if tasks_ctx.kind in ("redis", "redis-cluster"):
         assert sent.calls == ["EVALSHA"], sent.calls
-    elif tasks_ctx.kind in ("sqlite", "mysql", "postgresql"):
+    elif tasks_ctx.kind in ("sqlite", "postgresql"):  # every Done in one statement, then the rest in one transaction
+        assert sent.calls.count("COMMIT") == 1 and sent.calls[-1] == "COMMIT", sent.calls
+        assert sent.calls[0] == "UPDATE" and sent.calls[1] in ("BEGIN", "START"), sent.calls
+    elif tasks_ctx.kind == "mysql":
         assert sent.calls.count("COMMIT") == 1 and sent.calls[-1] == "COMMIT", sent.calls  # one transaction
         assert sent.calls[0] in ("BEGIN", "START"), sent.calls
     elif tasks_ctx.kind in ("mongomock", "mongodb"):
@@ -600,6 +602,30 @@ def test_complete_many_is_complete_for_each_in_one_round_trip(tasks_ctx: TaskCtx
     assert store.complete_many(A, []) == []
     with pytest.raises(ConfigurationError):
         store.complete_many(A, [("many", "retry", 1, Done()), ("many", "retry", 1, "done")])  # type: ignore[list-item]
+
+
+@every_backend
+def test_a_stale_completion_in_a_batch_of_dones_is_refused_while_the_others_count(tasks_ctx: TaskCtx) -> None:
+    """The busy worker's case: a batch of Done. PostgreSQL and SQLite end them in one statement,
+    each fenced on owner and token; a stale one (taken over by B) is refused and B's attempt kept."""
+    store = tasks_ctx.make()
+    due = store.now() - timedelta(seconds=5)
+    store.add("d-stale", "s", due)
+    store.claim(A, ["d-stale"], 1, LEASE)
+    tasks_ctx.wait(LEASE * 1.5)
+    [taken] = store.claim(B, ["d-stale"], 1, 30)
+    for i in range(5):
+        store.add("d", f"k{i}", due)
+    claimed = sorted(store.claim(A, ["d"], 10, 30), key=lambda t: t.key)
+    batch: list[tuple[str, str, int, Outcome]] = [("d", t.key, t.token, Done()) for t in claimed]
+    batch.insert(2, ("d-stale", "s", taken.token - 1, Done()))
+    with RoundTrips(tasks_ctx.kind, store) as sent:
+        assert store.complete_many(A, batch) == [True, True, False, True, True, True]
+    assert store.list(code="d") == []
+    after = store.get("d-stale", "s")
+    assert after is not None and (after.state, after.owner, after.token) == ("running", B, taken.token)
+    if tasks_ctx.kind in ("sqlite", "postgresql"):
+        assert sent.calls[0] == "UPDATE" and "BEGIN" not in sent.calls, sent.calls  # one statement, then the stale one alone
 
 
 # -- reads ------------------------------------------------------------------------------------------------

@@ -293,8 +293,8 @@ def test_a_handler_that_completes_in_its_transaction_commits_both_and_the_worker
     handler, outcomes = ledger_handler(app)
     calls: list[Any] = []
     with running(app, Handler("charge", handler)) as worker:
-        own = worker.completions.complete
-        monkeypatch.setattr(worker.completions, "complete", lambda *a: calls.append(a) or own(*a))
+        own = worker.completions.submit
+        monkeypatch.setattr(worker.completions, "submit", lambda *a: calls.append(a) or own(*a))
         app.pool.add("charge", "41", timedelta(0))
         assert wait_for(lambda: worker.stats.done == 1)
     assert outcomes == ["committed"] and app.rows() == [41] and app.pool.get("charge", "41") is None
@@ -320,8 +320,8 @@ def test_a_stale_attempt_completing_in_its_transaction_is_refused_and_its_writes
     gate = threading.Event()
     handler, outcomes = ledger_handler(app, gate=gate)
     app.pool.add("charge", "43", timedelta(0))
-    # One thread, busy with the first attempt: this worker cannot claim the task again itself.
-    with running(app, Handler("charge", handler, lease=1.0), concurrency=1) as worker:
+    # One thread, busy with the first attempt, and no claiming ahead: this worker cannot claim the task again itself.
+    with running(app, Handler("charge", handler, lease=1.0), concurrency=1, claim_ahead=0) as worker:
         assert wait_for(lambda: worker.running() != {})
         time.sleep(1.6)  # the lease ran out (store clock); nobody renewed it
         [newer] = app.pool.store.claim("node-b:2:bbbb", ["charge"], 10, 30)  # another node takes it over

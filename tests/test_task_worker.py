@@ -290,6 +290,74 @@ def test_a_long_handler_keeps_its_lease_through_renewals(harness: Harness) -> No
     assert worker.stats.lost == 0 and worker.stats.refused == 0
 
 
+# -- claiming ahead ---------------------------------------------------------------------------------
+class Blocking:
+    """A handler that records (key, token) at its first line, then waits until ``go`` is set."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.started: list[tuple[str, int]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, task: Task) -> None:
+        with self.lock:
+            self.started.append((task.key, task.token))
+        self.go.wait(10)
+
+
+def _running_tokens(store: TaskStore) -> dict[str, int]:
+    return {t.key: t.token for t in store.list(state="running") if t.owner == NODE}
+
+
+def test_a_node_claims_ahead_and_hands_back_what_waits_a_third_of_its_lease(harness: Harness) -> None:
+    handler = Blocking()
+    for i in range(4):
+        harness.store.add("c", f"k{i}", NOW)
+    worker = harness.worker(Handler("c", handler, lease=9), concurrency=2, claim_ahead=2)
+    assert wait_for(lambda: len(handler.started) == 2)
+    first = _running_tokens(harness.store)
+    assert len(first) == 4  # 2 running + 2 claimed ahead, waiting under their lease for a thread
+    waiting = sorted(set(first) - {key for key, _ in handler.started})
+    harness.pass_time(3.1)  # a third of the lease gone: the waiting ones are handed back, not renewed
+    worker.renew_round()
+    assert worker.stats.released == 2
+    handler.go.set()
+    assert wait_for(lambda: worker.stats.done == 4)
+    handed_back = {(key, first[key]) for key in waiting}
+    assert not handed_back & set(handler.started)  # never started on the claim it handed back
+    assert {key for key, _ in handler.started} == {f"k{i}" for i in range(4)} and len(handler.started) == 4
+    assert worker.stats.expired_before_start == 0 and worker.stats.refused == 0
+
+
+def test_a_task_claimed_ahead_never_starts_after_its_lease_ran_out_while_it_waited(harness: Harness) -> None:
+    handler = Blocking()
+    for i in range(2):
+        harness.store.add("c", f"k{i}", NOW)
+    worker = harness.worker(Handler("c", handler, lease=6), concurrency=1, claim_ahead=1)
+    assert wait_for(lambda: len(handler.started) == 1)
+    first = _running_tokens(harness.store)
+    assert len(first) == 2  # one running, one claimed ahead
+    [(running_key, _)] = handler.started
+    [waiting_key] = set(first) - {running_key}
+    harness.pass_time(7)  # the node froze past the whole lease: no hand-back, no renewal ran meanwhile
+    handler.go.set()  # the thread frees: the waiting claim's lease is over by the node's clock
+    assert wait_for(lambda: worker.stats.done + worker.stats.refused == 2)
+    assert (waiting_key, first[waiting_key]) not in handler.started  # never run on the expired claim
+    assert worker.stats.released + worker.stats.expired_before_start >= 1
+    assert [key for key, _ in handler.started].count(waiting_key) == 1  # run once, on a fresh claim
+
+
+def test_claim_ahead_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = MemoryTaskStore("memory://claim-ahead-env")
+    monkeypatch.setenv("MUTEXCRON_TASK_CLAIM_AHEAD", "5")
+    assert TaskWorker(store, {}, NODE).claim_ahead == 5
+    assert TaskWorker(store, {}, NODE, claim_ahead=0).claim_ahead == 0
+    monkeypatch.setenv("MUTEXCRON_TASK_CLAIM_AHEAD", "many")
+    with pytest.raises(ConfigurationError):
+        TaskWorker(store, {}, NODE)
+    store.close()
+
+
 class SlowReplies(MemoryTaskStore):
     """A memory store whose claim replies arrive late: after ``delay`` of the node's clock."""
 

@@ -1,93 +1,174 @@
-"""Group commit of task completions: handler threads that finish together share one store call.
+"""Task completions, batched on a thread of their own.
 
-A handler thread hands its fenced completion to :meth:`CompletionBatcher.complete` and blocks for
-the result. If no store call is in flight, its thread makes one at once with everything queued
-(no added latency when idle); while one is in flight, the completions that arrive meanwhile wait
-and go together in the next call (:meth:`~mutexcron.tasks.TaskStore.complete_many`: one round
-trip where the store allows it). Each completion is still fenced on its own by the store.
+A handler thread hands its fenced completion to :meth:`CompletionQueue.submit` and goes on to
+its next task at once; the queue's thread records what was submitted in one store call
+(:meth:`~mutexcron.tasks.TaskStore.complete_many`: one statement on PostgreSQL and SQLite, one
+transaction on MySQL/MariaDB) and hands each result to the worker (``settle``). Each completion is
+still fenced on its own (owner and token) by the store: a stale one in a batch is refused while
+the others count.
+
+How long a completion waits for its batch is bounded: a call goes at once when no handler is
+running (``linger`` says False: nothing else is about to end, so light load adds no delay),
+otherwise after at most ``max_delay`` seconds, or as soon as ``max_batch`` are queued; completions
+that arrive while a call is in flight go in the next one. The waits are measured
+(:attr:`CompletionQueue.delay_max`, :attr:`CompletionQueue.delay_total`).
+
+A store that is briefly unreachable: the batch is tried again with a growing pause, each
+completion until its ``give_up`` time (its lease); one the store refuses as bad input is tried on
+its own, so it does not take the others down with it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from dataclasses import dataclass, field
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
+from ..errors import StoreUnavailableError
 from .base import Outcome, TaskStore
 
-__all__ = ["CompletionBatcher"]
+__all__ = ["MAX_BATCH", "MAX_DELAY", "Completion", "CompletionQueue"]
+
+log = logging.getLogger(__name__)
 
 #: The most completions one store call carries.
 MAX_BATCH = 200
+#: The longest a completion waits for others to join its batch (seconds), while handlers run.
+MAX_DELAY = 0.002
 
 
 @dataclass(eq=False)
-class _Pending:
+class Completion:
+    """One fenced completion, and what its submitter needs back with the result (``context``)."""
+
     code: str
     key: str
     token: int
     outcome: Outcome
-    done: threading.Event = field(default_factory=threading.Event)
-    lead: bool = False  # this completion's thread makes the next store call
-    result: bool = False
-    error: BaseException | None = None
+    give_up: float = 0.0  # seconds (from submit) the store may stay unreachable before the result is the error
+    context: Any = None
+    queued_at: float = 0.0  # time.monotonic() at submit
 
 
-class CompletionBatcher:
-    """Fenced completions of one node's task handlers, batched while a store call is in flight."""
+#: What the queue hands back per completion: the store's answer (recorded or refused) or its error.
+Settle = Callable[[Completion, "bool | BaseException"], None]
 
-    def __init__(self, store: TaskStore, node_id: str) -> None:
+
+class CompletionQueue:
+    """Fenced completions of one node's task handlers, recorded in batches by a thread of its own."""
+
+    def __init__(
+        self,
+        store: TaskStore,
+        node_id: str,
+        settle: Settle,
+        *,
+        linger: Callable[[], bool] = lambda: False,
+        max_delay: float = MAX_DELAY,
+        max_batch: int = MAX_BATCH,
+    ) -> None:
         self.store = store
         self.node_id = node_id
-        self._mutex = threading.Lock()
-        self._queue: list[_Pending] = []
-        self._busy = False  # a thread is making a store call
-        self.calls = 0  # store calls made (completions / calls = the batching achieved)
+        self.settle = settle
+        self.linger = linger
+        self.max_delay = max_delay
+        self.max_batch = max(1, max_batch)
+        self._cond = threading.Condition()
+        self._queue: deque[Completion] = deque()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.calls = 0  # store calls made (completed / calls = the batching achieved)
+        self.completed = 0
+        self.delay_max = 0.0  # seconds: the longest a completion waited in the queue for its store call
+        self.delay_total = 0.0
 
-    def complete(self, code: str, key: str, token: int, outcome: Outcome) -> bool:
-        """Record one completion (see :meth:`TaskStore.complete`); raises what the store raises."""
-        item = _Pending(code, key, token, outcome)
-        with self._mutex:
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="mutexcron-completions", daemon=True)
+            self._thread.start()
+
+    def submit(self, item: Completion) -> None:
+        """Queue one completion; its result goes to ``settle`` on the queue's thread."""
+        item.queued_at = time.monotonic()
+        with self._cond:
             self._queue.append(item)
-            if self._busy:
-                leader = False
-            else:
-                self._busy = leader = True
-        if not leader:
-            item.done.wait()
-            if item.lead:  # the previous caller handed the next store call to this thread
-                self._drain(item)
-        if leader:
-            self._drain(item)
-        if item.error is not None:
-            raise item.error
-        return item.result
+            if len(self._queue) == 1 or len(self._queue) >= self.max_batch:
+                self._cond.notify()
 
-    def _drain(self, own: _Pending) -> None:
-        """Make store calls until ``own`` is recorded, then hand on to a waiting thread, if any."""
-        while not own.done.is_set() or own.lead:
-            own.lead = False
-            with self._mutex:
-                batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
-            self._call(batch)
-        with self._mutex:
-            if not self._queue:
-                self._busy = False
-                return
-            heir = self._queue[0]
-        heir.lead = True
-        heir.done.set()
+    def close(self, timeout: float = 15.0) -> None:
+        """Record what is queued, then stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
 
-    def _call(self, batch: list[_Pending]) -> None:
-        self.calls += 1
-        try:
-            results = self.store.complete_many(self.node_id, [(p.code, p.key, p.token, p.outcome) for p in batch])
-        except BaseException as exc:  # noqa: BLE001 - every waiter gets the error (and re-raises it): none hangs
-            for pending in batch:
-                pending.error = exc
-        else:
-            for pending, result in zip(batch, results, strict=True):
-                pending.result = result
-        for pending in batch:
-            if pending.lead:
+    # -- the queue's thread --------------------------------------------------------------------
+    def _loop(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            try:
+                self._record(batch)
+            except Exception:  # never let the thread die: the submitters wait for their results
+                log.exception("task completions: recording a batch failed")
+
+    def _next_batch(self) -> list[Completion] | None:
+        with self._cond:
+            while not self._queue:
+                if self._closed:
+                    return None
+                self._cond.wait()
+            if len(self._queue) < self.max_batch and not self._closed and self.linger():
+                until = self._queue[0].queued_at + self.max_delay
+                while len(self._queue) < self.max_batch and not self._closed and (left := until - time.monotonic()) > 0:
+                    self._cond.wait(left)
+            batch = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch))]
+        now = time.monotonic()
+        for item in batch:
+            waited = now - item.queued_at
+            self.delay_total += waited
+            self.delay_max = max(self.delay_max, waited)
+        return batch
+
+    def _record(self, batch: list[Completion]) -> None:
+        pause = 0.2
+        while batch:
+            self.calls += 1
+            try:
+                results = self.store.complete_many(self.node_id, [(c.code, c.key, c.token, c.outcome) for c in batch])
+            except StoreUnavailableError as exc:
+                batch = self._give_up_on(batch, exc, pause)
+                time.sleep(pause if batch else 0)
+                pause = min(pause * 2, 2.0)
                 continue
-            pending.done.set()
+            except BaseException as exc:  # noqa: BLE001 - bad input in one of them: each on its own
+                if len(batch) == 1:
+                    self._settle(batch[0], exc)
+                else:
+                    for item in batch:
+                        self._record([item])
+                return
+            for item, result in zip(batch, results, strict=True):
+                self._settle(item, result)
+            return
+
+    def _give_up_on(self, batch: list[Completion], exc: BaseException, pause: float) -> list[Completion]:
+        """Settle with ``exc`` the completions that would outlast their ``give_up`` by another try; the rest."""
+        now = time.monotonic()
+        keep = []
+        for item in batch:
+            if self._closed or now + pause >= item.queued_at + item.give_up:
+                self._settle(item, exc)
+            else:
+                keep.append(item)
+        return keep
+
+    def _settle(self, item: Completion, result: bool | BaseException) -> None:
+        self.completed += 1
+        try:
+            self.settle(item, result)
+        except Exception:
+            log.exception("task %s/%s: handling its completion failed", item.code, item.key)

@@ -433,13 +433,47 @@ class SQLTaskStore(TaskStore):
     def complete_many(self, node: str, completions: Sequence[tuple[str, str, int, Outcome]]) -> builtins.list[bool]:
         """Every completion's fenced statements in one short transaction (one commit).
 
-        One completion is :meth:`complete` (one autocommit statement: fewer round trips than a
+        On PostgreSQL and SQLite, the :class:`Done` items first go in one fenced statement (the
+        common case of a busy worker: the whole batch in one round trip); those it did not end
+        (refused, cancelled or re-added meanwhile) go the usual way with the other outcomes. One
+        completion is :meth:`complete` (one autocommit statement: fewer round trips than a
         transaction). Each item is settled as :meth:`complete` settles it, in ``(code, key)`` order.
         """
         items = [
             (code, key, int(token), self._outcome_steps(check_outcome(outcome), reschedule_payload(outcome, code, key)))
             for code, key, token, outcome in completions
         ]
+        ended = self._done_many(node, completions) if self._sql.done_many else set()
+        if ended:  # the rest (refused, or with a pending re-add, or another outcome) go the usual way
+            rest = [i for i, (c, k, t, outcome) in enumerate(completions) if not self._ended(ended, c, k, t, outcome)]
+            results = [True] * len(items)
+            for i, result in zip(rest, self._complete_each(node, [items[i] for i in rest]), strict=True):
+                results[i] = result
+            return results
+        return self._complete_each(node, items)
+
+    def _done_many(self, node: str, completions: Sequence[tuple[str, str, int, Outcome]]) -> set[tuple[str, str, int]]:
+        """PostgreSQL, SQLite: every :class:`Done` of the batch in one fenced statement (two or more of them);
+        the (code, key, token) it ended."""
+        seen: dict[tuple[str, str], int] = {}
+        for code, key, _, _ in completions:
+            seen[(code, key)] = seen.get((code, key), 0) + 1
+        # a task with two completions in the batch keeps the order of its items: the usual way
+        done = [(c, k, int(t)) for c, k, t, outcome in completions if isinstance(outcome, Done) and seen[(c, k)] == 1]
+        if len(done) < 2:
+            return set()
+        shape = self._sql.leases_shape
+        assert shape is not None
+        sql, listed = shape(self._sql.done_many, done)
+        rows = self._write(sql, {"me": node, **listed}, "complete")[0]
+        return {(str(r[0]), str(r[1]), int(r[2])) for r in rows}
+
+    @staticmethod
+    def _ended(ended: set[tuple[str, str, int]], code: str, key: str, token: int, outcome: Outcome) -> bool:
+        return isinstance(outcome, Done) and (code, key, int(token)) in ended
+
+    def _complete_each(self, node: str, items: builtins.list[tuple[str, str, int, Any]]) -> builtins.list[bool]:
+        """Each completion's fenced statements: one alone in autocommit, several in one short transaction."""
         if len(items) <= 1:
             return [self._finish(steps, {"code": c, "key": k, "me": node, "token": t}, "complete") for c, k, t, steps in items]
 
@@ -632,16 +666,20 @@ class SQLTaskStore(TaskStore):
 
 
 def _plan_claims_by_index(dbapi_conn: Any, _record: Any) -> None:
-    """PostgreSQL, on the task store's own connections: no bitmap scans.
+    """PostgreSQL, on the task store's own connections: no bitmap scans, no sequential scans where an index serves.
 
     Until autovacuum first analyzes a new task table (a minute or more), the planner estimates a
     couple of rows and runs the claim's per-code pick as a bitmap scan of every due row plus a sort
     (10 ms and 361 buffers per pick at 20,000 due rows, against 0.07 ms and 6 buffers as an ordered
-    scan of the (code, run_at) index): a backlog on a new table drained at half speed. An ordered
-    index scan is the right plan for every task statement whatever the statistics say.
+    scan of the (code, run_at) index): a backlog on a new table drained at half speed. Likewise it
+    ran a batch of completions (a join of the batch's (code, key, token) list to the table) as a
+    sequential scan of every row, filtered on owner and state (6 ms on a fresh table of 20,000
+    rows, 50 ms once dead rows piled up, against 1.3 ms through the primary key). An index scan is
+    the right plan for every task statement whatever the statistics say.
     """
     cursor = dbapi_conn.cursor()
     cursor.execute("SET enable_bitmapscan = off")
+    cursor.execute("SET enable_seqscan = off")
     cursor.close()
 
 

@@ -224,6 +224,9 @@ class TaskStatements:
     # pending re-add; neither), so each outcome is a short list of conditional writes of which
     # exactly one matches a row still fenced (see SQLTaskStore._finish).
     done: str = "UPDATE {t} SET {tombstone} WHERE {fence} AND (cancel_requested = 1 OR pending_due IS NULL)"
+    #: ``done`` for ``leases_shape``'s list of (code, key, token) in one statement, each row fenced on
+    #: its own; returns code, key, token of the rows it ended ("": the dialect runs ``done`` per item).
+    done_many: str = ""
     drop_cancelled: str = "UPDATE {t} SET {tombstone} WHERE {fence} AND cancel_requested = 1"
     apply_pending: str = (
         "UPDATE {t} SET state = 'queued', due = pending_due, run_at = pending_due, payload = pending_payload, "
@@ -373,6 +376,12 @@ FROM jsonb_to_recordset(CAST(:leases AS jsonb)) AS v(vc text, vk text, vt bigint
 WHERE x.code = v.vc AND x.task_key = v.vk AND x.token = v.vt AND x.owner = :me AND x.state = 'running'
 RETURNING x.code, x.task_key""",
     leases_shape=_one_json("leases", lambda item: {"vc": item[0], "vk": item[1], "vt": item[2]}),
+    done_many="""
+UPDATE {t} AS x SET {tombstone}
+FROM jsonb_to_recordset(CAST(:leases AS jsonb)) AS v(vc text, vk text, vt bigint)
+WHERE x.code = v.vc AND x.task_key = v.vk AND x.token = v.vt AND x.owner = :me AND x.state = 'running'
+    AND (x.cancel_requested = 1 OR x.pending_due IS NULL)
+RETURNING x.code, x.task_key, x.token""",
     next_due="""
 SELECT {until_min} FROM unnest(CAST(:codes AS text[])) AS k(code)
 CROSS JOIN LATERAL (
@@ -506,6 +515,13 @@ FROM (SELECT json_extract(value, '$[0]') AS vc, json_extract(value, '$[1]') AS v
 WHERE {t}.code = v.vc AND {t}.task_key = v.vk AND {t}.token = v.vt AND {t}.owner = :me AND {t}.state = 'running'
 RETURNING code, task_key""",
     leases_shape=_one_json("leases", list),
+    done_many="""
+UPDATE {t} SET {tombstone}
+FROM (SELECT json_extract(value, '$[0]') AS vc, json_extract(value, '$[1]') AS vk, json_extract(value, '$[2]') AS vt
+      FROM json_each(:leases)) AS v
+WHERE {t}.code = v.vc AND {t}.task_key = v.vk AND {t}.token = v.vt AND {t}.owner = :me AND {t}.state = 'running'
+    AND ({t}.cancel_requested = 1 OR {t}.pending_due IS NULL)
+RETURNING code, task_key, token""",
     next_due_part="SELECT * FROM (SELECT run_at FROM {t} WHERE code = :pcode AND run_at IS NOT NULL ORDER BY run_at LIMIT 1)",
 )
 

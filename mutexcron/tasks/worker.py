@@ -1,19 +1,26 @@
-"""The task worker: claims due tasks for this node's handlers and runs them on a thread pool.
+"""The task worker: claims due tasks for this node's handlers and runs them on its handler threads.
 
 One claim thread per node sleeps until the earliest task of its codes is due (by the store's
 clock: :meth:`~mutexcron.tasks.TaskStore.next_due`), woken early by the store's notices
-(:mod:`mutexcron.tasks.wakeup`), and claims as many tasks as it has free handler threads, in
-one round trip per lease length. Every claimed task
+(:mod:`mutexcron.tasks.wakeup`), and claims ahead: up to its free handler threads plus
+``claim_ahead`` more (as many as the node finished in the last second, at least one per thread,
+at most ``claim_ahead``), in one round trip per lease length. Claimed tasks wait in one queue the
+handler threads take from in turn (a thread that ends a task takes the next one without being
+woken); the claim thread claims again when the queue is down to half of what it claims ahead.
+Every claimed task
 
 1. runs only if its lease is still ours by this node's monotonic clock, checked right before the
-   handler's first line (a claim whose reply came later than its lease is never run);
-2. is renewed by the scheduler's heartbeat thread, every lease/3, one round trip for all of the
-   node's running tasks (:meth:`TaskWorker.renew_round`); ``task.lost`` turns True when a renewal
-   is refused or none succeeded within the lease;
-3. ends with one fenced write (:meth:`~mutexcron.tasks.TaskStore.complete`; handlers that end
-   while another completion is in flight share the next round trip:
-   :mod:`mutexcron.tasks.completions`): a worker that stalled past its lease gets its write
-   refused, logged once and counted, and the newer attempt is kept.
+   handler's first line (a claim whose reply came later than its lease, or that waited in the
+   queue until its lease ran out, is never run);
+2. if it is still waiting for a thread when its lease is a third gone, is handed back (fenced:
+   token + 1, claimable at once by any node) instead of being renewed;
+3. once started, is renewed by the scheduler's heartbeat thread, every lease/3, one round trip
+   for all of the node's running tasks (:meth:`TaskWorker.renew_round`); ``task.lost`` turns
+   True when a renewal is refused or none succeeded within the lease;
+4. ends with one fenced write, recorded by the completion thread in batches
+   (:mod:`mutexcron.tasks.completions`) while the handler thread goes on to its next task: a
+   worker that stalled past its lease gets its write refused, logged once and counted, and the
+   newer attempt is kept. The task is renewed until its completion is recorded.
 
 Stopping (:meth:`TaskWorker.stop`): claims stop, claimed tasks that have not started are handed
 back at once (token + 1), and running handlers get up to the timeout to finish.
@@ -22,10 +29,11 @@ back at once (token + 1), and running handlers get up to the timeout to finish.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -33,11 +41,11 @@ from ..backends.health import StoreHealth
 from ..errors import ConfigurationError, Defer, FailTask, StaleTaskError, StoreError, StoreUnavailableError
 from ..events import Emit, log_event
 from .base import Done, Fail, Outcome, Reschedule, TaskRecord, TaskStore
-from .completions import CompletionBatcher
+from .completions import Completion, CompletionQueue
 from .handlers import Handler, Task, public_codes
 from .wakeup import BACKSTOP_POLL, Waker
 
-__all__ = ["DEFAULT_CONCURRENCY", "LAG_BUCKETS", "LagStats", "TaskWorker", "WorkerStats"]
+__all__ = ["DEFAULT_CLAIM_AHEAD", "DEFAULT_CONCURRENCY", "LAG_BUCKETS", "LagStats", "TaskWorker", "WorkerStats"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +53,9 @@ _W = TypeVar("_W")
 
 #: Handler threads per node unless configured.
 DEFAULT_CONCURRENCY = 8
+#: The most tasks a node claims beyond its free handler threads unless configured
+#: (``$MUTEXCRON_TASK_CLAIM_AHEAD``; 0: claim only for free threads).
+DEFAULT_CLAIM_AHEAD = 96
 
 
 @dataclass
@@ -60,7 +71,7 @@ class WorkerStats:
     refused: int = 0
     #: completions given up because the store stayed unreachable for the whole lease
     unrecorded: int = 0
-    #: claimed tasks handed back unstarted by a stop
+    #: claimed tasks handed back unstarted: by a stop, or waiting for a thread until their lease was a third gone
     released: int = 0
     #: claims whose lease ran out before the handler could start (never run)
     expired_before_start: int = 0
@@ -117,6 +128,8 @@ class TaskWorker:
         handlers: code -> handler.
         node_id: the owner recorded on claimed tasks.
         concurrency: handler threads (and the most tasks this node runs at once).
+        claim_ahead: the most tasks claimed beyond the free handler threads, waiting (under their
+            lease) for a thread; None: ``$MUTEXCRON_TASK_CLAIM_AHEAD`` or :data:`DEFAULT_CLAIM_AHEAD`.
         clock: this node's monotonic clock (injectable for tests).
         backstop: the longest sleep between two looks at the store, whatever the waker says.
         emit: where the task store's down/up events go (:mod:`mutexcron.events`).
@@ -129,6 +142,7 @@ class TaskWorker:
         node_id: str,
         *,
         concurrency: int = DEFAULT_CONCURRENCY,
+        claim_ahead: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         backstop: float = BACKSTOP_POLL,
         emit: Emit = log_event,
@@ -137,20 +151,27 @@ class TaskWorker:
         self.handlers = dict(handlers)
         self.node_id = node_id
         self.concurrency = max(1, int(concurrency))
+        self.claim_ahead = max(0, _claim_ahead_setting() if claim_ahead is None else int(claim_ahead))
         self.clock = clock
         self.backstop = backstop
         self.stats = WorkerStats()
         self.health = StoreHealth(store.masked_url, node_id, what="task", emit=emit)
         self._mutex = threading.Lock()
-        self._idle = threading.Condition(self._mutex)
-        self._runs: dict[tuple[str, str], _Run] = {}
+        self._idle = threading.Condition(self._mutex)  # stop() waits here for running tasks to end
+        self._work = threading.Condition(self._mutex)  # idle handler threads wait here for a claimed task
+        self._runs: dict[tuple[str, str], _Run] = {}  # claimed and not finished: waiting, running, ending
+        self._waiting: deque[_Run] = deque()  # claimed, not started: the handler threads take them in turn
+        self._busy = 0  # handler threads running a task
+        self._idle_threads = 0
+        self._refill_asked = False  # a handler thread woke the claim thread for more since its last look
+        self._ended: deque[float] = deque()  # clock() of the handlers ended in the last second
         self._unstarted: list[_Run] = []  # claims a stop caught before their handler started
         self._stopping = False
         self._waker: Waker | None = None
         self._thread: threading.Thread | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._threads: list[threading.Thread] = []
         self.on_renew_needed: Callable[[], None] | None = None  # wakes the heartbeat thread early
-        self.completions = CompletionBatcher(store, node_id)  # handlers that end together share a round trip
+        self.completions = CompletionQueue(store, node_id, self._settled, linger=lambda: self._busy > 0)
         self.lags: dict[str, LagStats] = {}  # code -> due-to-start lags (metrics read them)
         self.clock_offset: Callable[[], float | None] = lambda: None  # node wall clock minus the store's
 
@@ -175,17 +196,35 @@ class TaskWorker:
         with self._mutex:
             return {k: r.record.token for k, r in self._runs.items()}
 
-    def _free(self) -> int:
+    def _ahead(self) -> int:
+        """Tasks to claim beyond the free threads: as many as ended in the last second (at least one
+        per thread), at most ``claim_ahead``. Under the mutex."""
+        if not self.claim_ahead:
+            return 0
+        now = self.clock()
+        while self._ended and self._ended[0] <= now - 1.0:
+            self._ended.popleft()
+        return min(self.claim_ahead, max(self.concurrency, len(self._ended)))
+
+    def _room(self) -> tuple[int, bool]:
+        """How many tasks to claim now (0: none), and whether the queue is low enough to claim."""
         with self._mutex:
-            return self.concurrency - len(self._runs)
+            self._refill_asked = False
+            ahead = self._ahead()
+            room = self.concurrency + ahead - self._busy - len(self._waiting)
+            return max(0, room), len(self._waiting) <= ahead // 2
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the claim thread and the handler threads (no-op without handlers or if started)."""
+        """Start the claim thread, the handler threads and the completion thread (no-op without handlers or if started)."""
         if not self.handlers or self._thread is not None:
             return
         self._waker = self.store.waker(self.codes, poll=self.poll)
-        self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="mutexcron-task")
+        self.completions.start()
+        for i in range(self.concurrency):
+            thread = threading.Thread(target=self._serve, name=f"mutexcron-task-{i}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
         self._thread = threading.Thread(target=self._loop, name="mutexcron-tasks", daemon=True)
         self._thread.start()
         if shown := public_codes(self.codes):  # a node serving only trigger requests has nothing to announce
@@ -198,22 +237,21 @@ class TaskWorker:
 
     def stop(self, timeout: float) -> None:
         """Stop claiming, hand back claimed tasks that have not started, wait up to ``timeout``
-        seconds for running handlers. Handlers still running then keep their tasks: the leases run
-        out (renewals stop with the heartbeat) and another node runs them again."""
+        seconds for running handlers (and their completions). Handlers still running then keep
+        their tasks: the leases run out (renewals stop with the heartbeat) and another node runs
+        them again."""
         deadline = self.clock() + max(0.0, timeout)
         with self._mutex:
             if self._stopping:
                 return
             self._stopping = True
+            self._work.notify_all()
         if self._waker is not None:
             self._waker.notify()
         if self._thread is not None:
             self._thread.join(timeout=15)  # longer than one store operation's timeout
         with self._mutex:  # no claim comes after this: hand back every claim that has not started
-            for run in [r for r in self._runs.values() if not r.started]:
-                run.handed_back = True
-                self._unstarted.append(run)
-                del self._runs[run.task_key]
+            self._take_waiting(list(self._waiting))
             unstarted, self._unstarted = self._unstarted, []
             self._idle.notify_all()
         self._hand_back(unstarted)
@@ -227,13 +265,35 @@ class TaskWorker:
                 code,
                 key,
             )
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+        self.completions.close(timeout=0 if left else 15)
         if self._waker is not None:
             self._waker.close()
 
+    def _take_waiting(self, runs: list[_Run]) -> None:
+        """Take ``runs`` out of the queue, to be handed back (``_unstarted``). Under the mutex."""
+        for run in runs:
+            run.handed_back = True
+            self._unstarted.append(run)
+            if self._runs.get(run.task_key) is run:
+                del self._runs[run.task_key]
+        taken = set(map(id, runs))
+        self._waiting = deque(r for r in self._waiting if id(r) not in taken)
+
     def _hand_back(self, runs: list[_Run]) -> None:
         self._release([r.record for r in runs])
+
+    def _hand_back_waiting_too_long(self) -> float:
+        """Hand back the claimed tasks that waited for a thread until their lease was a third gone;
+        returns seconds until the next waiting one gets there (the backstop if none waits)."""
+        now = self.clock()
+        with self._mutex:
+            self._take_waiting([r for r in self._waiting if now >= r.renew_at])
+            stale, self._unstarted = self._unstarted, []
+            soonest = min((r.renew_at for r in self._waiting), default=None)
+        if stale:
+            log.info("handing back %d claimed task(s) that waited a third of their lease for a thread", len(stale))
+            self._hand_back(stale)
+        return self.backstop if soonest is None else max(0.0, soonest - now)
 
     def _release(self, records: list[TaskRecord]) -> None:
         """Hand back claimed tasks that were not started (fenced: token + 1, the claim not counted)."""
@@ -262,34 +322,35 @@ class TaskWorker:
                 self._sleep(1.0)
 
     def _claim_round(self, more: bool) -> bool:
-        free = self._free()
-        if free <= 0:
-            self._sleep(self.backstop)  # a finished handler wakes the waker
+        nap = self._hand_back_waiting_too_long()
+        room, low = self._room()
+        if room <= 0 or not low:
+            self._sleep(min(nap, self.backstop))  # a handler thread that takes the queue down to half wakes the waker
             return more
         if not more:
             delay = self.store.next_due(self.codes)
             self.health.report(True)
             if delay is None or delay > 0:
-                self._sleep(self.backstop if delay is None else min(delay, self.backstop))
+                self._sleep(min(nap, self.backstop if delay is None else min(delay, self.backstop)))
                 return False
-        claimed = self._claim(free)
+        claimed = self._claim(room)
         self.health.report(True)
-        return len(claimed) >= free
+        return claimed >= room
 
-    def _claim(self, free: int) -> list[_Run]:
-        """Claim up to ``free`` tasks, one round trip per lease length, and start them."""
-        runs: list[_Run] = []
+    def _claim(self, room: int) -> int:
+        """Claim up to ``room`` tasks, one round trip per lease length, and queue them for the handler threads."""
+        claimed = 0
         for lease, codes in _by_lease(self.handlers).items():
-            if free <= 0 or self._stopping:
+            if claimed >= room or self._stopping:
                 break
             sent_at = self.clock()
-            records = self.store.claim(self.node_id, codes, free, lease)
-            free -= len(records)
-            runs.extend(self._start_all(records, sent_at))
-        return runs
+            records = self.store.claim(self.node_id, codes, room - claimed, lease)
+            claimed += len(records)
+            self._queue_all(records, sent_at)
+        return claimed
 
-    def _start_all(self, records: list[TaskRecord], sent_at: float) -> list[_Run]:
-        """Start every claimed task; whatever fails on the way, the ones not started are handed back.
+    def _queue_all(self, records: list[TaskRecord], sent_at: float) -> None:
+        """Queue every claimed task for the handler threads; whatever fails on the way, the ones not queued are handed back.
 
         The claim is committed in the store: a task left out here would stay ``running`` under this
         node, never run, until its lease ran out, and again at every claim (its healthy neighbours
@@ -298,32 +359,38 @@ class TaskWorker:
         runs: list[_Run] = []
         for i, record in enumerate(records):
             try:
-                run = self._start(record, sent_at)
+                handler = self.handlers.get(record.code)
+                if handler is None:  # the store matched another code (a MySQL table that pads trailing spaces)
+                    self._fail_alone(record, self._no_handler(record))
+                    continue
+                runs.append(_Run(record, handler, sent_at + handler.lease, sent_at + handler.lease / 3))
             except Exception:
-                log.exception("task %s/%s: could not start the claimed task; handing it back", record.code, record.key)
-                self._release(records[i:])
-                break
-            if run is not None:
-                runs.append(run)
-        return runs
+                log.exception("task %s/%s: could not queue the claimed task; handing it back", record.code, record.key)
+                self._release([r.record for r in runs] + records[i:])
+                return
+        if not runs:
+            return
+        with self._mutex:
+            for run in runs:
+                self._runs[run.task_key] = run
+            self._waiting.extend(runs)
+            self.stats.claimed += len(runs)
+            self._work.notify(min(len(runs), self._idle_threads))
+        if self.on_renew_needed is not None:
+            self.on_renew_needed()
 
-    def _start(self, record: TaskRecord, sent_at: float) -> _Run | None:
-        handler = self.handlers.get(record.code)
-        if handler is None:  # the store matched another code (a MySQL table that pads trailing spaces)
-            self._fail_alone(
-                record,
-                f"claimed for the handlers of {', '.join(map(repr, self.codes))}, but its code is {record.code!r}: "
-                "no handler runs it (a MySQL/MariaDB table whose collation ignores trailing spaces matches such "
-                "codes; see the tasks docs)",
-            )
-            return None
-        return self._submit(record, handler, sent_at)
+    def _no_handler(self, record: TaskRecord) -> str:
+        return (
+            f"claimed for the handlers of {', '.join(map(repr, self.codes))}, but its code is {record.code!r}: "
+            "no handler runs it (a MySQL/MariaDB table whose collation ignores trailing spaces matches such "
+            "codes; see the tasks docs)"
+        )
 
     def _fail_alone(self, record: TaskRecord, error: str) -> None:
         """Keep one claimed task as failed with ``error``, without running it (fenced)."""
         log.error("task %s/%s (token %d): failed without running: %s", record.code, record.key, record.token, error)
         try:
-            recorded = self.completions.complete(record.code, record.key, record.token, Fail(error))
+            recorded = self.store.complete(self.node_id, record.code, record.key, record.token, Fail(error))
         except (StoreUnavailableError, StoreError) as exc:
             log.warning("task %s/%s: could not record its failure (%s); handing it back", record.code, record.key, exc)
             self._release([record])
@@ -331,29 +398,38 @@ class TaskWorker:
         if recorded:
             self._bump("failed")
 
-    def _submit(self, record: TaskRecord, handler: Handler, sent_at: float) -> _Run:
-        run = _Run(record, handler, sent_at + handler.lease, sent_at + handler.lease / 3)
-        with self._mutex:
-            self._runs[run.task_key] = run
-        assert self._pool is not None
-        try:
-            self._pool.submit(self._run, run)
-        except BaseException:
-            with self._mutex:
-                if self._runs.get(run.task_key) is run:
-                    del self._runs[run.task_key]
-            raise
-        self._bump("claimed")
-        if self.on_renew_needed is not None:
-            self.on_renew_needed()
-        return run
-
     def _sleep(self, seconds: float) -> None:
         if self._waker is not None and not self._stopping:
             self._waker.wait(max(0.0, seconds))
 
+    # -- the handler threads -----------------------------------------------------------------
+    def _serve(self) -> None:
+        """A handler thread: take the next claimed task, run it, again; until the worker stops."""
+        while True:
+            with self._mutex:
+                while not self._waiting and not self._stopping:
+                    self._idle_threads += 1
+                    self._work.wait()
+                    self._idle_threads -= 1
+                if not self._waiting:
+                    return
+                run = self._waiting.popleft()
+                refill = not self._refill_asked and len(self._waiting) <= self._ahead() // 2
+                self._refill_asked |= refill
+                self._busy += 1
+            if refill and self._waker is not None:
+                self._waker.notify()  # down to half of what is claimed ahead: claim again
+            try:
+                self._run(run)
+            finally:
+                with self._mutex:
+                    self._busy -= 1
+                    self._ended.append(self.clock())
+
     # -- running -----------------------------------------------------------------------------
     def _run(self, run: _Run) -> None:
+        """Run one claimed task; its completion goes to the completion thread, which ends the run."""
+        ended = True
         try:
             if not self._begin(run):
                 return
@@ -368,10 +444,12 @@ class TaskWorker:
                 self._give_back_lost(run, outcome)
             else:
                 self._complete(run, outcome)
+                ended = False
         except Exception:  # a bug here must not leave the slot taken
             log.exception("task %s/%s: the worker failed", *run.task_key)
         finally:
-            self._end(run)
+            if ended:
+                self._end(run)
 
     def _begin(self, run: _Run) -> bool:
         """Mark the run started if its lease is still ours; the last check before the handler."""
@@ -478,8 +556,6 @@ class TaskWorker:
             if self._runs.get(run.task_key) is run:
                 del self._runs[run.task_key]
             self._idle.notify_all()
-        if self._waker is not None:
-            self._waker.notify()  # a handler thread is free
 
     def _patiently(self, run: _Run, write: Callable[[], _W], what: str) -> _W | None:
         """``write`` (one fenced store call), retried for up to one lease while the store is briefly
@@ -536,27 +612,42 @@ class TaskWorker:
             )
 
     def _complete(self, run: _Run, outcome: Outcome) -> None:
-        """One fenced write, tried even if this node thinks the lease is gone (the store decides:
-        a task nobody took over is still ours), and retried for up to one lease if the store is
-        briefly unreachable. An outcome the store refuses as bad input (it should have been caught
-        before) fails the task instead of leaving it to run again every lease."""
+        """One fenced write, queued for the completion thread (which ends the run): tried even if this
+        node thinks the lease is gone (the store decides: a task nobody took over is still ours),
+        and retried for up to one lease if the store is briefly unreachable."""
         record = run.record
+        self.completions.submit(Completion(record.code, record.key, record.token, outcome, run.handler.lease, run))
 
-        def write() -> bool:
-            try:
-                return self.completions.complete(record.code, record.key, record.token, outcome)
-            except StoreUnavailableError:
-                raise
-            except (StoreError, ConfigurationError) as exc:
-                if isinstance(outcome, Fail):
-                    raise
-                log.error("task %s/%s: the store refused its outcome %r (%s): failing it", record.code, record.key, outcome, exc)
-                return self.completions.complete(record.code, record.key, record.token, Fail(f"{outcome!r} refused: {exc}"))
+    def _settled(self, item: Completion, result: bool | BaseException) -> None:
+        """The completion thread's answer for one completion: count it, or fail the task if the store
+        refused its outcome as bad input (it should have been caught before) instead of leaving it
+        to run again every lease."""
+        run: _Run = item.context
+        record, outcome = run.record, item.outcome
+        if isinstance(result, (StoreError, ConfigurationError)) and not isinstance(result, StoreUnavailableError):
+            if not isinstance(outcome, Fail):
+                log.error("task %s/%s: the store refused its outcome %r (%s): failing it", *run.task_key, outcome, result)
+                failed = Fail(f"{outcome!r} refused: {result}")
+                self.completions.submit(Completion(record.code, record.key, record.token, failed, item.give_up, run))
+                return
+        try:
+            self._count_completion(run, outcome, result)
+        finally:
+            self._end(run)
 
-        recorded = self._patiently(run, write, "its outcome")
-        if recorded is None:
+    def _count_completion(self, run: _Run, outcome: Outcome, result: bool | BaseException) -> None:
+        record = run.record
+        if isinstance(result, BaseException):
+            self._bump("unrecorded")
+            log.error(
+                "task %s/%s (token %d): could not record its outcome (%s); it runs again after its lease",
+                record.code,
+                record.key,
+                record.token,
+                result,
+            )
             return
-        if not recorded:
+        if not result:
             self._bump("refused")
             log.warning(
                 "task %s/%s (token %d): completion refused: the task was taken over by a newer attempt (this node's "
@@ -578,15 +669,17 @@ class TaskWorker:
 
         Returns seconds until the next renewal is due, or None if nothing runs.
         """
+        self._hand_back_waiting_too_long()
         now = self.clock()
         with self._mutex:
-            due = [r for r in self._runs.values() if now >= r.renew_at and not r.lost and r.self_completed is None]
+            due = [r for r in self._runs.values() if r.started and now >= r.renew_at and not r.lost and r.self_completed is None]
         groups: dict[float, list[_Run]] = {}
         for run in due:
             groups.setdefault(run.handler.lease, []).append(run)
         for lease, runs in groups.items():
             self._renew(lease, runs)
         with self._mutex:
+            # waiting runs too: at their renew_at they are handed back (or renewed, if started meanwhile)
             waits = [r.renew_at for r in self._runs.values() if not r.lost and r.self_completed is None]
         return None if not waits else max(0.0, min(waits) - self.clock())
 
@@ -615,6 +708,17 @@ class TaskWorker:
                         run.record.key,
                         run.record.token,
                     )
+
+
+def _claim_ahead_setting() -> int:
+    """``$MUTEXCRON_TASK_CLAIM_AHEAD``, or :data:`DEFAULT_CLAIM_AHEAD`."""
+    text = os.environ.get("MUTEXCRON_TASK_CLAIM_AHEAD", "").strip()
+    if not text:
+        return DEFAULT_CLAIM_AHEAD
+    try:
+        return max(0, int(text))
+    except ValueError as exc:
+        raise ConfigurationError(f"MUTEXCRON_TASK_CLAIM_AHEAD must be a whole number, not {text!r}") from exc
 
 
 def _by_lease(handlers: Mapping[str, Handler]) -> dict[float, list[str]]:
