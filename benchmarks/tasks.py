@@ -83,6 +83,10 @@ PEER_WORKER = str(HERE / "task_peer.py")
 PGQUEUER_WORKER = str(HERE / "task_pgqueuer.py")
 STORES = ("sqlite", "mysql", "postgresql", "redis")
 CODE = "bench_noop"
+#: Tasks per add_many (mutexcron) or enqueue of lists (PgQueuer) when queueing the drain backlog.
+BATCH = 1000
+#: Tasks added one at a time after the backlog: their rate sizes the lag phases' producers.
+SINGLE_ADDS = 200
 SLOW_CODE = "bench_slow"
 #: The issue's targets: tasks/s, lag p50 ms, lag p99 ms.
 TARGETS = {"redis": (5000, 5, 50), "postgresql": (2000, 15, 100), "sqlite": (1000, 15, 100), "mysql": (1000, 25, 250)}
@@ -441,6 +445,11 @@ class System:
     def add_now(self, key: str) -> None:
         raise NotImplementedError
 
+    def add_batch(self, keys: list[str]) -> None:
+        """Queue ``keys`` due now the fastest way the system offers (here: one at a time)."""
+        for key in keys:
+            self.add_now(key)
+
     def left(self) -> int:
         """Tasks not finished yet."""
         raise NotImplementedError
@@ -483,6 +492,10 @@ class Mutexcron(System):
 
     def add_now(self, key: str) -> None:
         self.pool.add(CODE, key, timedelta(0))
+
+    def add_batch(self, keys: list[str]) -> None:
+        for start in range(0, len(keys), BATCH):
+            self.pool.add_many([(CODE, key, timedelta(0)) for key in keys[start : start + BATCH]])
 
     def analyze(self) -> None:
         """SQL: refresh the task table's planner statistics (ANALYZE) now, not when autovacuum gets to it."""
@@ -620,6 +633,11 @@ class PgQueuer(System):
 
     def add_now(self, key: str) -> None:
         self.queries.enqueue(CODE, key.encode())
+
+    def add_batch(self, keys: list[str]) -> None:
+        for start in range(0, len(keys), BATCH):
+            part = keys[start : start + BATCH]
+            self.queries.enqueue([CODE] * len(part), [k.encode() for k in part], [0] * len(part))
 
     def left(self) -> int:
         row = self.conn.execute("SELECT count(*) FROM pgqueuer").fetchone()
@@ -773,6 +791,7 @@ def run_children(specs: list[dict[str, Any]], timeout: float) -> list[dict[str, 
 class Throughput:
     tasks: int = 0
     add_rate: float = math.nan  # producer adds/s (one thread, before the nodes start)
+    batch_seconds: float = math.nan  # queueing the --tasks tasks in batches of BATCH
     rate: float = math.nan  # tasks/s, first start -> last completion
     seconds: float = math.nan
     first_start_ms: float = math.nan  # gate -> first handler start
@@ -875,9 +894,15 @@ def run_throughput(system: System, nodes: Nodes, settings: Settings) -> Throughp
     result = Throughput(tasks=settings.tasks)
     keys = [f"t-{i}" for i in range(settings.tasks)]
     m0 = time.monotonic()
-    for key in keys:
+    system.add_batch(keys)  # add_many / enqueue of lists, 1,000 at a time (procrastinate: one by one)
+    result.batch_seconds = time.monotonic() - m0
+    singles = [f"t-single-{i}" for i in range(min(SINGLE_ADDS, max(20, len(keys) // 10)))]  # sizes the lag producers
+    m0 = time.monotonic()
+    for key in singles:
         system.add_now(key)
-    result.add_rate = len(keys) / (time.monotonic() - m0)
+    result.add_rate = len(singles) / (time.monotonic() - m0)
+    keys += singles
+    result.tasks = len(keys)
     if settings.analyze and isinstance(system, Mutexcron):
         system.analyze()
     say(f"  {system.name}: {len(keys):,} tasks added ({result.add_rate:,.0f}/s); starting {nodes.count} nodes...")
@@ -1098,6 +1123,7 @@ class PeerRow:
 
     name: str
     rates: list[float] = field(default_factory=list)  # drain tasks/s per round
+    batch_seconds: list[float] = field(default_factory=list)  # queueing --tasks tasks, per round
     queue_ms: list[float] = field(default_factory=list, repr=False)  # every round's per-task gate -> start
     lags_ms: list[float] = field(default_factory=list, repr=False)  # light load, every round
     duplicates: int = 0
@@ -1165,6 +1191,7 @@ def peer_round(make: Maker, settings: Settings, row: PeerRow) -> None:
             t = run_throughput(system, nodes, settings)
             lag = run_lag(system, nodes, settings, "light", settings.light_rate, t.add_rate, offset)
         row.rates.append(t.rate)
+        row.batch_seconds.append(t.batch_seconds)
         row.queue_ms += t.queue_ms
         row.lags_ms += lag.lags_ms
         row.duplicates += t.duplicates + lag.duplicates
@@ -1184,6 +1211,7 @@ def render_peers(rows: dict[str, PeerRow], settings: Settings, rounds: int) -> s
         "drain tasks/s (median of rounds)",
         "each round",
         "mutexcron / this (median of per-round ratios)",
+        f"adding {settings.tasks:,} tasks, s (batches of {BATCH:,}; median)",
         "queueing ms p50 / p99 (drain)",
         "lag ms p50 / p99 (light load)",
         "run twice",
@@ -1199,6 +1227,7 @@ def render_peers(rows: dict[str, PeerRow], settings: Settings, rounds: int) -> s
                 number(percentile([x for x in row.rates if math.isfinite(x)], 50)),
                 ", ".join(number(x) for x in row.rates),
                 "-" if label == "mutexcron" or not ratios else f"{percentile(ratios, 50):.2f}x",
+                f"{percentile(row.batch_seconds, 50):.2f}" + ("" if label != "procrastinate-c10" else " (one by one)"),
                 f"{number(percentile(row.queue_ms, 50))} / {number(percentile(row.queue_ms, 99))}",
                 f"{number(percentile(row.lags_ms, 50), 1)} / {number(percentile(row.lags_ms, 99), 1)}",
                 f"{row.duplicates:,}",
@@ -1228,6 +1257,7 @@ def render(outcomes: list[Outcome], settings: Settings) -> str:
     header = [
         "system",
         "tasks",
+        f"added in batches of {BATCH:,}, s",
         "producer adds/s",
         "raw writes/s (baseline)",
         "tasks/s",
@@ -1251,6 +1281,7 @@ def render(outcomes: list[Outcome], settings: Settings) -> str:
             [
                 o.name,
                 f"{t.tasks:,}",
+                f"{t.batch_seconds:.2f}",
                 number(t.add_rate),
                 number(o.raw_rate),
                 number(t.rate) + peer_ratio,
