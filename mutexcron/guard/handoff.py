@@ -228,23 +228,32 @@ class AttrsHandOff:
 
         Raises AttrsError before queuing.
         """
-        if run is not None and run.job is None:
-            run = dataclasses.replace(run, job=job)
-        with self._lock:
-            writing = self._writing.setdefault(lock, threading.Lock())
-        with writing:
-            merged = None
-            if attrs is not None:
-                merged = {k: v for k, v in self.attrs(lock, token).items() if k not in seen}
-                merged.update(attrs)
-                self.check(merged, job)
-            queued = Queued(HandOff(lock, token, merged, run))
+        with self._writing_lock(lock):
+            merged = self._merged(lock, token, seen, attrs, job)
+            queued = Queued(HandOff(lock, token, merged, _of_job(run, job)))
             with self._lock:
                 queued.replaced = self._attrs.get(lock)
                 if merged is not None:
                     self._attrs[lock] = (token, merged)
             self.batcher.hand_off_later(queued.item, done(queued))  # queued under the lock: in the lock's order
             return queued
+
+    def _writing_lock(self, lock: str) -> threading.Lock:
+        """The lock that orders one lock's writes: its merge and its place in the queue."""
+        with self._lock:
+            return self._writing.setdefault(lock, threading.Lock())
+
+    def _merged(
+        self, lock: str, token: int, seen: set[str], attrs: Mapping[str, Any] | None, job: str
+    ) -> dict[str, Any] | None:
+        """Under the lock's writing lock: the attrs to write, this node's copy with the run's ``seen``
+        keys replaced by ``attrs`` (a group mate's kept); None if the run changes none. Checked."""
+        if attrs is None:
+            return None
+        merged = {k: v for k, v in self.attrs(lock, token).items() if k not in seen}
+        merged.update(attrs)
+        self.check(merged, job)
+        return merged
 
     def resend(self, queued: Queued, done: Done) -> None:
         """Queue a write from :meth:`write_later` again, after its store call failed."""
@@ -271,19 +280,16 @@ class AttrsHandOff:
         The run (if any) goes to ``job``'s run history in the same write (``run.job`` defaults to
         ``job``). Raises StoreUnavailableError/StoreError from the store, AttrsError for bad attrs.
         """
-        if run is not None and run.job is None:
-            run = dataclasses.replace(run, job=job)
-        with self._lock:
-            writing = self._writing.setdefault(lock, threading.Lock())
-        with writing:
-            merged = None
-            if attrs is not None:
-                merged = {k: v for k, v in self.attrs(lock, token).items() if k not in seen}
-                merged.update(attrs)
-                self.check(merged, job)
-            if not self.batcher.hand_off(HandOff(lock, token, merged, run)):
+        with self._writing_lock(lock):
+            merged = self._merged(lock, token, seen, attrs, job)
+            if not self.batcher.hand_off(HandOff(lock, token, merged, _of_job(run, job))):
                 return False
             if merged is not None:
                 with self._lock:
                     self._attrs[lock] = (token, merged)
             return True
+
+
+def _of_job(run: RunInfo | None, job: str) -> RunInfo | None:
+    """The run info filed under ``job`` unless it names its job already."""
+    return run if run is None or run.job is not None else dataclasses.replace(run, job=job)
