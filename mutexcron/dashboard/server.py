@@ -15,13 +15,12 @@ import contextlib
 import ipaddress
 import logging
 import socket
-import threading
 import time
-from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from ..names import printable
+from ..observability.capped_server import CappedServer
 from ..observability.socket_deadlines import SOCKET_DEADLINES
 
 __all__ = ["MAX_CONNECTIONS", "REQUEST_DEADLINE", "is_loopback", "make", "serve"]
@@ -41,57 +40,22 @@ _BUSY = (
 )
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+class _Server(CappedServer, WSGIServer):
     allow_reuse_address = True
+    label = "dashboard"
+    refusal = "answering 503 to"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limit(MAX_CONNECTIONS, REQUEST_DEADLINE)
 
-    def limit(self, max_connections: int, deadline: float) -> None:
-        """At most ``max_connections`` served at once, each for at most ``deadline`` seconds (before serving)."""
-        self.max_connections, self.deadline = max_connections, deadline
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self.refused = 0
-        self._full = False
-
-    def process_request(self, request: Any, client_address: Any) -> None:  # socketserver's name
-        if not self._slots.acquire(blocking=False):
-            self._refuse(request)
-            return
-        if self._full:
-            self._full = False
-            log.warning("dashboard: accepting connections again (%d were answered 503 meanwhile)", self.refused)
-        try:
-            super().process_request(request, client_address)  # starts the connection's thread
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def _refuse(self, request: socket.socket) -> None:
+    def refuse(self, request: socket.socket) -> None:
         """Over the cap: a 503 sent without waiting (into the socket's empty buffer), then closed."""
-        self.refused += 1
-        if not self._full:  # one line per change of state
-            self._full = True
-            log.warning("dashboard: %d connections open, answering new ones 503 until one ends (or its %gs deadline)",
-                        self.max_connections, self.deadline)  # fmt: skip
         with contextlib.suppress(OSError):
             request.setblocking(False)
             request.send(_BUSY)
             request.recv(65536)  # what the client sent already: closing with it unread would reset the connection
         self.shutdown_request(request)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:  # socketserver's name
-        """ThreadingMixIn's, with the slot given back before the socket is closed: a client that saw
-        its answer end can connect again at once without finding the slot still taken."""
-        try:
-            self.finish_request(request, client_address)
-        except Exception:  # noqa: BLE001 - socketserver's own handling: logged at DEBUG (handle_error)
-            self.handle_error(request, client_address)
-        finally:
-            self._slots.release()
-            self.shutdown_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:  # socketserver's name
         log.debug("dashboard: connection from %s failed", client_address[0], exc_info=True)

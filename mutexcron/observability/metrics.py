@@ -31,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import fields
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import TYPE_CHECKING, Any
 
 from apscheduler.schedulers.base import STATE_STOPPED
@@ -45,6 +45,7 @@ from ..events import (
 )
 from ..locks import AcquireResult, BatchClaimResult, LockStore
 from ..locks.record import LockRecord
+from .capped_server import CappedServer
 from .instruments import FOLD_AT, Counter, Gauge, Histogram, Instruments
 from .socket_deadlines import SOCKET_DEADLINES
 
@@ -526,37 +527,17 @@ def _lag_histogram(worker: Any) -> Metric:
 
 
 # -- the endpoints ---------------------------------------------------------------------------------
-class _Server(ThreadingHTTPServer):
+class _Server(CappedServer, HTTPServer):
     """One thread per connection, at most :data:`MAX_CONNECTIONS` of them, each for at most
     :data:`REQUEST_DEADLINE` seconds: idle or trickling clients can neither pile up threads (the
     scheduler needs them) nor keep theirs."""
 
-    daemon_threads = True
+    label = "metrics endpoint"
     observability: Observability
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.max_connections, self.deadline = MAX_CONNECTIONS, REQUEST_DEADLINE
-        self._slots = threading.BoundedSemaphore(self.max_connections)
-        self.refused = 0
-        self._full = False
-
-    def process_request(self, request: Any, client_address: Any) -> None:  # socketserver's name
-        if not self._slots.acquire(blocking=False):
-            self.refused += 1
-            if not self._full:  # one line per change of state
-                self._full = True
-                log.warning("metrics endpoint: %d connections open, closing new ones until one ends", self.max_connections)
-            self.shutdown_request(request)
-            return
-        if self._full:
-            self._full = False
-            log.warning("metrics endpoint: accepting connections again (%d were closed at once)", self.refused)
-        try:
-            super().process_request(request, client_address)  # starts the connection's thread
-        except BaseException:
-            self._slots.release()
-            raise
+        self.limit(MAX_CONNECTIONS, REQUEST_DEADLINE)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:  # socketserver's name
         key = SOCKET_DEADLINES.watch(request, time.monotonic() + self.deadline)
@@ -564,7 +545,6 @@ class _Server(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             SOCKET_DEADLINES.unwatch(key)
-            self._slots.release()
 
 
 class _Handler(BaseHTTPRequestHandler):
