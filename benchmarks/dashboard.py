@@ -86,7 +86,7 @@ def fill(url: str, locks: int, codes: int) -> None:
 def fill_finished(url: str, finished: int, codes: int) -> None:
     """``finished`` tombstones (finished tasks, as the store keeps them), spread over the last two
     hours by the store's clock: written in one batch, as thousands of completions would leave them."""
-    from mutexcron.tasks.sql_statements import STATEMENTS
+    from mutexcron.tasks.stores.sql_statements import STATEMENTS
 
     tasks: Any = task_store_from_url(lock_store_from_url(url).url)
     try:

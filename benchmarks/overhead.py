@@ -105,7 +105,7 @@ def drop(kind: str, url: str) -> None:
     store: Any = lock_store_from_url(url)
     try:
         if kind in ("mysql", "postgresql"):
-            from mutexcron.tasks.sql import SQLTaskStore
+            from mutexcron.tasks.stores.sql import SQLTaskStore
 
             tasks = SQLTaskStore(url)
             try:

@@ -141,7 +141,7 @@ def cleanup_sql(url: str) -> None:
 
 def drop_tasks_table(url: str) -> None:
     """Drop the task table of a SQL URL (``?tasks_table=`` or the default one)."""
-    from mutexcron.tasks.sql import SQLTaskStore
+    from mutexcron.tasks.stores.sql import SQLTaskStore
 
     store = SQLTaskStore(url)
     try:
@@ -154,7 +154,7 @@ def drop_tasks_table(url: str) -> None:
 
 def drop_store_tables(url: str) -> None:
     """Drop every table of a SQL URL: the lock table (``?table=``), its ``_nodes`` table and the task table."""
-    from mutexcron.tasks.sql import SQLTaskStore
+    from mutexcron.tasks.stores.sql import SQLTaskStore
 
     store = SQLTaskStore(url)
     try:

@@ -148,7 +148,7 @@ def open_mongomock_tasks(tag: str) -> tuple[Callable[[], Any], FakeClock]:
     mongomock client, task collection ``mc_tasks_<tag>``, "now" = the FakeClock (the store's
     clock: due times, claims and leases; a test moves it instead of sleeping).
     """
-    from mutexcron.tasks.mongodb import MongoDBTaskStore
+    from mutexcron.tasks.stores.mongodb import MongoDBTaskStore
 
     clock = FakeClock()
     client = SerializedClient(mongomock.MongoClient(tz_aware=True))

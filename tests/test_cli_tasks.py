@@ -121,7 +121,7 @@ def test_add_prints_what_happened_and_the_due(url: str, store: TaskStore) -> Non
 
 @pytest.mark.sqlite
 def test_a_relative_due_is_a_timedelta_measured_by_the_store(url: str, store: TaskStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mutexcron.tasks.sql import SQLTaskStore
+    from mutexcron.tasks.stores.sql import SQLTaskStore
 
     sent: list[Any] = []
     original = SQLTaskStore.add
@@ -410,7 +410,7 @@ def test_an_unreachable_store_exits_1_with_one_line_and_no_password(command: lis
 def _drop_table(url: str) -> None:
     import sqlalchemy
 
-    from mutexcron.tasks.sql import SQLTaskStore
+    from mutexcron.tasks.stores.sql import SQLTaskStore
 
     opened = SQLTaskStore(url)
     try:

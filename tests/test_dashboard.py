@@ -488,7 +488,7 @@ def test_a_read_only_mongodb_task_store_creates_no_index_on_a_read() -> None:
 @pytest.mark.redis
 def test_a_read_only_redis_task_store_fills_no_index_on_a_read() -> None:
     """Tasks written before the per-code due index existed are indexed by a node, not by a reader."""
-    from mutexcron.tasks.redis import RedisTaskStore
+    from mutexcron.tasks.stores.redis import RedisTaskStore
 
     url = f"{require_server('redis')}?namespace=ro-{secrets.token_hex(3)}"
     store = RedisTaskStore(url)

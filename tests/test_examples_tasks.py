@@ -172,7 +172,7 @@ def test_add_tasks_example_adds_updates_cancels_and_lists(tmp_path: Path) -> Non
 def test_django_migration_creates_the_table_mutexcron_ddl_prints(tmp_path: Path) -> None:
     """The migration's RunSQL is `mutexcron ddl`'s task table for SQLite, statement for statement."""
     pytest.importorskip("django")
-    from mutexcron.tasks.sql import SQLTaskStore
+    from mutexcron.tasks.stores.sql import SQLTaskStore
 
     spec = importlib.util.spec_from_file_location("shop_0002", SHOP / "orders" / "migrations" / "0002_mutexcron_tasks.py")
     assert spec is not None and spec.loader is not None

@@ -45,7 +45,7 @@ def mongomock_everywhere(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         original(self, url, **options)
 
     monkeypatch.setattr(MongoDBLockStore, "__init__", init)
-    from mutexcron.tasks.mongodb import MongoDBTaskStore
+    from mutexcron.tasks.stores.mongodb import MongoDBTaskStore
 
     original_tasks = MongoDBTaskStore.__init__
 

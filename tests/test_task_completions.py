@@ -13,7 +13,7 @@ import pytest
 from mutexcron.errors import ConfigurationError, StoreUnavailableError
 from mutexcron.tasks import Done, Outcome
 from mutexcron.tasks.completions import Completion, CompletionQueue
-from mutexcron.tasks.memory import MemoryTaskStore
+from mutexcron.tasks.stores.memory import MemoryTaskStore
 
 NODE = "node-a:1:aaaa"
 

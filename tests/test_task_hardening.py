@@ -24,7 +24,7 @@ from mutexcron.errors import ConfigurationError, StoreUnavailableError
 from mutexcron.locks import Node as LockNode
 from mutexcron.tasks import Done, Reschedule, Retry, TaskRecord, TaskStore
 from mutexcron.tasks.handlers import Handler, Task
-from mutexcron.tasks.memory import MemoryTaskStore
+from mutexcron.tasks.stores.memory import MemoryTaskStore
 from mutexcron.tasks.worker import TaskWorker
 from tests import test_task_store
 from tests.backends import ALL_BACKENDS, FakeClock, StoreCtx, backend_params
@@ -159,7 +159,7 @@ def test_mysql_a_table_that_pads_refuses_names_ending_with_a_space(tasks_ctx: Ta
 # -- B8: Redis list reads pages --------------------------------------------------------------------
 @pytest.mark.parametrize("kind", backend_params("redis"))
 def test_redis_list_reads_bounded_pages_in_due_order(tasks_ctx: TaskCtx, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mutexcron.tasks import redis as redis_tasks
+    from mutexcron.tasks.stores import redis as redis_tasks
 
     store = tasks_ctx.make()
     base = store.now()

@@ -22,7 +22,7 @@ import pytest
 from mutexcron import TaskPool, TaskRecord
 from mutexcron.errors import AttrsError, ConfigurationError
 from mutexcron.tasks import AddResult, Done, Fail, Outcome, Reschedule, Retry, TaskStore, task_store_from_url
-from mutexcron.tasks.memory import MemoryTaskStore
+from mutexcron.tasks.stores.memory import MemoryTaskStore
 from tests import task_workers
 from tests.backends import FakeClock, backend_params, cleanup_redis, drop_tasks_table, require_server
 
@@ -688,7 +688,7 @@ def test_bad_input_is_refused_and_stores_nothing(tasks_ctx: TaskCtx) -> None:
 @pytest.mark.parametrize("kind", backend_params("sqlite", "mysql", "postgresql"))
 def test_the_claim_is_an_index_range_scan(tasks_ctx: TaskCtx) -> None:
     """With 3,000 tasks, 20 of them due and 1,000 of another code, the claim reads the (code, run_at) index."""
-    from mutexcron.tasks.sql_statements import STATEMENTS
+    from mutexcron.tasks.stores.sql_statements import STATEMENTS
 
     store = tasks_ctx.make()
     task_workers.seed_due(tasks_ctx.kind, store, "due", 20)
@@ -769,7 +769,7 @@ def test_four_racers_claim_every_task_exactly_once(tasks_ctx: TaskCtx) -> None:
 def test_redis_task_keys_share_the_namespace_slot_and_colons_never_collide(tasks_ctx: TaskCtx) -> None:
     """The documented layout (a hash per task, a due ZSET per code, scored by when a claim may take
     the task); a code with ':' never meets another task's hash."""
-    from mutexcron.tasks.redis import RedisTaskStore
+    from mutexcron.tasks.stores.redis import RedisTaskStore
 
     store = tasks_ctx.make()
     assert isinstance(store, RedisTaskStore)

@@ -29,7 +29,7 @@ from pymongo.errors import AutoReconnect, BulkWriteError, DuplicateKeyError, Ope
 from mutexcron.backends.mongodb import SERVER_NOW, MongoDBBackend  # noqa: E402
 from mutexcron.errors import ConfigurationError, StoreError, StoreUnavailableError  # noqa: E402
 from mutexcron.tasks import AddResult, Done, Fail, Reschedule, Retry, task_store_from_url  # noqa: E402
-from mutexcron.tasks.mongodb import MongoDBTaskStore, pop_option  # noqa: E402
+from mutexcron.tasks.stores.mongodb import MongoDBTaskStore, pop_option  # noqa: E402
 from tests import task_workers  # noqa: E402
 from tests.backends import FakeClock, require_server  # noqa: E402
 from tests.mongomock_support import CLOCK_ORIGIN, assert_each_unavailable_quickly, open_mongomock_tasks  # noqa: E402

@@ -31,7 +31,7 @@ from mutexcron import TaskPool
 from mutexcron.errors import ConfigurationError
 from mutexcron.tasks import AddResult
 from mutexcron.tasks.handlers import Handler, Task
-from mutexcron.tasks.sql import SQLTaskStore
+from mutexcron.tasks.stores.sql import SQLTaskStore
 from mutexcron.tasks.worker import TaskWorker
 from tests.backends import FakeClock, backend_params, drop_tasks_table, require_server
 from tests.schedulers import wait_for

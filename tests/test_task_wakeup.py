@@ -1,4 +1,4 @@
-"""The task stores' wakers (mutexcron/tasks/wakeup*.py) on real servers.
+"""The task stores' wakers (mutexcron/tasks/wakeups/) on real servers.
 
 A waker wakes within a loose bound (CI is loaded) when another connection or process adds a task
 due sooner or hands a claimed one back, and not for other codes, nor (Redis, SQLite) for a task behind the head of its code;
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from mutexcron.tasks import TaskStore, task_store_from_url
-from mutexcron.tasks.wakeup import DEFAULT_POLL, Waker
+from mutexcron.tasks.wakeups.base import DEFAULT_POLL, Waker
 from tests.backends import backend_params, cleanup_redis, drop_tasks_table, require_server
 
 #: The loose bound on a wake-up's latency.
@@ -192,7 +192,7 @@ def test_a_release_elsewhere_wakes_the_waker_of_its_code(wake_ctx: WakeCtx) -> N
 @pytest.mark.parametrize("kind", backend_params("redis"))
 def test_redis_publishes_a_hand_back_and_an_attempt_end_that_come_first(wake_ctx: WakeCtx) -> None:
     from mutexcron.tasks import Done, Reschedule, Retry
-    from mutexcron.tasks.redis import RedisTaskStore
+    from mutexcron.tasks.stores.redis import RedisTaskStore
 
     store = wake_ctx.make()
     assert isinstance(store, RedisTaskStore)
@@ -225,7 +225,7 @@ def test_redis_publishes_a_hand_back_and_an_attempt_end_that_come_first(wake_ctx
 
 @pytest.mark.parametrize("kind", backend_params("redis"))
 def test_redis_publishes_only_for_a_new_head(wake_ctx: WakeCtx) -> None:
-    from mutexcron.tasks.redis import RedisTaskStore
+    from mutexcron.tasks.stores.redis import RedisTaskStore
 
     store = wake_ctx.make()
     assert isinstance(store, RedisTaskStore)
@@ -285,7 +285,7 @@ def test_an_add_in_this_process_wakes_at_once(wake_ctx: WakeCtx) -> None:
 # -- broken connections --------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", backend_params("postgresql"))
 def test_postgresql_survives_a_killed_listening_connection(wake_ctx: WakeCtx, caplog: pytest.LogCaptureFixture) -> None:
-    from mutexcron.tasks.wakeup_postgresql import PostgreSQLWaker
+    from mutexcron.tasks.wakeups.postgresql import PostgreSQLWaker
 
     store = wake_ctx.make()
     store.ping()
@@ -307,7 +307,7 @@ def test_postgresql_survives_a_killed_listening_connection(wake_ctx: WakeCtx, ca
 
 @pytest.mark.parametrize("kind", backend_params("redis"))
 def test_redis_survives_a_killed_subscription(wake_ctx: WakeCtx, caplog: pytest.LogCaptureFixture) -> None:
-    from mutexcron.tasks.wakeup_redis import RedisWaker
+    from mutexcron.tasks.wakeups.redis import RedisWaker
 
     store = wake_ctx.make()
     waker = wake_ctx.waker(store)
@@ -325,7 +325,7 @@ def test_redis_survives_a_killed_subscription(wake_ctx: WakeCtx, caplog: pytest.
 
 
 def test_an_unreachable_postgresql_polls_and_masks_the_password(caplog: pytest.LogCaptureFixture) -> None:
-    from mutexcron.tasks.sql import SQLTaskStore
+    from mutexcron.tasks.stores.sql import SQLTaskStore
 
     store = SQLTaskStore("postgresql://postgres:s3cr3tpw@127.0.0.1:1/test", connect_timeout=1)
     try:
@@ -387,8 +387,8 @@ def test_redis_close_releases_the_subscription(wake_ctx: WakeCtx) -> None:
 
 @pytest.mark.parametrize("kind", backend_params("sqlite"))
 def test_sqlite_close_releases_its_connection(wake_ctx: WakeCtx) -> None:
-    from mutexcron.tasks.wakeup_listen import LOCAL_WAKERS
-    from mutexcron.tasks.wakeup_sqlite import SQLiteWaker
+    from mutexcron.tasks.wakeups.listen import LOCAL_WAKERS
+    from mutexcron.tasks.wakeups.sqlite import SQLiteWaker
 
     store = wake_ctx.make()
     waker = store.waker(["a"])
@@ -439,8 +439,8 @@ def test_sqlite_looks_as_often_as_its_poll_asks_on_a_busy_file(wake_ctx: WakeCtx
 # -- MariaDB / MySQL -----------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", backend_params("mysql"))
 def test_mysql_polls_with_an_index_only_next_due(wake_ctx: WakeCtx) -> None:
-    from mutexcron.tasks.sql import SQLTaskStore
-    from mutexcron.tasks.wakeup_listen import RegisteredPollWaker
+    from mutexcron.tasks.stores.sql import SQLTaskStore
+    from mutexcron.tasks.wakeups.listen import RegisteredPollWaker
 
     store = wake_ctx.make()
     assert isinstance(store, SQLTaskStore)

@@ -20,8 +20,8 @@ from mutexcron import MutexScheduler
 from mutexcron.errors import ConfigurationError
 from mutexcron.tasks import TaskRecord, TaskStore
 from mutexcron.tasks.handlers import Handler, Task
-from mutexcron.tasks.memory import MemoryTaskStore
-from mutexcron.tasks.wakeup import DEFAULT_POLL, PollWaker, Waker
+from mutexcron.tasks.stores.memory import MemoryTaskStore
+from mutexcron.tasks.wakeups.base import DEFAULT_POLL, PollWaker, Waker
 from mutexcron.tasks.worker import TaskWorker
 from tests.backends import FakeClock
 
@@ -455,7 +455,7 @@ def test_a_node_serving_only_triggers_looks_once_a_second_and_with_a_handler_as_
     notices) that alone must not cost a look at the store every 25 ms; a delayed-task handler of the
     user's keeps the store's own cadence."""
     from mutexcron.guard.triggers import TRIGGER_POLL
-    from mutexcron.tasks.wakeup_sqlite import VERSION_POLL, SQLiteWaker
+    from mutexcron.tasks.wakeups.sqlite import VERSION_POLL, SQLiteWaker
 
     sched = MutexScheduler(lock_url=f"sqlite:///{tmp_path}/poll.db")
     sched.add_job(print, "interval", hours=1, id="job", mutex="lock")

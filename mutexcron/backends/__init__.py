@@ -44,7 +44,7 @@ class StoreFamily:
 
 _SQL = "mutexcron.backends.sql:SQLBackend"
 _SQL_LOCKS = "mutexcron.locks.sql:SQLLockStore"
-_SQL_TASKS = "mutexcron.tasks.sql:SQLTaskStore"
+_SQL_TASKS = "mutexcron.tasks.stores.sql:SQLTaskStore"
 
 FAMILIES: tuple[StoreFamily, ...] = (
     StoreFamily(
@@ -54,7 +54,7 @@ FAMILIES: tuple[StoreFamily, ...] = (
         drivers=(),
         backend="mutexcron.backends.memory:MemoryBackend",
         lock_store="mutexcron.locks.memory:MemoryLockStore",
-        task_store="mutexcron.tasks.memory:MemoryTaskStore",
+        task_store="mutexcron.tasks.stores.memory:MemoryTaskStore",
     ),
     StoreFamily(
         name="sqlite", schemes=("sqlite",), extra=None, drivers=(), backend=_SQL, lock_store=_SQL_LOCKS, task_store=_SQL_TASKS
@@ -84,7 +84,7 @@ FAMILIES: tuple[StoreFamily, ...] = (
         drivers=("redis",),
         backend="mutexcron.backends.redis:RedisBackend",
         lock_store="mutexcron.locks.redis:RedisLockStore",
-        task_store="mutexcron.tasks.redis:RedisTaskStore",
+        task_store="mutexcron.tasks.stores.redis:RedisTaskStore",
     ),
     StoreFamily(
         name="mongodb",
@@ -93,7 +93,7 @@ FAMILIES: tuple[StoreFamily, ...] = (
         drivers=("pymongo",),
         backend="mutexcron.backends.mongodb:MongoDBBackend",
         lock_store="mutexcron.locks.mongodb:MongoDBLockStore",
-        task_store="mutexcron.tasks.mongodb:MongoDBTaskStore",
+        task_store="mutexcron.tasks.stores.mongodb:MongoDBTaskStore",
     ),
 )
 

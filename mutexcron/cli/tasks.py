@@ -478,7 +478,7 @@ def _handled_codes(sched: Any) -> frozenset[str] | None:
 
 def _missing_table(store: TaskStore) -> str | None:
     """For a SQL task store whose file or table does not exist: a note saying so (status creates nothing)."""
-    from ..tasks.sql import SQLTaskStore
+    from ..tasks.stores.sql import SQLTaskStore
 
     if not isinstance(store, SQLTaskStore):
         return None

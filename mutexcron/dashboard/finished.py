@@ -33,18 +33,18 @@ def finished_since(store: TaskStore, since: datetime, limit: int) -> list[tuple[
         NotImplementedError: the store keeps no finished task.
         MutexcronError: the store's error.
     """
-    from ..tasks.sql import SQLTaskStore
+    from ..tasks.stores.sql import SQLTaskStore
 
     if isinstance(store, SQLTaskStore):
         return _sql(store, since, limit)
-    if type(store).__module__ == "mutexcron.tasks.mongodb":  # imported only for a MongoDB store (its driver)
+    if type(store).__module__ == "mutexcron.tasks.stores.mongodb":  # imported only for a MongoDB store (its driver)
         return _mongodb(store, since, limit)
     raise NotImplementedError(f"{store.masked_url} keeps no finished task (finished tasks are deleted)")
 
 
 def _sql(store: Any, since: datetime, limit: int) -> list[tuple[str, datetime]]:
     """Tombstones have no ``run_at`` (the ``(code, run_at)`` index's NULLs); the state and time are read per row."""
-    from ..tasks.sql_statements import STATEMENTS
+    from ..tasks.stores.sql_statements import STATEMENTS
 
     sql = _FINISHED.replace("{t}", store.table)  # a table name the store checked (letters, digits, _)
     since_param = STATEMENTS[store.backend.dialect.name].time_param(since)

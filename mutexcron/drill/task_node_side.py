@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..tasks.base import AddResult, CodeSummary, Due, Outcome, TaskRecord, TaskStore
-from ..tasks.wakeup import Waker
+from ..tasks.wakeups.base import Waker
 from .records import OpTimings
 
 __all__ = ["EventLog", "RecordingTaskStore", "measure_offset"]

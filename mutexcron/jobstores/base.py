@@ -42,7 +42,7 @@ from ..guard.job import GuardedJob
 from .states import dump, load, merged_state, replacement_state, stored_trigger
 
 if TYPE_CHECKING:
-    from ..tasks.wakeup import Waker
+    from ..tasks.wakeups.base import Waker
 
 log = logging.getLogger(__name__)
 

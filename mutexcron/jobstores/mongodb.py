@@ -17,11 +17,11 @@ from bson.binary import Binary
 from pymongo import ASCENDING
 from pymongo.errors import DuplicateKeyError
 
-from ..tasks.wakeup_listen import LOCAL_WAKERS, RegisteredPollWaker
+from ..tasks.wakeups.listen import LOCAL_WAKERS, RegisteredPollWaker
 from .base import SharedJobStore
 
 if TYPE_CHECKING:
-    from ..tasks.wakeup import Waker
+    from ..tasks.wakeups.base import Waker
 
 #: Seconds between two reads of the collection by each node.
 POLL = 0.5

@@ -20,7 +20,7 @@ from ..urls import redact
 from .base import SharedJobStore
 
 if TYPE_CHECKING:
-    from ..tasks.wakeup import Waker
+    from ..tasks.wakeups.base import Waker
 
 CODE = "jobs"
 
@@ -133,7 +133,7 @@ class SharedRedisJobStore(SharedJobStore, RedisJobStore):  # type: ignore[misc]
 
     # -- the watcher's waker ---------------------------------------------------------------------
     def waker(self) -> Waker:
-        from ..tasks.wakeup_redis import RedisWaker
+        from ..tasks.wakeups.redis import RedisWaker
 
         class _Subscribed(RedisWaker):
             about = "job store changes"

@@ -27,14 +27,14 @@ from sqlalchemy import BigInteger, Column, Integer, MetaData, Table, and_, func,
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.sql.expression import null
 
-from ..tasks.wakeup_listen import LOCAL_WAKERS, RegisteredPollWaker
+from ..tasks.wakeups.listen import LOCAL_WAKERS, RegisteredPollWaker
 from ..urls import mask_url, redact
 from .base import SharedJobStore, chunks
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
-    from ..tasks.wakeup import Waker
+    from ..tasks.wakeups.base import Waker
 
 #: Seconds between two reads of a MySQL/MariaDB job table (no notices there).
 POLL = 0.5
@@ -208,7 +208,7 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
     # -- the watcher's waker ---------------------------------------------------------------------
     def waker(self) -> Waker:
         if self.dialect == "postgresql" and self.engine.dialect.driver == "psycopg":
-            from ..tasks.wakeup_postgresql import PostgreSQLWaker
+            from ..tasks.wakeups.postgresql import PostgreSQLWaker
 
             class _Listening(PostgreSQLWaker):
                 about = "job store changes"
@@ -218,7 +218,7 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
             return waker
         path = self.engine.url.database
         if self.dialect == "sqlite" and path and path != ":memory:":
-            from ..tasks.wakeup_sqlite import SQLiteWaker
+            from ..tasks.wakeups.sqlite import SQLiteWaker
 
             return SQLiteWaker(path, self._local_key, [CODE], None, self.where, version_poll=SQLITE_POLL)
         return RegisteredPollWaker(self._local_key, [CODE], POLL)

@@ -1,6 +1,6 @@
 """The watcher of one shared job store: one thread per store and node that sleeps on the store's
 notice (PostgreSQL ``LISTEN``, a Redis subscription), SQLite's ``PRAGMA data_version`` or a short
-poll, through the task pool's wakers (:mod:`mutexcron.tasks.wakeup`), and reads the store when
+poll, through the task pool's wakers (:mod:`mutexcron.tasks.wakeups.base`), and reads the store when
 woken. Where the store keeps a change counter (:meth:`~mutexcron.jobstores.base.SharedJobStore.change_marker`:
 SQL and MongoDB), a wake-up reads that one value, and every job only when it moved: the holder's
 advances of next run times (every second for an every-second job) cost a standby one small read.
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from ..tasks.wakeup import Waker
+    from ..tasks.wakeups.base import Waker
 
 log = logging.getLogger(__name__)
 

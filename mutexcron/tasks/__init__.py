@@ -25,7 +25,7 @@ from .base import (
     TaskRecord,
     TaskStore,
 )
-from .wakeup import Waker
+from .wakeups.base import Waker
 
 __all__ = [
     "ON_CONFLICT",

@@ -62,7 +62,7 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple, Union
 
 from ..urls import mask_url
-from .wakeup import DEFAULT_POLL, PollWaker, Waker
+from .wakeups.base import DEFAULT_POLL, PollWaker, Waker
 
 __all__ = [
     "KEEP",
@@ -409,9 +409,9 @@ class TaskStore(ABC):
         return DEFAULT_POLL
 
     def waker(self, codes: Iterable[str], poll: float | None = None) -> Waker:
-        """What a worker handling ``codes`` sleeps on between claims (:mod:`mutexcron.tasks.wakeup`).
+        """What a worker handling ``codes`` sleeps on between claims (:mod:`mutexcron.tasks.wakeups.base`).
 
-        The default polls every ``poll`` seconds (None: :data:`~mutexcron.tasks.wakeup.DEFAULT_POLL`);
+        The default polls every ``poll`` seconds (None: :data:`~mutexcron.tasks.wakeups.base.DEFAULT_POLL`);
         stores with notices override it. The caller closes it.
         """
         return PollWaker(poll or self.default_poll)

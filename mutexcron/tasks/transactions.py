@@ -1,7 +1,7 @@
 """Tasks inside the application's own transaction (SQL stores).
 
 ``pool.add(..., transaction=conn)`` and ``pool.cancel(..., transaction=conn)`` run the task store's
-own statements (:mod:`mutexcron.tasks.sql_statements`, bound parameters only, after the same
+own statements (:mod:`mutexcron.tasks.stores.sql_statements`, bound parameters only, after the same
 input checks) on the caller's connection, inside the transaction it has open: the task exists if
 and only if that transaction commits. ``task.complete(conn)`` in a handler runs the fenced
 statement the worker would run (:meth:`SQLTaskStore.complete`'s) the same way: the handler's
@@ -239,7 +239,7 @@ def _is_duplicate(exc: BaseException) -> bool:
 
 # -- the store's side --------------------------------------------------------------------------
 def _sql_store(store: TaskStore, what: str) -> Any:
-    from .sql import SQLTaskStore
+    from .stores.sql import SQLTaskStore
 
     if not isinstance(store, SQLTaskStore):
         raise ConfigurationError(

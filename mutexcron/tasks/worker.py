@@ -2,7 +2,7 @@
 
 One claim thread per node sleeps until the earliest task of its codes is due (by the store's
 clock: :meth:`~mutexcron.tasks.TaskStore.next_due`), woken early by the store's notices
-(:mod:`mutexcron.tasks.wakeup`), and claims ahead: up to its free handler threads plus
+(:mod:`mutexcron.tasks.wakeups.base`), and claims ahead: up to its free handler threads plus
 ``claim_ahead`` more (as many as the node finished in the last second, at least one per thread,
 at most ``claim_ahead``), in one round trip per lease length. Claimed tasks wait in one queue the
 handler threads take from in turn (a thread that ends a task takes the next one without being
@@ -43,7 +43,7 @@ from ..events import Emit, log_event
 from .base import Done, Fail, Outcome, Reschedule, TaskRecord, TaskStore
 from .completions import Completion, CompletionQueue
 from .handlers import Handler, Task, public_codes
-from .wakeup import BACKSTOP_POLL, Waker
+from .wakeups.base import BACKSTOP_POLL, Waker
 
 __all__ = ["DEFAULT_CLAIM_AHEAD", "DEFAULT_CONCURRENCY", "LAG_BUCKETS", "LagStats", "TaskWorker", "WorkerStats"]
 

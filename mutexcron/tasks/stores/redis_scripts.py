@@ -16,7 +16,7 @@ ZSET), ``+inf`` (failed: never claimed). The comment above each script gives its
 Every script that queues a task (``add``, ``retry``, ``release``, and ``complete`` when it queues
 it again) publishes the code on ``<prefix>task_wake`` when the task comes before the head of its
 due ZSET (see ``wake``), at most once per code and call: the sleeping workers' notice
-(:mod:`mutexcron.tasks.wakeup_redis`).
+(:mod:`mutexcron.tasks.wakeups.redis`).
 """
 
 from __future__ import annotations

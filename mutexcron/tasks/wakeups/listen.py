@@ -2,9 +2,9 @@
 
 :class:`ListeningWaker` holds one dedicated connection to the store (PostgreSQL ``LISTEN``, a
 Redis subscription) and sleeps on that connection's socket and on a local socket pair at once, so
-a store notice and :meth:`~mutexcron.tasks.wakeup.Waker.notify` both end a wait at once. A
+a store notice and :meth:`~mutexcron.tasks.wakeups.base.Waker.notify` both end a wait at once. A
 connection that breaks is logged once, and the waker polls (every
-:data:`~mutexcron.tasks.wakeup.DEFAULT_POLL` seconds) until it connects again, which it tries on
+:data:`~mutexcron.tasks.wakeups.base.DEFAULT_POLL` seconds) until it connects again, which it tries on
 the next wait, then after 1, 2, 4... seconds (at most :data:`RECONNECT_MAX`) while that fails.
 
 :data:`LOCAL_WAKERS` wakes the wakers of this process when a store in this process adds a task
@@ -25,7 +25,7 @@ from abc import abstractmethod
 from collections.abc import Iterable
 from typing import Any
 
-from .wakeup import DEFAULT_POLL, Waker
+from .base import DEFAULT_POLL, Waker
 
 __all__ = ["LOCAL_WAKERS", "RECONNECT_MAX", "ListeningWaker", "LocalWakers"]
 

@@ -2,7 +2,7 @@
 
 One row per task in its own table (``?tasks_table=``, default ``mutexcron_tasks``), on the same
 :class:`~mutexcron.backends.sql.SQLBackend` (engine, pool, clock, error translation) as the lock
-store. The statements are in :mod:`mutexcron.tasks.sql_statements`, one row per dialect:
+store. The statements are in :mod:`mutexcron.tasks.stores.sql_statements`, one row per dialect:
 
 * ``add`` first inserts the task unless it exists: one statement, the common case. If it
   exists, one short transaction locks the row (``FOR UPDATE``; SQLite ``BEGIN IMMEDIATE``), reads
@@ -45,13 +45,13 @@ from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection
 
-from ..backends.base import UncertainOutcome
-from ..backends.sql import TABLE_RE, SQLBackend, absolute_sqlite_url
-from ..errors import ConfigurationError, StoreError, StoreUnavailableError
-from ..timeutil import as_utc
-from ..urls import mask_url, pop_query
-from .base import AddResult, CodeSummary, Done, Due, Fail, NewTask, Outcome, Reschedule, TaskRecord, TaskStore
-from .checks import (
+from ...backends.base import UncertainOutcome
+from ...backends.sql import TABLE_RE, SQLBackend, absolute_sqlite_url
+from ...errors import ConfigurationError, StoreError, StoreUnavailableError
+from ...timeutil import as_utc
+from ...urls import mask_url, pop_query
+from ..base import AddResult, CodeSummary, Done, Due, Fail, NewTask, Outcome, Reschedule, TaskRecord, TaskStore
+from ..checks import (
     check_batch,
     check_claim,
     check_codes,
@@ -70,9 +70,9 @@ from .checks import (
     reschedule_payload,
     resolve_due,
 )
+from ..wakeups.base import DEFAULT_POLL, PollWaker, Waker
+from ..wakeups.listen import LOCAL_WAKERS, RegisteredPollWaker
 from .sql_statements import ADDED_COLUMNS, STATEMENTS
-from .wakeup import DEFAULT_POLL, PollWaker, Waker
-from .wakeup_listen import LOCAL_WAKERS, RegisteredPollWaker
 
 __all__ = ["DEFAULT_TASKS_TABLE", "SQLTaskStore"]
 
@@ -244,7 +244,7 @@ class SQLTaskStore(TaskStore):
 
     def add_many(self, tasks: Iterable[NewTask | tuple[Any, ...]], *, on_conflict: str = "replace") -> builtins.list[AddResult]:
         """All of ``tasks`` in one transaction: every one added, or none (see :meth:`TaskStore.add_many`)."""
-        from .transactions import add_checked, own_connection
+        from ..transactions import add_checked, own_connection
 
         batch, mode = check_batch(tasks), check_on_conflict(on_conflict)
         for task in batch:
@@ -601,22 +601,22 @@ class SQLTaskStore(TaskStore):
 
     @property
     def default_poll(self) -> float:
-        """SQLite's change check looks every 25 ms (it reads no page); elsewhere :data:`~mutexcron.tasks.wakeup.DEFAULT_POLL`."""
+        """SQLite's change check looks every 25 ms (it reads no page); elsewhere DEFAULT_POLL."""
         if self.backend.dialect.name == "sqlite":
-            from .wakeup_sqlite import VERSION_POLL
+            from ..wakeups.sqlite import VERSION_POLL
 
             return VERSION_POLL
         return DEFAULT_POLL
 
     def waker(self, codes: Iterable[str], poll: float | None = None) -> Waker:
-        """What a worker of ``codes`` sleeps on (:mod:`mutexcron.tasks.wakeup`), by database (``poll``:
+        """What a worker of ``codes`` sleeps on (:mod:`mutexcron.tasks.wakeups.base`), by database (``poll``:
         the seconds between two looks where there is no notice, None for the defaults below):
 
         * PostgreSQL: ``LISTEN`` on a connection of its own for the ``NOTIFY`` an insert, a
-          replace, a retry or a hand-back sends (:class:`~mutexcron.tasks.wakeup_postgresql.PostgreSQLWaker`).
+          replace, a retry or a hand-back sends (:class:`~mutexcron.tasks.wakeups.postgresql.PostgreSQLWaker`).
         * SQLite: ``PRAGMA data_version`` read every 25 ms (``poll``) on a connection of its own, and the
-          adds of this process at once (:class:`~mutexcron.tasks.wakeup_sqlite.SQLiteWaker`).
-        * MySQL/MariaDB (no notices): a poll every :data:`~mutexcron.tasks.wakeup.DEFAULT_POLL`
+          adds of this process at once (:class:`~mutexcron.tasks.wakeups.sqlite.SQLiteWaker`).
+        * MySQL/MariaDB (no notices): a poll every :data:`~mutexcron.tasks.wakeups.base.DEFAULT_POLL`
           seconds (``poll``), the worker's own :meth:`next_due` (an index-only seek per code on the
           ``(code, run_at)`` index), and the adds and hand-backs of this process at once.
         """
@@ -625,11 +625,11 @@ class SQLTaskStore(TaskStore):
             return PollWaker(poll or DEFAULT_POLL)
         name = self.backend.dialect.name
         if name == "postgresql":
-            from .wakeup_postgresql import PostgreSQLWaker
+            from ..wakeups.postgresql import PostgreSQLWaker
 
             return PostgreSQLWaker(self.backend, self.table, wanted, self.masked_url)
         if name == "sqlite":
-            from .wakeup_sqlite import SQLiteWaker
+            from ..wakeups.sqlite import SQLiteWaker
 
             self._ensure_table()  # its first look reads the table
             head = self._sql.codes_shape(self._sql.head, self._sql.next_due_part, wanted)

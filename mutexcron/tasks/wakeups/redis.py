@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import redis
 
-from .wakeup_listen import ListeningWaker
+from .listen import ListeningWaker
 
 __all__ = ["WAKE_CHANNEL", "RedisWaker"]
 

@@ -16,7 +16,7 @@ dates: kept to the millisecond. Payloads are stored as the JSON text
 (``$``-prefixed and dotted keys, integers beyond 64 bits).
 
 Every write is one document command judged by the server's clock (``$$NOW`` in the update
-pipelines of :mod:`mutexcron.tasks.mongodb_pipelines`):
+pipelines of :mod:`mutexcron.tasks.stores.mongodb_pipelines`):
 
 * ``add`` is one upsert (``find_one_and_update``, ``upsert=True``) whose pipeline applies the rule
   every store shares (:func:`~mutexcron.tasks.checks.decide_add`) in ``$cond``s and records its
@@ -60,13 +60,13 @@ from urllib.parse import unquote
 import pymongo.errors
 from pymongo import ASCENDING, ReturnDocument, UpdateOne
 
-from ..backends.base import UncertainOutcome
-from ..backends.mongodb import MongoDBBackend
-from ..errors import ConfigurationError, StoreError, StoreUnavailableError
-from ..timeutil import as_utc
-from ..urls import mask_url
-from .base import AddResult, CodeSummary, Done, Due, Fail, Outcome, Retry, TaskRecord, TaskStore
-from .checks import (
+from ...backends.base import UncertainOutcome
+from ...backends.mongodb import MongoDBBackend
+from ...errors import ConfigurationError, StoreError, StoreUnavailableError
+from ...timeutil import as_utc
+from ...urls import mask_url
+from ..base import AddResult, CodeSummary, Done, Due, Fail, Outcome, Retry, TaskRecord, TaskStore
+from ..checks import (
     check_claim,
     check_codes,
     check_due,

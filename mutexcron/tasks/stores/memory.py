@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
-from ..backends.memory import MemoryBackend
-from .base import AddResult, CodeSummary, Done, Due, Fail, Outcome, Reschedule, Retry, TaskRecord, TaskStore
-from .checks import (
+from ...backends.memory import MemoryBackend
+from ..base import AddResult, CodeSummary, Done, Due, Fail, Outcome, Reschedule, Retry, TaskRecord, TaskStore
+from ..checks import (
     check_claim,
     check_codes,
     check_due,
@@ -35,7 +35,7 @@ from .checks import (
     reschedule_payload,
     resolve_due,
 )
-from .wakeup import DEFAULT_POLL, PollWaker, Waker
+from ..wakeups.base import DEFAULT_POLL, PollWaker, Waker
 
 __all__ = ["MemoryTaskStore"]
 

@@ -9,7 +9,7 @@ codes and keys appear only as values in query filters, never in expressions.
 A date plus a number of milliseconds is written ``{$subtract: [date, -ms]}``: the same on every
 server version and on mongomock (whose ``$add`` takes numbers only).
 
-The pipelines follow the rules of :mod:`mutexcron.tasks.memory` (the reference), field by field:
+The pipelines follow the rules of :mod:`mutexcron.tasks.stores.memory` (the reference), field by field:
 ``run_at`` is when a claim may take the task (its due or a retry's time when queued, its lease's
 end when running, null when failed), kept in step with ``state`` by every write. ``due`` names the
 occurrence: a retry (an attempt's :class:`~mutexcron.tasks.base.Retry`, a retry by hand, a
@@ -21,7 +21,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from .base import AddResult, Fail, Outcome, Reschedule, Retry
+from ..base import AddResult, Fail, Outcome, Reschedule, Retry
 
 __all__ = [
     "FIELDS",

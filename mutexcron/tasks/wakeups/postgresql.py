@@ -16,7 +16,7 @@ the table's name, so notices of other tables (other task stores on the database)
 a notice for a code it does not handle is read and ignored.
 
 A connection pooler in transaction mode (PgBouncer's default) does not carry ``LISTEN``: there,
-point the URL at the server, or expect the poll's latency (:data:`~mutexcron.tasks.wakeup.BACKSTOP_POLL`).
+point the URL at the server, or expect the poll's latency (:data:`~mutexcron.tasks.wakeups.base.BACKSTOP_POLL`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import psycopg
 from sqlalchemy import exc as sa_exc
 
-from .wakeup_listen import ListeningWaker
+from .listen import ListeningWaker
 
 __all__ = ["PostgreSQLWaker"]
 

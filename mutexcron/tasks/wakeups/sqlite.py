@@ -11,11 +11,11 @@ when the waker last looked): that is earlier, so it wakes; so does a Retry or Re
 the earliest claim time seen.
 
 An add or a hand-back in this process wakes the waiting wakers at once, without the version's
-poll, through :data:`~mutexcron.tasks.wakeup_listen.LOCAL_WAKERS` (keyed by the database file and
+poll, through :data:`~mutexcron.tasks.wakeups.listen.LOCAL_WAKERS` (keyed by the database file and
 the table).
 
 A connection that fails (the file removed, a disk error) is logged once; the waker then polls
-every :data:`~mutexcron.tasks.wakeup.DEFAULT_POLL` seconds and opens it again on a later wait.
+every :data:`~mutexcron.tasks.wakeups.base.DEFAULT_POLL` seconds and opens it again on a later wait.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .wakeup import DEFAULT_POLL, Waker
-from .wakeup_listen import LOCAL_WAKERS, RECONNECT_MAX
+from .base import DEFAULT_POLL, Waker
+from .listen import LOCAL_WAKERS, RECONNECT_MAX
 
 __all__ = ["VERSION_POLL", "SQLiteWaker"]
 
@@ -43,7 +43,7 @@ class SQLiteWaker(Waker):
 
     Args:
         path: the database file.
-        table: the registry key of the task table (:data:`~mutexcron.tasks.wakeup_listen.LOCAL_WAKERS`).
+        table: the registry key of the task table (:data:`~mutexcron.tasks.wakeups.listen.LOCAL_WAKERS`).
         codes: the codes it wakes for.
         earliest: ``(sql, parameters)`` reading the earliest ``run_at`` of ``codes`` (NULL if none);
             None: every commit of another connection wakes it (a shared job store's watcher).

@@ -6,10 +6,10 @@ the hash's ``run_at``, in epoch microseconds: its due or a retry's time when que
 end when running, ``+inf`` when failed), and the namespace has a codes set,
 ``mutexcron:{<namespace>}:task_codes``. A write that queues a task (an add, a retry, a hand-back,
 an attempt's end) and makes it the first of its code to be claimable publishes the code on
-``mutexcron:{<namespace>}:task_wake`` (the workers' wake-up: :mod:`mutexcron.tasks.wakeup_redis`).
+``mutexcron:{<namespace>}:task_wake`` (the workers' wake-up: :mod:`mutexcron.tasks.wakeups.redis`).
 ``complete_many`` records many completions in one script call (one round trip). All keys share the
 ``{<namespace>}`` hash tag (one slot: Redis Cluster safe). Each operation is one Lua script
-(:mod:`mutexcron.tasks.redis_scripts`) judged by the server's ``TIME``; the client, the namespace
+(:mod:`mutexcron.tasks.stores.redis_scripts`) judged by the server's ``TIME``; the client, the namespace
 and the error translation are the :class:`~mutexcron.backends.redis.RedisBackend`'s.
 
 What Redis can lose: the tasks live in the server's memory. An unpersisted Redis loses every
@@ -25,10 +25,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from ..backends.redis import RedisBackend
-from ..errors import StoreError
-from .base import AddResult, CodeSummary, Done, Due, Fail, NewTask, Outcome, Reschedule, Retry, TaskRecord, TaskStore
-from .checks import (
+from ...backends.redis import RedisBackend
+from ...errors import StoreError
+from ..base import AddResult, CodeSummary, Done, Due, Fail, NewTask, Outcome, Reschedule, Retry, TaskRecord, TaskStore
+from ..checks import (
     check_batch,
     check_claim,
     check_codes,
@@ -45,6 +45,7 @@ from .checks import (
     load_payload,
     reschedule_payload,
 )
+from ..wakeups.base import Waker
 from .redis_scripts import (
     ADD_LUA,
     ADD_MANY_LUA,
@@ -60,7 +61,6 @@ from .redis_scripts import (
     RETRY_LUA,
     SUMMARY_LUA,
 )
-from .wakeup import Waker
 
 __all__ = ["LIST_PAGE", "RedisTaskStore"]
 
@@ -85,7 +85,7 @@ def _from_us(value: Any) -> datetime | None:
 
 
 def _escape(code: str) -> str:
-    """The code as it is in a task's hash key (see :mod:`mutexcron.tasks.redis_scripts`)."""
+    """The code as it is in a task's hash key (see :mod:`mutexcron.tasks.stores.redis_scripts`)."""
     return code.replace("%", "%25").replace(":", "%3A")
 
 
@@ -353,7 +353,7 @@ class RedisTaskStore(TaskStore):
         return max(0.0, (int(best) - int(now)) / 1_000_000)
 
     def summary(self, codes: Iterable[str] | None = None) -> builtins.list[CodeSummary]:
-        """Counts per code in one script (:data:`~mutexcron.tasks.redis_scripts.SUMMARY_LUA`).
+        """Counts per code in one script (:data:`~mutexcron.tasks.stores.redis_scripts.SUMMARY_LUA`).
 
         The due and failed counts are ZCOUNTs on the code's due ZSET; queued and running need
         each unfailed task's state from its hash: one HMGET per task, O(tasks of the codes)
@@ -381,10 +381,10 @@ class RedisTaskStore(TaskStore):
         return sorted(found, key=lambda summary: summary.code)
 
     def waker(self, codes: Iterable[str], poll: float | None = None) -> Waker:
-        """A subscription to the namespace's wake channel (:class:`~mutexcron.tasks.wakeup_redis.RedisWaker`):
+        """A subscription to the namespace's wake channel (:class:`~mutexcron.tasks.wakeups.redis.RedisWaker`):
         woken when an add, a retry, a hand-back or an attempt's end makes a task of ``codes`` the
         first of its code to be claimable (``poll`` does not apply: it waits for notices)."""
-        from .wakeup_redis import RedisWaker
+        from ..wakeups.redis import RedisWaker
 
         return RedisWaker(self.backend, check_codes(codes))
 
