@@ -5,8 +5,12 @@ from __future__ import annotations
 import sys
 import time
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from click._termui_impl import ProgressBar
 
 #: Below this many items a command shows no bar: it is over before a reader could look.
 BAR_FROM = 2_000
@@ -26,12 +30,12 @@ class Progress:
         self.done = 0
         on_terminal = sys.stderr.isatty() if show is None else show
         self._bar_wanted = on_terminal and (total is None or total >= BAR_FROM)
-        self._bar: object | None = None
+        self._bar: ProgressBar[int] | None = None
         self._started = time.monotonic()
 
     def __enter__(self) -> Progress:
         if self._bar_wanted:
-            bar = click.progressbar(length=self.total, label=self.label, file=sys.stderr, show_pos=True)
+            bar: ProgressBar[int] = click.progressbar(length=self.total, label=self.label, file=sys.stderr, show_pos=True)
             bar.__enter__()
             self._bar = bar
         return self
@@ -40,13 +44,13 @@ class Progress:
         """``count`` more items are done."""
         self.done += count
         if self._bar is not None:
-            self._bar.update(count)  # type: ignore[attr-defined]
+            self._bar.update(count)
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self._bar is not None:
-            self._bar.__exit__(exc_type, exc, tb)  # type: ignore[attr-defined]
+            self._bar.__exit__(exc_type, exc, tb)
             return
         if not sys.stderr.isatty() and self.done >= BAR_FROM:
             seconds = time.monotonic() - self._started
