@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 import click
 from apscheduler.util import obj_to_ref, ref_to_obj
 
+from ..backends.base import reading_only
 from ..errors import ConfigurationError, MutexcronError
 from ..guard import apscheduler_internals as aps
 from ..guard.firetimes import guard_trigger
@@ -112,7 +113,7 @@ def _records(locks: set[str], lock_url: str) -> dict[str, LockRecord]:
     if not locks:
         return {}
     try:
-        store = lock_store_from_url(lock_url)
+        store = reading_only(lock_store_from_url(lock_url))
     except MutexcronError as exc:
         _fail_on(exc, what="jobs")
     try:

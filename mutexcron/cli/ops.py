@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 import click
 
+from ..backends.base import reading_only
 from ..errors import ConfigurationError, MutexcronError
 from ..formatting import duration as _duration
 from ..formatting import offset as _offset
@@ -146,6 +147,8 @@ def _store(lock_url: str | None, what: str, *, read_only: bool = False) -> Itera
         store = lock_store_from_url(lock_url or DEFAULT_LOCK_URL)
     except MutexcronError as exc:
         _fail_on(exc, what=what)
+    if read_only:
+        reading_only(store)
     try:
         missing = _missing_schema(store) if read_only else None
         if missing:

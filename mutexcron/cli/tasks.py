@@ -19,6 +19,7 @@ from typing import Any, TextIO
 
 import click
 
+from ..backends.base import reading_only
 from ..errors import AttrsError, ConfigurationError, MutexcronError
 from ..formatting import record_json
 from ..locks import DEFAULT_LOCK_URL
@@ -168,10 +169,15 @@ def format_tasks(records: list[TaskRecord], now: datetime) -> str:
 
 # -- the store ------------------------------------------------------------------------------------
 @contextmanager
-def _store(lock_url: str | None, what: str) -> Iterator[TaskStore]:
-    """The task store of ``lock_url``; a store error is one message and its exit code (``_fail_on``)."""
+def _store(lock_url: str | None, what: str, *, read_only: bool = False) -> Iterator[TaskStore]:
+    """The task store of ``lock_url``; a store error is one message and its exit code (``_fail_on``).
+
+    ``read_only``: a command that only reads creates nothing (no SQLite file, table or index).
+    """
     try:
         store = task_store_from_url(lock_url or DEFAULT_LOCK_URL)
+        if read_only:
+            reading_only(store)
     except MutexcronError as exc:
         _fail_on(exc, what=what)
     try:
@@ -210,16 +216,58 @@ def list_tasks(
     code: str | None, state: str | None, key_contains: str | None, limit: int, as_json: bool, lock_url: str | None
 ) -> None:
     """Tasks by due time: code, key, state, due, attempt, token, owner, lease left, last error."""
-    with _store(lock_url, "tasks list") as store:
-        records = store.list(code=code, key_contains=key_contains, state=state, limit=limit)
+    where: dict[str, Any] = {"code": code, "key_contains": key_contains, "state": state}
+    with _store(lock_url, "tasks list", read_only=True) as store:
+        missing = _missing_table(store)
+        if missing is not None and missing.startswith("no such file"):
+            _fail(f"tasks list: {missing} in {store.masked_url}: no node or producer has used this store yet, "
+                  "or the URL names another file. tasks list creates nothing", EXIT_FAILURE)  # fmt: skip
+        records = [] if missing else store.list(**where, limit=limit)
+        total = _total(store, where, len(records), limit)
         now = store.now() if records and not as_json else None
     if as_json:
         click.echo(json.dumps([record_json(r) for r in records], indent=2, ensure_ascii=False))
         return
-    more = f"; the first {limit}: --limit shows more" if len(records) >= limit else ""
-    click.echo(f"task store: {store.masked_url}  ({len(records)} task{'s' if len(records) != 1 else ''}{more})")
+    counted = f"more than {BULK_LIMIT:,}" if total > BULK_LIMIT else f"{total:,}"
+    shown = f"; the first {len(records):,} shown: --limit shows more" if total > len(records) else ""
+    note = f"; {missing}" if missing else ""
+    click.echo(f"task store: {store.masked_url}  ({counted} task{'s' if total != 1 else ''}{shown}{note})")
     if records and now is not None:
         click.echo(format_tasks(records, now))
+
+
+def _total(store: TaskStore, where: dict[str, Any], listed: int, limit: int) -> int:
+    """How many tasks ``where`` selects: ``listed`` if under ``limit``, else counted by the store
+    (per-code counts; with ``key_contains``, a list: more than :data:`BULK_LIMIT` is not counted)."""
+    if listed < limit:
+        return listed
+    if where["key_contains"] is not None:
+        return len(store.list(**where, limit=BULK_LIMIT + 1))
+    codes = [where["code"]] if where["code"] is not None else None
+    fields = [where["state"]] if where["state"] is not None else ["queued", "running", "failed"]
+    return int(sum(getattr(summary, name) for summary in store.summary(codes) for name in fields))
+
+
+@tasks.command("get")
+@click.argument("code")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="The task as JSON, every field (times ISO 8601 UTC).")
+@_lock_url_option()
+def get(code: str, key: str, as_json: bool, lock_url: str | None) -> None:
+    """Every field of the task CODE KEY. Exit 1 if there is no such task."""
+    code, key = _check(code, key)
+    with _store(lock_url, "tasks get", read_only=True) as store:
+        task = store.get(code, key)
+        if task is None:
+            _fail(f"no task {_name(code, key)} in {store.masked_url}", EXIT_FAILURE)
+    fields = record_json(task)
+    if as_json:
+        click.echo(json.dumps(fields, indent=2, ensure_ascii=False))
+        return
+    width = max(len(name) for name in fields)
+    for name, value in fields.items():
+        shown = json.dumps(value, ensure_ascii=False) if name in ("payload", "pending_payload") else value
+        click.echo(f"{name.ljust(width)}  {'-' if value is None else shown}")
 
 
 @tasks.command("add")
@@ -503,7 +551,7 @@ def task_status(url: str, sched: Any = None) -> TaskStatus:
         _fail_on(exc, what="status")
     if row.task_store is None:
         return TaskStatus(None, f"the {row.name} store has no task pool", handled)
-    with _store(url, "status") as store:
+    with _store(url, "status", read_only=True) as store:
         note = _missing_table(store)
         if note is not None:
             return TaskStatus([], note, handled)
