@@ -33,6 +33,7 @@ from .common import (
     _lock_url_option,
     _setup_logging,
 )
+from .progress import Progress
 from .stop import GracefulStop
 
 log = logging.getLogger(__name__)
@@ -352,8 +353,11 @@ def drill(
     if jobstore and not shared_mode:
         _fail("--jobstore is for the shared-jobs drill: add --shared-jobs")
 
+    shown = Progress("drill", int(duration), bar_from=0, unit="s", summary=False)
+
     def progress(message: str) -> None:
-        click.echo(f"[{time.strftime('%H:%M:%S')}] {message}", err=True)
+        shown.advance_to(min(int(shown.seconds), int(duration)))
+        shown.note(f"[{time.strftime('%H:%M:%S')}] {message}")
 
     def interrupt(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt  # the drill cleans up on its way out, as for Ctrl-C
@@ -361,18 +365,20 @@ def drill(
     previous = signal.signal(signal.SIGTERM, interrupt)
     report: Any
     try:
-        if shared_mode:
-            report = run_shared_drill(
-                lock_url, jobstore=jobstore, nodes=nodes, lease=unactive_interval, duration=duration, progress=progress
-            )
-        elif tasks_mode:
-            report = run_task_drill(
-                lock_url, nodes=nodes, lease=unactive_interval, duration=duration, rate=task_rate, progress=progress
-            )
-        else:
-            report = run_drill(
-                lock_url, nodes=nodes, unactive_interval=unactive_interval, duration=duration, skew=skew, progress=progress
-            )
+        with shown:
+            if shared_mode:
+                report = run_shared_drill(
+                    lock_url, jobstore=jobstore, nodes=nodes, lease=unactive_interval, duration=duration, progress=progress
+                )
+            elif tasks_mode:
+                report = run_task_drill(
+                    lock_url, nodes=nodes, lease=unactive_interval, duration=duration, rate=task_rate, progress=progress
+                )
+            else:
+                report = run_drill(
+                    lock_url, nodes=nodes, unactive_interval=unactive_interval, duration=duration, skew=skew, progress=progress
+                )
+            shown.advance_to(int(duration))
     except KeyboardInterrupt:
         click.echo("mutexcron: drill interrupted; nodes stopped and temporary files removed", err=True)
         sys.exit(130)

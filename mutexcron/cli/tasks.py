@@ -27,6 +27,7 @@ from ..tasks import ON_CONFLICT, STATES, AddResult, CodeSummary, NewTask, TaskRe
 from ..tasks.checks import check_batch
 from ..tasks.handlers import INTERNAL_PREFIX
 from .common import EXIT_BAD_INPUT, EXIT_FAILURE, _age, _clip, _fail, _fail_on, _lock_url_option
+from .progress import Progress
 
 
 def _tasks() -> None:
@@ -338,9 +339,11 @@ def add_many(source: TextIO, on_conflict: str, lock_url: str | None) -> None:
     except (ConfigurationError, AttrsError) as exc:
         _fail(f"{source.name}: {exc}")
     counts: Counter[str] = Counter()
-    with _store(lock_url, "tasks add-many") as store:
+    with _store(lock_url, "tasks add-many") as store, Progress("adding", len(batch), unit="tasks") as progress:
         for start in range(0, len(batch), ADD_MANY_CHUNK):
-            counts.update(str(r) for r in store.add_many(batch[start : start + ADD_MANY_CHUNK], on_conflict=on_conflict))
+            chunk = batch[start : start + ADD_MANY_CHUNK]
+            counts.update(str(r) for r in store.add_many(chunk, on_conflict=on_conflict))
+            progress.advance(len(chunk))
     shown = ", ".join(f"{counts[r.value]:,} {r.value}" for r in AddResult if counts[r.value]) or "nothing to add"
     click.echo(f"{len(batch):,} task(s) from {source.name}: {shown}")
 
@@ -375,26 +378,33 @@ BULK_LIMIT = 100_000
 def _bulk(store: TaskStore, verb: str, act: Callable[[TaskRecord], bool], yes: bool, **where: Any) -> None:
     """List the tasks ``where`` selects, show their count and a few of them, ask (unless ``yes``),
     then ``act`` on exactly those: tasks added after the question are not touched."""
-    records = store.list(**where, limit=BULK_LIMIT)
+    records = store.list(**where, limit=BULK_LIMIT + 1)
     shown = ", ".join(f"{k}={v!r}" for k, v in where.items() if v is not None)
     if not records:
         click.echo(f"no task matches {shown} in {store.masked_url}: nothing to {verb}")
         return
-    more = f" (the first {BULK_LIMIT}: run the command again for the rest)" if len(records) >= BULK_LIMIT else ""
-    click.echo(f"{len(records)} task{'s' if len(records) != 1 else ''} match {shown} in {store.masked_url}{more}:")
+    rest = len(records) > BULK_LIMIT
+    records = records[:BULK_LIMIT]
+    more = f" (the first {BULK_LIMIT:,}: run the command again for the rest)" if rest else ""
+    click.echo(f"{len(records):,} task{'s' if len(records) != 1 else ''} match {shown} in {store.masked_url}{more}:")
     for task in records[:5]:
         click.echo(f"  {_name(task.code, task.key)}  {_state(task)}, due {_iso(task.due)}")
     if len(records) > 5:
-        click.echo(f"  ... and {len(records) - 5} more")
+        click.echo(f"  ... and {len(records) - 5:,} more")
     if not yes:
-        click.confirm(f"{verb.capitalize()} these {len(records)} tasks?", abort=True, err=True)
-    done = sum(bool(act(task)) for task in records)
-    running = sum(t.state == "running" for t in records) if verb == "cancel" else 0
-    note = f"; {running} running: dropped when their attempt ends" if running else ""
-    missed = len(records) - done
-    gone = f" ({missed} changed meanwhile: finished, cancelled or retried by someone else)" if missed else ""
+        click.confirm(f"{verb.capitalize()} these {len(records):,} tasks?", abort=True, err=True)
     past = {"cancel": "cancelled", "retry": "retried"}[verb]
-    click.echo(f"{past} {done} of {len(records)} task{'s' if len(records) != 1 else ''}{gone}{note}")
+    done = 0
+    with Progress({"cancel": "cancelling", "retry": "retrying"}[verb], len(records), unit="tasks") as progress:
+        for task in records:
+            done += bool(act(task))
+            progress.advance(1)
+    running = sum(t.state == "running" for t in records) if verb == "cancel" else 0
+    note = f"; {running:,} running: dropped when their attempt ends" if running else ""
+    missed = len(records) - done
+    gone = f" ({missed:,} changed meanwhile: finished, cancelled or retried by someone else)" if missed else ""
+    again = "; more match: run the command again for the rest" if rest else ""
+    click.echo(f"{past} {done:,} of {len(records):,} task{'s' if len(records) != 1 else ''}{gone}{note}{again}")
 
 
 @tasks.command("cancel")
