@@ -582,8 +582,8 @@ def test_add_many_reads_json_lines_and_counts_what_it_did(url: str, store: TaskS
         ('{"code": "mail", "key": "x"}', 'line 2: give an object with "code", "key", "due"'),
         ('{"code": "mail", "key": "x", "due": "now", "prio": 1}', "nothing else"),
         ('{"code": "mail", "key": "x", "due": "tomorrow"}', "line 2: 'tomorrow' is not a due time"),
-        ('{"code": "mail", "key": "", "due": "now"}', "task 1 of add_many"),
-        ('{"code": "mail", "key": "ok", "due": "now"}', "is task 0 too"),
+        ('{"code": "mail", "key": "", "due": "now"}', ", line 2: "),
+        ('{"code": "mail", "key": "ok", "due": "now"}', ", line 2: ('mail', 'ok') is line 1 too"),
     ],
 )
 def test_add_many_stops_at_a_bad_line_before_storing_anything(

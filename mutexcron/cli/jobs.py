@@ -35,7 +35,7 @@ from ..jobstores.states import load
 from ..locks import DEFAULT_LOCK_URL, lock_store_from_url
 from ..locks.record import LockRecord
 from ..urls import redact
-from .common import EXIT_FAILURE, _fail, _fail_on, _lock_url_option
+from .common import EXIT_FAILURE, _did_you_mean, _fail, _fail_on, _lock_url_option
 
 __all__ = ["CHANGES", "change_shared_job", "jobs", "shared_stores", "stored_rows"]
 
@@ -194,25 +194,37 @@ def list_jobs(jobs_file: str, lock_url: str | None, as_json: bool) -> None:
 def show(jobs_file: str, job_id: str, lock_url: str | None) -> None:
     """One job (the file's or a shared store's), every field."""
     sched, stores, url = _open(jobs_file, lock_url)
-    for row in _rows(sched, stores, url):
+    rows = _rows(sched, stores, url)
+    for row in rows:
         if row["job"] == job_id:
             click.echo(json.dumps(_json(row), indent=2))
             return
-    _missing(job_id)
+    _missing(job_id, [row["job"] for row in rows])
 
 
-def _missing(job_id: str) -> NoReturn:
-    _fail(f"no job {job_id!r} in the jobs file nor in its shared job stores (mutexcron jobs list shows them)")
+def _missing(job_id: str, names: list[str]) -> NoReturn:
+    hint = _did_you_mean(job_id, names)
+    _fail(f"no job {job_id!r} in the jobs file nor in its shared job stores{hint} (mutexcron jobs list shows them)")
+
+
+def _job_ids(sched: Any, stores: dict[str, SharedJobStore]) -> list[str]:
+    """Every job id the file declares or its shared stores hold (for "did you mean")."""
+    declared = [job.id for job, _alias, _replace in getattr(sched, "_pending_jobs", [])]
+    try:
+        stored = [row["job"] for row in stored_rows(sched, stores)]
+    except Exception:  # noqa: BLE001 - a hint only: the error itself is the missing job
+        stored = []
+    return declared + stored
 
 
 def _change(jobs_file: str, job_id: str, lock_url: str | None, how: str) -> None:
-    _sched, stores, _url = _open_shared(jobs_file, lock_url)
+    sched, stores, _url = _open_shared(jobs_file, lock_url)
     try:
         outcome = change_shared_job(stores, job_id, how)
     except MutexcronError as exc:
         _fail_on(exc, what=f"jobs {how}")
     if outcome is None:
-        _missing(job_id)
+        _missing(job_id, _job_ids(sched, stores))
     click.echo(outcome)
 
 
@@ -294,4 +306,4 @@ def _callable(sched: Any, stores: dict[str, SharedJobStore], job_id: str) -> tup
         except Exception as exc:  # noqa: BLE001 - not importable here: say so
             _fail(f"job {job_id!r} in {store.where} cannot be loaded here: {type(exc).__name__}: {exc}", EXIT_FAILURE)
         return func, tuple(fields.get("args") or ()), dict(fields.get("kwargs") or {})
-    _missing(job_id)
+    _missing(job_id, _job_ids(sched, stores))

@@ -26,7 +26,7 @@ from ..locks import DEFAULT_LOCK_URL
 from ..tasks import ON_CONFLICT, STATES, AddResult, CodeSummary, NewTask, TaskRecord, TaskStore, task_store_from_url
 from ..tasks.checks import check_batch
 from ..tasks.handlers import INTERNAL_PREFIX
-from .common import EXIT_BAD_INPUT, EXIT_FAILURE, _age, _clip, _fail, _fail_on, _lock_url_option
+from .common import EXIT_BAD_INPUT, EXIT_FAILURE, _age, _clip, _did_you_mean, _fail, _fail_on, _lock_url_option
 from .progress import Progress
 
 
@@ -205,6 +205,20 @@ def _name(code: str, key: str) -> str:
     return f"{code}/{key}"
 
 
+#: The most keys of one code read to suggest a key ("did you mean"): a hint, bounded.
+HINT_KEYS = 1000
+
+
+def _no_task(store: TaskStore, code: str, key: str | None = None) -> str:
+    """Why ``code`` (and ``key``) matched no task, with the closest codes or keys: "" if nothing is close."""
+    codes = [summary.code for summary in store.summary() if not summary.code.startswith(INTERNAL_PREFIX)]
+    if code not in codes:
+        return _did_you_mean(code, codes) or f" (no task has the code {code!r})"
+    if key is None:
+        return ""
+    return _did_you_mean(key, [task.key for task in store.list(code=code, limit=HINT_KEYS)])
+
+
 # -- commands -------------------------------------------------------------------------------------
 @tasks.command("list")
 @click.option("--code", help="Only tasks of this code.")
@@ -260,7 +274,7 @@ def get(code: str, key: str, as_json: bool, lock_url: str | None) -> None:
     with _store(lock_url, "tasks get", read_only=True) as store:
         task = store.get(code, key)
         if task is None:
-            _fail(f"no task {_name(code, key)} in {store.masked_url}", EXIT_FAILURE)
+            _fail(f"no task {_name(code, key)} in {store.masked_url}{_no_task(store, code, key)}", EXIT_FAILURE)
     fields = record_json(task)
     if as_json:
         click.echo(json.dumps(fields, indent=2, ensure_ascii=False))
@@ -333,11 +347,11 @@ def add_many(source: TextIO, on_conflict: str, lock_url: str | None) -> None:
     command before anything is stored. The tasks are written 1,000 at a time (on a SQL store,
     each thousand in one transaction); prints how many were inserted, replaced, kept or pending.
     """
-    batch = _read_task_lines(source)
+    batch, lines = _read_task_lines(source)
     try:
-        check_batch(batch)
+        check_batch(batch, labels=[f"line {number}" for number in lines])
     except (ConfigurationError, AttrsError) as exc:
-        _fail(f"{source.name}: {exc}")
+        _fail(f"{source.name}, {exc}")
     counts: Counter[str] = Counter()
     with _store(lock_url, "tasks add-many") as store, Progress("adding", len(batch), unit="tasks") as progress:
         for start in range(0, len(batch), ADD_MANY_CHUNK):
@@ -348,9 +362,11 @@ def add_many(source: TextIO, on_conflict: str, lock_url: str | None) -> None:
     click.echo(f"{len(batch):,} task(s) from {source.name}: {shown}")
 
 
-def _read_task_lines(source: TextIO) -> list[NewTask]:
-    """The JSON Lines of ``tasks add-many``; exit 2 at the first bad line, naming it."""
+def _read_task_lines(source: TextIO) -> tuple[list[NewTask], list[int]]:
+    """The JSON Lines of ``tasks add-many`` and the line number of each (from 1); exit 2 at the
+    first bad line, naming it."""
     batch: list[NewTask] = []
+    lines: list[int] = []
     for number, line in enumerate(source, start=1):
         if not line.strip():
             continue
@@ -366,7 +382,8 @@ def _read_task_lines(source: TextIO) -> list[NewTask]:
         except ValueError as exc:
             _fail(f"{where}: {exc}")
         batch.append(NewTask(item["code"], item["key"], due, item.get("payload")))
-    return batch
+        lines.append(number)
+    return batch, lines
 
 
 _YES = click.option("--yes", "-y", is_flag=True, help="Bulk: do not ask for confirmation.")
@@ -381,7 +398,8 @@ def _bulk(store: TaskStore, verb: str, act: Callable[[TaskRecord], bool], yes: b
     records = store.list(**where, limit=BULK_LIMIT + 1)
     shown = ", ".join(f"{k}={v!r}" for k, v in where.items() if v is not None)
     if not records:
-        click.echo(f"no task matches {shown} in {store.masked_url}: nothing to {verb}")
+        hint = _no_task(store, where["code"]) if where.get("code") is not None else ""
+        click.echo(f"no task matches {shown} in {store.masked_url}: nothing to {verb}{hint}")
         return
     rest = len(records) > BULK_LIMIT
     records = records[:BULK_LIMIT]
@@ -436,7 +454,7 @@ def cancel(
     code, key = _check(code, key)
     with _store(lock_url, "tasks cancel") as store:
         if not store.cancel(code, key):
-            _fail(f"no task {_name(code, key)} in {store.masked_url}", EXIT_FAILURE)
+            _fail(f"no task {_name(code, key)} in {store.masked_url}{_no_task(store, code, key)}", EXIT_FAILURE)
         left = store.get(code, key)
     if left is not None and left.state == "running":
         click.echo(f"cancelled: {_name(code, key)} is running; it is dropped when its attempt ends")
@@ -474,7 +492,8 @@ def retry(
     with _store(lock_url, "tasks retry") as store:
         if not store.retry(code, key):
             task = store.get(code, key)
-            why = f"there is no such task in {store.masked_url}" if task is None else f"it is {task.state}, not failed"
+            why = (f"there is no such task in {store.masked_url}{_no_task(store, code, key)}" if task is None
+                   else f"it is {task.state}, not failed")  # fmt: skip
             _fail(f"cannot retry {_name(code, key)}: {why}", EXIT_FAILURE)
     click.echo(f"retried: {_name(code, key)} is queued, due now")
 
