@@ -17,6 +17,7 @@ import asyncio
 import copy
 import inspect
 import json
+import os
 import traceback
 from datetime import datetime, timezone
 from typing import Any, NoReturn
@@ -159,7 +160,19 @@ def _open_shared(jobs_file: str, lock_url: str | None) -> tuple[Any, dict[str, S
     return sched, stores, url
 
 
-@click.group("jobs", context_settings={"help_option_names": ["-h", "--help"]})
+class _JobsGroup(click.Group):
+    """``mutexcron jobs``: a jobs file where a verb belongs (``jobs jobs.py``) gets the command it meant."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+        name = args[0] if args else ""
+        if name and self.get_command(ctx, name) is None and (name.endswith(".py") or ":" in name or os.path.exists(name)):
+            raise click.UsageError(
+                f"{name!r} is not a command of mutexcron jobs: to list its jobs, mutexcron jobs list {name}", ctx
+            )
+        return super().resolve_command(ctx, args)
+
+
+@click.group("jobs", cls=_JobsGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def jobs() -> None:
     """The jobs of a jobs file: list, show, pause, resume, remove (shared jobs), run (once, unguarded)."""
 

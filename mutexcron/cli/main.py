@@ -17,6 +17,7 @@ import click
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from click.core import ParameterSource
 
+from ..console import URLS_HINT
 from ..dashboard.cli import dashboard
 from ..errors import MutexcronError
 from ..locks import DEFAULT_LOCK_URL, URL_ENV, defaulted_urls, lock_store_from_url
@@ -25,6 +26,7 @@ from ..version import __version__
 from . import ops as cli_ops
 from . import tasks as cli_tasks
 from . import trigger as cli_trigger
+from . import urls as cli_urls
 from .common import (
     EXIT_FAILURE,
     LOG_LEVELS,
@@ -45,8 +47,15 @@ DEFAULT_STARTUP_TIMEOUT = 300.0
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mutexcron")
-def main() -> None:
-    """Run one APScheduler jobs file on several servers; each guarded job runs once per fire time."""
+@click.option(
+    "--lock-url", metavar="URL", help="Lock store URL for the command that follows (as its own --lock-url). " + URLS_HINT
+)
+def main(lock_url: str | None) -> None:
+    """Run one APScheduler jobs file on several servers; each guarded job runs once per fire time.
+
+    Shell completion: eval "$(_MUTEXCRON_COMPLETE=bash_source mutexcron)" in ~/.bashrc (zsh_source
+    in ~/.zshrc; fish: _MUTEXCRON_COMPLETE=fish_source mutexcron | source).
+    """
 
 
 @main.command()
@@ -404,6 +413,7 @@ main.add_command(cli_ops.resume)
 main.add_command(cli_ops.forget)
 main.add_command(cli_ops.status)
 main.add_command(dashboard)
+main.add_command(cli_urls.urls)
 
 from . import jobs as jobs_cli  # noqa: E402
 
