@@ -38,3 +38,16 @@ def test_the_readme_test_command_is_the_one_ci_runs_and_says_what_it_needs() -> 
     for needed in ("MariaDB, PostgreSQL and Redis", "about 15 minutes", 'python -m pytest -m "memory and not cluster"'):
         assert needed in quickstart, needed
     assert len(readme.split()) < 800, "the README sells in one screen: details belong in docs/"
+
+
+#: The pages of the first hour and the guides this diet covers: each opens with what the reader can do.
+OPENING_PAGES = ("index", "deployment", "operations", "guarantees", "cli", "api", "embedding", "migration", "mutex",
+                 "reference", "testing", "dashboard", "architecture")  # fmt: skip
+
+
+def test_each_page_opens_with_what_the_reader_will_be_able_to_do() -> None:
+    for name in OPENING_PAGES:
+        text = (DOCS / f"{name}.md").read_text(encoding="utf-8")
+        first = text.split("\n\n", 2)[1]  # the paragraph after the title
+        assert first.startswith("**After this page** you can"), f"{name}.md opens with {first[:60]!r}"
+    assert (DOCS / "glossary.md").exists()
