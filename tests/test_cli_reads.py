@@ -1,6 +1,6 @@
 """Read-only commands create nothing, on every store: `tasks list`, `tasks get`, `history`,
-`status` and `jobs list` on a store no node has used leave no file, table, key or collection
-behind (the dashboard's pages are checked in test_dashboard.py)."""
+`status`, `jobs list` and every dashboard page on a store no node has used leave no file, table,
+key or collection behind."""
 
 from __future__ import annotations
 
@@ -134,3 +134,21 @@ def test_tasks_list_in_an_empty_directory_creates_no_database(tmp_path: Path, mo
     assert result.exit_code == 1, result.output
     assert "no such file" in result.output and "creates nothing" in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_no_dashboard_page_creates_anything(unused: tuple[str, Callable[[], set[str]]], tmp_path: Path) -> None:
+    pytest.importorskip("mutexcron.dashboard")
+    from mutexcron.dashboard import create_app
+    from tests.test_dashboard import PAGES, call
+
+    url, made = unused
+    jobs = tmp_path / "jobs.py"
+    jobs.write_text(JOBS)
+    app = create_app(url, jobs=str(jobs))
+    try:
+        for path in PAGES:
+            status, _headers, body = call(app, path)
+            assert status == 200, (path, body)
+            assert made() == set(), f"{path} created {made()}"
+    finally:
+        app.close()
