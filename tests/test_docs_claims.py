@@ -51,3 +51,17 @@ def test_each_page_opens_with_what_the_reader_will_be_able_to_do() -> None:
         first = text.split("\n\n", 2)[1]  # the paragraph after the title
         assert first.startswith("**After this page** you can"), f"{name}.md opens with {first[:60]!r}"
     assert (DOCS / "glossary.md").exists()
+
+
+def test_no_line_runs_on_from_a_table() -> None:
+    """A line right after a table's last row is read as one more row (the README once lost a
+    paragraph that way): every table ends with a blank line."""
+    for page in [DOCS.parent / "README.md", *DOCS.glob("*.md")]:
+        lines = page.read_text(encoding="utf-8").splitlines()
+        in_fence = False
+        for number, (line, after) in enumerate(zip(lines, [*lines[1:], ""]), start=1):
+            if line.lstrip().startswith("```"):
+                in_fence = not in_fence
+            if in_fence or not line.startswith("|"):
+                continue
+            assert after.startswith("|") or not after.strip(), f"{page.name}:{number + 1} runs on from a table"
