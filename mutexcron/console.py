@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
+from click.core import ParameterSource
 
 from .errors import ConfigurationError, MutexcronError
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILURE", "LOG_LEVELS", "fail", "fail_on", "setup_logging"]
+__all__ = [
+    "EXIT_BAD_INPUT", "EXIT_FAILURE", "LOG_LEVELS", "URLS_HINT", "fail", "fail_on", "group_lock_url", "setup_logging",
+]  # fmt: skip
 
 log = logging.getLogger("mutexcron.cli.common")  # the logger the commands have always logged under
 
@@ -20,6 +23,21 @@ LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 #: Exit codes: 0 ok, 1 a failure at run time (store, drill verdict), 2 bad input (usage, URL, jobs file).
 EXIT_FAILURE, EXIT_BAD_INPUT = 1, 2
+
+
+#: The end of every ``--lock-url`` help: the schemes are listed once, by ``mutexcron urls``.
+URLS_HINT = "`mutexcron urls` lists the schemes."
+
+
+def group_lock_url(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """A command's ``--lock-url`` callback: ``mutexcron --lock-url URL CMD`` gives URL to CMD, as
+    if given to CMD itself (which wins if it has its own, and over the environment variable)."""
+    root = ctx.find_root()
+    given = root.params.get("lock_url") if root is not ctx else None
+    if given is None or param.name is None or ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE:
+        return value
+    ctx.set_parameter_source(param.name, ParameterSource.COMMANDLINE)
+    return given
 
 
 def setup_logging(level: str) -> None:

@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
 import sys
+import sysconfig
 import traceback
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 from .errors import ConfigurationError, JobsFileError
 from .scheduler import MutexSchedulerMixin
@@ -96,18 +97,37 @@ def _import_module(name: str) -> ModuleType:
         raise _explain(exc, None) from exc
 
 
+#: Hint after an import error: where its traceback is.
+DEBUG_HINT = " (--log-level debug shows the traceback)"
+
+
 def _explain(exc: BaseException, filename: str | None) -> JobsFileError:
-    """Turn an import-time failure into 'file:line: problem'."""
+    """Turn an import-time failure into 'file:line: problem', naming the innermost line of the
+    user's code (a module the jobs file imports, if the error is there)."""
     if isinstance(exc, SyntaxError):
         return JobsFileError(f"syntax error: {exc.msg}", filename=exc.filename or filename, lineno=exc.lineno)
-    where: Any = None
-    frames = traceback.extract_tb(exc.__traceback__)
-    for frame in frames:  # the deepest frame in the jobs file (or, for module:attr, outside mutexcron)
-        in_target = filename is not None and os.path.abspath(frame.filename) == os.path.abspath(filename)
-        outside = filename is None and "importlib" not in frame.filename and "/mutexcron/" not in frame.filename
-        if in_target or outside:
-            where = frame
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__) if _is_users(frame.filename)]
     kind = "" if isinstance(exc, ConfigurationError) else f"{type(exc).__name__}: "
-    if where is not None:
-        return JobsFileError(f"{kind}{exc}", filename=where.filename, lineno=where.lineno)
-    return JobsFileError(f"{kind}{exc}", filename=filename)
+    if not frames:
+        return JobsFileError(f"{kind}{exc}{DEBUG_HINT}", filename=filename)
+    where, outer = frames[-1], frames[0]
+    via = ""
+    if len(frames) > 1 and os.path.abspath(outer.filename) != os.path.abspath(where.filename):
+        via = f" (imported from {outer.filename}:{outer.lineno})"
+    return JobsFileError(f"{kind}{exc}{via}{DEBUG_HINT}", filename=where.filename, lineno=where.lineno)
+
+
+def _is_users(filename: str) -> bool:
+    """True for a file of the user's code: not Python's own, an installed package's or mutexcron's."""
+    if filename.startswith("<"):  # <frozen importlib._bootstrap>, <string>
+        return False
+    path = os.path.abspath(filename)
+    return not any(path.startswith(root + os.sep) for root in _not_users())
+
+
+@functools.cache
+def _not_users() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    roots = {paths[name] for name in ("stdlib", "platstdlib", "purelib", "platlib") if name in paths}
+    roots.add(os.path.dirname(os.path.abspath(__file__)))  # mutexcron itself
+    return tuple(sorted(os.path.abspath(root) for root in roots))

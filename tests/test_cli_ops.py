@@ -89,7 +89,7 @@ def test_history_by_lock_by_job_and_of_everything(url: str) -> None:
     everything = json.loads(invoke("history", "--lock-url", url, "--json", "--limit", "3").output)["runs"]
     assert [r["job"] for r in everything] == ["jobs.report", "jobs.invoice", "jobs.charge"]
     none = invoke("history", "nope", "--lock-url", url)
-    assert none.exit_code == 0 and "no runs recorded for nope" in none.output
+    assert none.exit_code == 1 and "no lock or job 'nope'" in none.output
 
 
 def test_status_shows_pauses_nodes_and_each_jobs_last_run(url: str) -> None:

@@ -174,8 +174,11 @@ def test_a_bad_key_exits_2_and_stores_nothing(url: str, store: TaskStore, key: s
 # -- list ----------------------------------------------------------------------------------------
 @pytest.mark.sqlite
 def test_list_table_filters_and_json(url: str, store: TaskStore) -> None:
+    nothing = cli("tasks", "list", "--lock-url", url)
+    assert nothing.exit_code == 1 and "no such file" in nothing.output and "creates nothing" in nothing.output
+    used(url)
     empty = cli("tasks", "list", "--lock-url", url)
-    assert empty.exit_code == 0 and "(0 tasks)" in empty.output
+    assert empty.exit_code == 0 and "(0 tasks; table mutexcron_tasks not created yet)" in empty.output
     store.add("mail", "m-1", timedelta(seconds=-5), {"to": "a@example.com"})
     store.add("mail", "m-2", timedelta(seconds=-4))
     store.add("promo", "sku-1", timedelta(hours=2), {"pct": 20})
@@ -210,7 +213,11 @@ def test_list_table_filters_and_json(url: str, store: TaskStore) -> None:
     assert keys("--key-contains", "sku") == ["sku-1", "sku-2"]
     assert keys("--key-contains", "SKU") == []
     assert keys("--limit", "1") == ["m-1"]
-    assert "the first 1: --limit shows more" in cli("tasks", "list", "--limit", "1", "--lock-url", url).output
+    assert "(4 tasks; the first 1 shown: --limit shows more)" in cli("tasks", "list", "--limit", "1", "--lock-url", url).output
+    assert "(2 tasks; the first 1 shown" in cli("tasks", "list", "--limit", "1", "--code", "mail", "--lock-url", url).output
+    by_key = cli("tasks", "list", "--limit", "1", "--key-contains", "sku", "--lock-url", url)
+    assert "(2 tasks; the first 1 shown" in by_key.output
+    assert "(1 task; the first 1" not in cli("tasks", "list", "--limit", "1", "--state", "failed", "--lock-url", url).output
     bad = cli("tasks", "list", "--state", "done", "--lock-url", url)
     assert bad.exit_code == 2 and "'done' is not one of" in bad.output
 
@@ -575,8 +582,8 @@ def test_add_many_reads_json_lines_and_counts_what_it_did(url: str, store: TaskS
         ('{"code": "mail", "key": "x"}', 'line 2: give an object with "code", "key", "due"'),
         ('{"code": "mail", "key": "x", "due": "now", "prio": 1}', "nothing else"),
         ('{"code": "mail", "key": "x", "due": "tomorrow"}', "line 2: 'tomorrow' is not a due time"),
-        ('{"code": "mail", "key": "", "due": "now"}', "task 1 of add_many"),
-        ('{"code": "mail", "key": "ok", "due": "now"}', "is task 0 too"),
+        ('{"code": "mail", "key": "", "due": "now"}', ", line 2: "),
+        ('{"code": "mail", "key": "ok", "due": "now"}', ", line 2: ('mail', 'ok') is line 1 too"),
     ],
 )
 def test_add_many_stops_at_a_bad_line_before_storing_anything(

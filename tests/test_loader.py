@@ -78,3 +78,16 @@ def test_handlers_on_a_bare_task_pool_say_how_to_run_them(tmp_path: Path) -> Non
     )
     with pytest.raises(JobsFileError, match=r"no MutexScheduler runs them: .*@sched.tasks.handler"):
         load_scheduler(str(write(tmp_path, body, "pool_only.py")))
+
+
+def test_an_import_error_names_the_innermost_line_of_the_users_code(tmp_path: Path) -> None:
+    """deep.py imports helper.py, whose line 4 raises: the error is at helper.py:4, not deep.py:1."""
+    write(tmp_path, "import os\n\n\nDATABASE_URL = os.environ['MUTEXCRON_TEST_NO_SUCH_VARIABLE']\n", "loader_helper.py")
+    path = write(tmp_path, "from loader_helper import DATABASE_URL\n" + ONE, "deep.py")
+    with pytest.raises(JobsFileError) as info:
+        load_scheduler(str(path))
+    assert info.value.filename is not None and info.value.filename.endswith("loader_helper.py")
+    assert info.value.lineno == 4
+    message = str(info.value)
+    assert "loader_helper.py:4: KeyError: 'MUTEXCRON_TEST_NO_SUCH_VARIABLE'" in message
+    assert f"(imported from {path}:1)" in message and "--log-level debug shows the traceback" in message

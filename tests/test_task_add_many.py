@@ -58,10 +58,10 @@ def test_add_many_adds_each_task_and_says_what_it_did_in_order(tasks_ctx: TaskCt
 @pytest.mark.parametrize(
     ("bad", "error", "says"),
     [
-        (("mail", "", LATER), ConfigurationError, "task 1 of add_many"),
-        (("mail", "x", "tomorrow"), ConfigurationError, "task 1 of add_many"),
-        (("mail", "x", LATER, {"f": object()}), AttrsError, "task 1 of add_many"),
-        (("mail", "ok-0", LATER), ConfigurationError, "is task 0 too"),
+        (("mail", "", LATER), ConfigurationError, "task 2 of add_many"),
+        (("mail", "x", "tomorrow"), ConfigurationError, "task 2 of add_many"),
+        (("mail", "x", LATER, {"f": object()}), AttrsError, "task 2 of add_many"),
+        (("mail", "ok-0", LATER), ConfigurationError, "task 2 of add_many: .* is task 1 too"),
         (["mail", "x", LATER], ConfigurationError, "give NewTask"),
     ],
 )
@@ -139,6 +139,6 @@ def test_a_batch_in_the_callers_transaction_commits_with_it_or_not_at_all(app: A
         write(2)
         app.pool.add_many(batch, transaction=tx)
     assert app.rows() == [2] and [t.key for t in app.pool.list(code="close")] == ["o0", "o1", "o2"]
-    with app.transaction("connection") as (tx, _write), pytest.raises(ConfigurationError, match="task 1 of add_many"):
+    with app.transaction("connection") as (tx, _write), pytest.raises(ConfigurationError, match="task 2 of add_many"):
         app.pool.add_many([("close", "fine", LATER), ("close", "", LATER)], transaction=tx)
     assert app.pool.get("close", "fine") is None

@@ -20,9 +20,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 from ..errors import StoreError, StoreUnavailableError
 from ..urls import mask_url, redact
+
+_Store = TypeVar("_Store")
 
 #: The longest driver detail an error message quotes (some drivers describe a whole topology).
 DETAIL_LIMIT = 500
@@ -122,3 +125,12 @@ class Backend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections. The backend (and every store on it) must not be used afterwards."""
+
+
+def reading_only(store: _Store) -> _Store:
+    """``store`` with its backend made read-only (:attr:`Backend.read_only`): a read creates no file,
+    table, index or collection (the dashboard, ``status``, ``history``, ``tasks list``...)."""
+    backend = getattr(store, "backend", None)
+    if isinstance(backend, Backend):
+        backend.read_only = True
+    return store

@@ -10,14 +10,14 @@ from typing import Any, TypeVar
 
 import click
 
-from ..console import EXIT_BAD_INPUT, EXIT_FAILURE, LOG_LEVELS
+from ..console import EXIT_BAD_INPUT, EXIT_FAILURE, LOG_LEVELS, URLS_HINT, group_lock_url
 from ..console import fail as _fail
 from ..console import fail_on as _fail_on
 from ..console import setup_logging as _setup_logging
 from ..formatting import age as _age
 from ..formatting import clip as _clip
 from ..formatting import when as _when
-from ..locks import DEFAULT_LOCK_URL, SCHEMES
+from ..locks import DEFAULT_LOCK_URL
 from ..names import printable
 
 __all__ = [
@@ -28,12 +28,15 @@ __all__ = [
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+#: The one help text of ``--lock-url`` (a command with its own meaning adds to it).
+LOCK_URL_HELP = f"Lock store URL [env MUTEXCRON_LOCK_URL; default {DEFAULT_LOCK_URL}]. {URLS_HINT}"
+
+
 def _lock_url_option(help_text: str | None = None) -> Callable[[F], F]:
-    """The ``--lock-url`` option every command shares (env ``MUTEXCRON_LOCK_URL``)."""
-    text = help_text or (
-        f"Lock store URL [env MUTEXCRON_LOCK_URL; default {DEFAULT_LOCK_URL}]. Schemes: {', '.join(SCHEMES)}."
-    )
-    return click.option("--lock-url", envvar="MUTEXCRON_LOCK_URL", metavar="URL", help=text)
+    """The ``--lock-url`` option every command shares (env ``MUTEXCRON_LOCK_URL``; also given on
+    the group: ``mutexcron --lock-url URL CMD``)."""
+    text = f"{help_text} {URLS_HINT}" if help_text else LOCK_URL_HELP
+    return click.option("--lock-url", envvar="MUTEXCRON_LOCK_URL", metavar="URL", help=text, callback=group_lock_url)
 
 
 def _did_you_mean(name: str, names: Iterable[str], sentence: bool = False) -> str:

@@ -17,6 +17,7 @@ import asyncio
 import copy
 import inspect
 import json
+import os
 import traceback
 from datetime import datetime, timezone
 from typing import Any, NoReturn
@@ -24,6 +25,7 @@ from typing import Any, NoReturn
 import click
 from apscheduler.util import obj_to_ref, ref_to_obj
 
+from ..backends.base import reading_only
 from ..errors import ConfigurationError, MutexcronError
 from ..guard import apscheduler_internals as aps
 from ..guard.firetimes import guard_trigger
@@ -34,7 +36,7 @@ from ..jobstores.states import load
 from ..locks import DEFAULT_LOCK_URL, lock_store_from_url
 from ..locks.record import LockRecord
 from ..urls import redact
-from .common import EXIT_FAILURE, _fail, _fail_on, _lock_url_option
+from .common import EXIT_FAILURE, _did_you_mean, _fail, _fail_on, _lock_url_option
 
 __all__ = ["CHANGES", "change_shared_job", "jobs", "shared_stores", "stored_rows"]
 
@@ -112,7 +114,7 @@ def _records(locks: set[str], lock_url: str) -> dict[str, LockRecord]:
     if not locks:
         return {}
     try:
-        store = lock_store_from_url(lock_url)
+        store = reading_only(lock_store_from_url(lock_url))
     except MutexcronError as exc:
         _fail_on(exc, what="jobs")
     try:
@@ -158,7 +160,19 @@ def _open_shared(jobs_file: str, lock_url: str | None) -> tuple[Any, dict[str, S
     return sched, stores, url
 
 
-@click.group("jobs", context_settings={"help_option_names": ["-h", "--help"]})
+class _JobsGroup(click.Group):
+    """``mutexcron jobs``: a jobs file where a verb belongs (``jobs jobs.py``) gets the command it meant."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+        name = args[0] if args else ""
+        if name and self.get_command(ctx, name) is None and (name.endswith(".py") or ":" in name or os.path.exists(name)):
+            raise click.UsageError(
+                f"{name!r} is not a command of mutexcron jobs: to list its jobs, mutexcron jobs list {name}", ctx
+            )
+        return super().resolve_command(ctx, args)
+
+
+@click.group("jobs", cls=_JobsGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def jobs() -> None:
     """The jobs of a jobs file: list, show, pause, resume, remove (shared jobs), run (once, unguarded)."""
 
@@ -193,25 +207,37 @@ def list_jobs(jobs_file: str, lock_url: str | None, as_json: bool) -> None:
 def show(jobs_file: str, job_id: str, lock_url: str | None) -> None:
     """One job (the file's or a shared store's), every field."""
     sched, stores, url = _open(jobs_file, lock_url)
-    for row in _rows(sched, stores, url):
+    rows = _rows(sched, stores, url)
+    for row in rows:
         if row["job"] == job_id:
             click.echo(json.dumps(_json(row), indent=2))
             return
-    _missing(job_id)
+    _missing(job_id, [row["job"] for row in rows])
 
 
-def _missing(job_id: str) -> NoReturn:
-    _fail(f"no job {job_id!r} in the jobs file nor in its shared job stores (mutexcron jobs list shows them)")
+def _missing(job_id: str, names: list[str]) -> NoReturn:
+    hint = _did_you_mean(job_id, names)
+    _fail(f"no job {job_id!r} in the jobs file nor in its shared job stores{hint} (mutexcron jobs list shows them)")
+
+
+def _job_ids(sched: Any, stores: dict[str, SharedJobStore]) -> list[str]:
+    """Every job id the file declares or its shared stores hold (for "did you mean")."""
+    declared = [job.id for job, _alias, _replace in getattr(sched, "_pending_jobs", [])]
+    try:
+        stored = [row["job"] for row in stored_rows(sched, stores)]
+    except Exception:  # noqa: BLE001 - a hint only: the error itself is the missing job
+        stored = []
+    return declared + stored
 
 
 def _change(jobs_file: str, job_id: str, lock_url: str | None, how: str) -> None:
-    _sched, stores, _url = _open_shared(jobs_file, lock_url)
+    sched, stores, _url = _open_shared(jobs_file, lock_url)
     try:
         outcome = change_shared_job(stores, job_id, how)
     except MutexcronError as exc:
         _fail_on(exc, what=f"jobs {how}")
     if outcome is None:
-        _missing(job_id)
+        _missing(job_id, _job_ids(sched, stores))
     click.echo(outcome)
 
 
@@ -293,4 +319,4 @@ def _callable(sched: Any, stores: dict[str, SharedJobStore], job_id: str) -> tup
         except Exception as exc:  # noqa: BLE001 - not importable here: say so
             _fail(f"job {job_id!r} in {store.where} cannot be loaded here: {type(exc).__name__}: {exc}", EXIT_FAILURE)
         return func, tuple(fields.get("args") or ()), dict(fields.get("kwargs") or {})
-    _missing(job_id)
+    _missing(job_id, _job_ids(sched, stores))

@@ -17,6 +17,7 @@ import click
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from click.core import ParameterSource
 
+from ..console import URLS_HINT
 from ..dashboard.cli import dashboard
 from ..errors import MutexcronError
 from ..locks import DEFAULT_LOCK_URL, URL_ENV, defaulted_urls, lock_store_from_url
@@ -25,6 +26,7 @@ from ..version import __version__
 from . import ops as cli_ops
 from . import tasks as cli_tasks
 from . import trigger as cli_trigger
+from . import urls as cli_urls
 from .common import (
     EXIT_FAILURE,
     LOG_LEVELS,
@@ -33,6 +35,7 @@ from .common import (
     _lock_url_option,
     _setup_logging,
 )
+from .progress import Progress
 from .stop import GracefulStop
 
 log = logging.getLogger(__name__)
@@ -44,8 +47,15 @@ DEFAULT_STARTUP_TIMEOUT = 300.0
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mutexcron")
-def main() -> None:
-    """Run one APScheduler jobs file on several servers; each guarded job runs once per fire time."""
+@click.option(
+    "--lock-url", metavar="URL", help="Lock store URL for the command that follows (as its own --lock-url). " + URLS_HINT
+)
+def main(lock_url: str | None) -> None:
+    """Run one APScheduler jobs file on several servers; each guarded job runs once per fire time.
+
+    Shell completion: eval "$(_MUTEXCRON_COMPLETE=bash_source mutexcron)" in ~/.bashrc (zsh_source
+    in ~/.zshrc; fish: _MUTEXCRON_COMPLETE=fish_source mutexcron | source).
+    """
 
 
 @main.command()
@@ -352,8 +362,11 @@ def drill(
     if jobstore and not shared_mode:
         _fail("--jobstore is for the shared-jobs drill: add --shared-jobs")
 
+    shown = Progress("drill", int(duration), bar_from=0, unit="s", summary=False)
+
     def progress(message: str) -> None:
-        click.echo(f"[{time.strftime('%H:%M:%S')}] {message}", err=True)
+        shown.advance_to(min(int(shown.seconds), int(duration)))
+        shown.note(f"[{time.strftime('%H:%M:%S')}] {message}")
 
     def interrupt(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt  # the drill cleans up on its way out, as for Ctrl-C
@@ -361,18 +374,20 @@ def drill(
     previous = signal.signal(signal.SIGTERM, interrupt)
     report: Any
     try:
-        if shared_mode:
-            report = run_shared_drill(
-                lock_url, jobstore=jobstore, nodes=nodes, lease=unactive_interval, duration=duration, progress=progress
-            )
-        elif tasks_mode:
-            report = run_task_drill(
-                lock_url, nodes=nodes, lease=unactive_interval, duration=duration, rate=task_rate, progress=progress
-            )
-        else:
-            report = run_drill(
-                lock_url, nodes=nodes, unactive_interval=unactive_interval, duration=duration, skew=skew, progress=progress
-            )
+        with shown:
+            if shared_mode:
+                report = run_shared_drill(
+                    lock_url, jobstore=jobstore, nodes=nodes, lease=unactive_interval, duration=duration, progress=progress
+                )
+            elif tasks_mode:
+                report = run_task_drill(
+                    lock_url, nodes=nodes, lease=unactive_interval, duration=duration, rate=task_rate, progress=progress
+                )
+            else:
+                report = run_drill(
+                    lock_url, nodes=nodes, unactive_interval=unactive_interval, duration=duration, skew=skew, progress=progress
+                )
+            shown.advance_to(int(duration))
     except KeyboardInterrupt:
         click.echo("mutexcron: drill interrupted; nodes stopped and temporary files removed", err=True)
         sys.exit(130)
@@ -398,6 +413,7 @@ main.add_command(cli_ops.resume)
 main.add_command(cli_ops.forget)
 main.add_command(cli_ops.status)
 main.add_command(dashboard)
+main.add_command(cli_urls.urls)
 
 from . import jobs as jobs_cli  # noqa: E402
 

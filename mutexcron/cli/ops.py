@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 import click
 
+from ..backends.base import reading_only
 from ..errors import ConfigurationError, MutexcronError
 from ..formatting import duration as _duration
 from ..formatting import offset as _offset
@@ -146,6 +147,8 @@ def _store(lock_url: str | None, what: str, *, read_only: bool = False) -> Itera
         store = lock_store_from_url(lock_url or DEFAULT_LOCK_URL)
     except MutexcronError as exc:
         _fail_on(exc, what=what)
+    if read_only:
+        reading_only(store)
     try:
         missing = _missing_schema(store) if read_only else None
         if missing:
@@ -211,7 +214,10 @@ def _history(name: str | None, job: str | None, limit: int, lock_url: str | None
     """
     with _store(lock_url, "history", read_only=True) as store:
         runs = _runs(store, name, job)
+        unknown = _unknown_name(store, name) if name is not None and not runs else None
         shown = store.masked_url
+    if unknown:
+        _fail(f"history: {unknown}", EXIT_FAILURE)
     runs = runs[:limit]
     if as_json:
         click.echo(json.dumps({"store": shown, "runs": [r.to_json() for r in runs]}, indent=2))
@@ -220,6 +226,19 @@ def _history(name: str | None, job: str | None, limit: int, lock_url: str | None
         click.echo(f"no runs recorded{f' for {name}' if name else ''} in {shown}", err=True)
         return
     click.echo(format_history(runs))
+
+
+def _unknown_name(store: LockStore, name: str) -> str | None:
+    """'no lock or job NAME in STORE (did you mean ...)' if no record names ``name`` as a lock or a job, else None."""
+    records = store.list()
+    names = {r.name for r in records}
+    for record in records:
+        names.update(record.fire_times or {})
+        names.update(record.triggers or {})
+    names.update(run.job for runs in store.history_many(sorted(r.name for r in records), None).values() for run in runs)
+    if name in names:
+        return None
+    return f"no lock or job {printable(name)!r} in {store.masked_url}{_did_you_mean(name, sorted(names))}"
 
 
 def _runs(store: LockStore, name: str | None, job: str | None) -> list[RunRecord]:

@@ -19,13 +19,15 @@ from typing import Any, TextIO
 
 import click
 
+from ..backends.base import reading_only
 from ..errors import AttrsError, ConfigurationError, MutexcronError
 from ..formatting import record_json
 from ..locks import DEFAULT_LOCK_URL
 from ..tasks import ON_CONFLICT, STATES, AddResult, CodeSummary, NewTask, TaskRecord, TaskStore, task_store_from_url
 from ..tasks.checks import check_batch
 from ..tasks.handlers import INTERNAL_PREFIX
-from .common import EXIT_BAD_INPUT, EXIT_FAILURE, _age, _clip, _fail, _fail_on, _lock_url_option
+from .common import EXIT_BAD_INPUT, EXIT_FAILURE, _age, _clip, _did_you_mean, _fail, _fail_on, _lock_url_option
+from .progress import Progress
 
 
 def _tasks() -> None:
@@ -168,10 +170,15 @@ def format_tasks(records: list[TaskRecord], now: datetime) -> str:
 
 # -- the store ------------------------------------------------------------------------------------
 @contextmanager
-def _store(lock_url: str | None, what: str) -> Iterator[TaskStore]:
-    """The task store of ``lock_url``; a store error is one message and its exit code (``_fail_on``)."""
+def _store(lock_url: str | None, what: str, *, read_only: bool = False) -> Iterator[TaskStore]:
+    """The task store of ``lock_url``; a store error is one message and its exit code (``_fail_on``).
+
+    ``read_only``: a command that only reads creates nothing (no SQLite file, table or index).
+    """
     try:
         store = task_store_from_url(lock_url or DEFAULT_LOCK_URL)
+        if read_only:
+            reading_only(store)
     except MutexcronError as exc:
         _fail_on(exc, what=what)
     try:
@@ -198,6 +205,20 @@ def _name(code: str, key: str) -> str:
     return f"{code}/{key}"
 
 
+#: The most keys of one code read to suggest a key ("did you mean"): a hint, bounded.
+HINT_KEYS = 1000
+
+
+def _no_task(store: TaskStore, code: str, key: str | None = None) -> str:
+    """Why ``code`` (and ``key``) matched no task, with the closest codes or keys: "" if nothing is close."""
+    codes = [summary.code for summary in store.summary() if not summary.code.startswith(INTERNAL_PREFIX)]
+    if code not in codes:
+        return _did_you_mean(code, codes) or f" (no task has the code {code!r})"
+    if key is None:
+        return ""
+    return _did_you_mean(key, [task.key for task in store.list(code=code, limit=HINT_KEYS)])
+
+
 # -- commands -------------------------------------------------------------------------------------
 @tasks.command("list")
 @click.option("--code", help="Only tasks of this code.")
@@ -210,16 +231,58 @@ def list_tasks(
     code: str | None, state: str | None, key_contains: str | None, limit: int, as_json: bool, lock_url: str | None
 ) -> None:
     """Tasks by due time: code, key, state, due, attempt, token, owner, lease left, last error."""
-    with _store(lock_url, "tasks list") as store:
-        records = store.list(code=code, key_contains=key_contains, state=state, limit=limit)
+    where: dict[str, Any] = {"code": code, "key_contains": key_contains, "state": state}
+    with _store(lock_url, "tasks list", read_only=True) as store:
+        missing = _missing_table(store)
+        if missing is not None and missing.startswith("no such file"):
+            _fail(f"tasks list: {missing} in {store.masked_url}: no node or producer has used this store yet, "
+                  "or the URL names another file. tasks list creates nothing", EXIT_FAILURE)  # fmt: skip
+        records = [] if missing else store.list(**where, limit=limit)
+        total = _total(store, where, len(records), limit)
         now = store.now() if records and not as_json else None
     if as_json:
         click.echo(json.dumps([record_json(r) for r in records], indent=2, ensure_ascii=False))
         return
-    more = f"; the first {limit}: --limit shows more" if len(records) >= limit else ""
-    click.echo(f"task store: {store.masked_url}  ({len(records)} task{'s' if len(records) != 1 else ''}{more})")
+    counted = f"more than {BULK_LIMIT:,}" if total > BULK_LIMIT else f"{total:,}"
+    shown = f"; the first {len(records):,} shown: --limit shows more" if total > len(records) else ""
+    note = f"; {missing}" if missing else ""
+    click.echo(f"task store: {store.masked_url}  ({counted} task{'s' if total != 1 else ''}{shown}{note})")
     if records and now is not None:
         click.echo(format_tasks(records, now))
+
+
+def _total(store: TaskStore, where: dict[str, Any], listed: int, limit: int) -> int:
+    """How many tasks ``where`` selects: ``listed`` if under ``limit``, else counted by the store
+    (per-code counts; with ``key_contains``, a list: more than :data:`BULK_LIMIT` is not counted)."""
+    if listed < limit:
+        return listed
+    if where["key_contains"] is not None:
+        return len(store.list(**where, limit=BULK_LIMIT + 1))
+    codes = [where["code"]] if where["code"] is not None else None
+    fields = [where["state"]] if where["state"] is not None else ["queued", "running", "failed"]
+    return int(sum(getattr(summary, name) for summary in store.summary(codes) for name in fields))
+
+
+@tasks.command("get")
+@click.argument("code")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="The task as JSON, every field (times ISO 8601 UTC).")
+@_lock_url_option()
+def get(code: str, key: str, as_json: bool, lock_url: str | None) -> None:
+    """Every field of the task CODE KEY. Exit 1 if there is no such task."""
+    code, key = _check(code, key)
+    with _store(lock_url, "tasks get", read_only=True) as store:
+        task = store.get(code, key)
+        if task is None:
+            _fail(f"no task {_name(code, key)} in {store.masked_url}{_no_task(store, code, key)}", EXIT_FAILURE)
+    fields = record_json(task)
+    if as_json:
+        click.echo(json.dumps(fields, indent=2, ensure_ascii=False))
+        return
+    width = max(len(name) for name in fields)
+    for name, value in fields.items():
+        shown = json.dumps(value, ensure_ascii=False) if name in ("payload", "pending_payload") else value
+        click.echo(f"{name.ljust(width)}  {'-' if value is None else shown}")
 
 
 @tasks.command("add")
@@ -284,22 +347,26 @@ def add_many(source: TextIO, on_conflict: str, lock_url: str | None) -> None:
     command before anything is stored. The tasks are written 1,000 at a time (on a SQL store,
     each thousand in one transaction); prints how many were inserted, replaced, kept or pending.
     """
-    batch = _read_task_lines(source)
+    batch, lines = _read_task_lines(source)
     try:
-        check_batch(batch)
+        check_batch(batch, labels=[f"line {number}" for number in lines])
     except (ConfigurationError, AttrsError) as exc:
-        _fail(f"{source.name}: {exc}")
+        _fail(f"{source.name}, {exc}")
     counts: Counter[str] = Counter()
-    with _store(lock_url, "tasks add-many") as store:
+    with _store(lock_url, "tasks add-many") as store, Progress("adding", len(batch), unit="tasks") as progress:
         for start in range(0, len(batch), ADD_MANY_CHUNK):
-            counts.update(str(r) for r in store.add_many(batch[start : start + ADD_MANY_CHUNK], on_conflict=on_conflict))
+            chunk = batch[start : start + ADD_MANY_CHUNK]
+            counts.update(str(r) for r in store.add_many(chunk, on_conflict=on_conflict))
+            progress.advance(len(chunk))
     shown = ", ".join(f"{counts[r.value]:,} {r.value}" for r in AddResult if counts[r.value]) or "nothing to add"
     click.echo(f"{len(batch):,} task(s) from {source.name}: {shown}")
 
 
-def _read_task_lines(source: TextIO) -> list[NewTask]:
-    """The JSON Lines of ``tasks add-many``; exit 2 at the first bad line, naming it."""
+def _read_task_lines(source: TextIO) -> tuple[list[NewTask], list[int]]:
+    """The JSON Lines of ``tasks add-many`` and the line number of each (from 1); exit 2 at the
+    first bad line, naming it."""
     batch: list[NewTask] = []
+    lines: list[int] = []
     for number, line in enumerate(source, start=1):
         if not line.strip():
             continue
@@ -315,7 +382,8 @@ def _read_task_lines(source: TextIO) -> list[NewTask]:
         except ValueError as exc:
             _fail(f"{where}: {exc}")
         batch.append(NewTask(item["code"], item["key"], due, item.get("payload")))
-    return batch
+        lines.append(number)
+    return batch, lines
 
 
 _YES = click.option("--yes", "-y", is_flag=True, help="Bulk: do not ask for confirmation.")
@@ -327,26 +395,34 @@ BULK_LIMIT = 100_000
 def _bulk(store: TaskStore, verb: str, act: Callable[[TaskRecord], bool], yes: bool, **where: Any) -> None:
     """List the tasks ``where`` selects, show their count and a few of them, ask (unless ``yes``),
     then ``act`` on exactly those: tasks added after the question are not touched."""
-    records = store.list(**where, limit=BULK_LIMIT)
+    records = store.list(**where, limit=BULK_LIMIT + 1)
     shown = ", ".join(f"{k}={v!r}" for k, v in where.items() if v is not None)
     if not records:
-        click.echo(f"no task matches {shown} in {store.masked_url}: nothing to {verb}")
+        hint = _no_task(store, where["code"]) if where.get("code") is not None else ""
+        click.echo(f"no task matches {shown} in {store.masked_url}: nothing to {verb}{hint}")
         return
-    more = f" (the first {BULK_LIMIT}: run the command again for the rest)" if len(records) >= BULK_LIMIT else ""
-    click.echo(f"{len(records)} task{'s' if len(records) != 1 else ''} match {shown} in {store.masked_url}{more}:")
+    rest = len(records) > BULK_LIMIT
+    records = records[:BULK_LIMIT]
+    more = f" (the first {BULK_LIMIT:,}: run the command again for the rest)" if rest else ""
+    click.echo(f"{len(records):,} task{'s' if len(records) != 1 else ''} match {shown} in {store.masked_url}{more}:")
     for task in records[:5]:
         click.echo(f"  {_name(task.code, task.key)}  {_state(task)}, due {_iso(task.due)}")
     if len(records) > 5:
-        click.echo(f"  ... and {len(records) - 5} more")
+        click.echo(f"  ... and {len(records) - 5:,} more")
     if not yes:
-        click.confirm(f"{verb.capitalize()} these {len(records)} tasks?", abort=True, err=True)
-    done = sum(bool(act(task)) for task in records)
-    running = sum(t.state == "running" for t in records) if verb == "cancel" else 0
-    note = f"; {running} running: dropped when their attempt ends" if running else ""
-    missed = len(records) - done
-    gone = f" ({missed} changed meanwhile: finished, cancelled or retried by someone else)" if missed else ""
+        click.confirm(f"{verb.capitalize()} these {len(records):,} tasks?", abort=True, err=True)
     past = {"cancel": "cancelled", "retry": "retried"}[verb]
-    click.echo(f"{past} {done} of {len(records)} task{'s' if len(records) != 1 else ''}{gone}{note}")
+    done = 0
+    with Progress({"cancel": "cancelling", "retry": "retrying"}[verb], len(records), unit="tasks") as progress:
+        for task in records:
+            done += bool(act(task))
+            progress.advance(1)
+    running = sum(t.state == "running" for t in records) if verb == "cancel" else 0
+    note = f"; {running:,} running: dropped when their attempt ends" if running else ""
+    missed = len(records) - done
+    gone = f" ({missed:,} changed meanwhile: finished, cancelled or retried by someone else)" if missed else ""
+    again = "; more match: run the command again for the rest" if rest else ""
+    click.echo(f"{past} {done:,} of {len(records):,} task{'s' if len(records) != 1 else ''}{gone}{note}{again}")
 
 
 @tasks.command("cancel")
@@ -378,7 +454,7 @@ def cancel(
     code, key = _check(code, key)
     with _store(lock_url, "tasks cancel") as store:
         if not store.cancel(code, key):
-            _fail(f"no task {_name(code, key)} in {store.masked_url}", EXIT_FAILURE)
+            _fail(f"no task {_name(code, key)} in {store.masked_url}{_no_task(store, code, key)}", EXIT_FAILURE)
         left = store.get(code, key)
     if left is not None and left.state == "running":
         click.echo(f"cancelled: {_name(code, key)} is running; it is dropped when its attempt ends")
@@ -416,7 +492,8 @@ def retry(
     with _store(lock_url, "tasks retry") as store:
         if not store.retry(code, key):
             task = store.get(code, key)
-            why = f"there is no such task in {store.masked_url}" if task is None else f"it is {task.state}, not failed"
+            why = (f"there is no such task in {store.masked_url}{_no_task(store, code, key)}" if task is None
+                   else f"it is {task.state}, not failed")  # fmt: skip
             _fail(f"cannot retry {_name(code, key)}: {why}", EXIT_FAILURE)
     click.echo(f"retried: {_name(code, key)} is queued, due now")
 
@@ -503,7 +580,7 @@ def task_status(url: str, sched: Any = None) -> TaskStatus:
         _fail_on(exc, what="status")
     if row.task_store is None:
         return TaskStatus(None, f"the {row.name} store has no task pool", handled)
-    with _store(url, "status") as store:
+    with _store(url, "status", read_only=True) as store:
         note = _missing_table(store)
         if note is not None:
             return TaskStatus([], note, handled)

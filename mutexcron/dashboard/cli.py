@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from ..console import URLS_HINT, group_lock_url
 from .security import TOKEN_ENV
 
 __all__ = ["dashboard"]
@@ -21,7 +22,8 @@ log = logging.getLogger(__name__)
     "--lock-url",
     envvar="MUTEXCRON_LOCK_URL",
     metavar="URL",
-    help="The store to show [env MUTEXCRON_LOCK_URL; default: the jobs file's, else sqlite:///mutexcron.db].",
+    help=f"The store to show [env MUTEXCRON_LOCK_URL; default: the jobs file's, else sqlite:///mutexcron.db]. {URLS_HINT}",
+    callback=group_lock_url,
 )
 @click.option(
     "--jobs",

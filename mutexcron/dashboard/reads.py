@@ -22,6 +22,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TypeVar
 
 from ..backends import family_of
+from ..backends.base import reading_only
 from ..errors import MutexcronError, SchemaMissingError
 from ..heartbeat import PRESENCE_EVERY
 from ..locks import LockStore, lock_store_from_url
@@ -127,7 +128,7 @@ class StoreReader:
     def lock_store(self) -> LockStore:
         with self._build:
             if self._locks is None:
-                self._locks = _read_only(lock_store_from_url(self.url))
+                self._locks = reading_only(lock_store_from_url(self.url))
             return self._locks
 
     def task_store(self) -> TaskStore:
@@ -135,7 +136,7 @@ class StoreReader:
         url = self.lock_store().url
         with self._build:
             if self._tasks is None:
-                self._tasks = _read_only(task_store_from_url(url))
+                self._tasks = reading_only(task_store_from_url(url))
             return self._tasks
 
     def close(self) -> None:
@@ -265,14 +266,6 @@ class StoreReader:
         with _caught_quietly():
             return self.task_store().get(code, key)
         return None
-
-
-def _read_only(store: _T) -> _T:
-    """``store`` with its backend made read-only: no table, index or collection created on a read."""
-    backend = getattr(store, "backend", None)
-    if backend is not None:
-        backend.read_only = True
-    return store
 
 
 @contextmanager

@@ -39,37 +39,45 @@ def check_task(code: object, key: object) -> tuple[str, str]:
     return check_name(code, "task code"), check_name(key, "task key")
 
 
-def check_batch(tasks: Iterable[NewTask | tuple[Any, ...]]) -> list[NewTask]:
+def check_batch(tasks: Iterable[NewTask | tuple[Any, ...]], *, labels: Sequence[str] | None = None) -> list[NewTask]:
     """The tasks of an ``add_many``, each checked as ``add`` checks it (names, due, payload), the
-    same ``(code, key)`` twice refused; nothing is written unless all pass."""
+    same ``(code, key)`` twice refused; nothing is written unless all pass.
+
+    Args:
+        labels: how errors name each task ("line 7"); default "task N of add_many", counted from 1.
+    """
     if isinstance(tasks, (str, bytes, Mapping)):
         raise ConfigurationError(f"add_many takes a list of tasks, not a {type(tasks).__name__}")
+
+    def label(position: int, within: str = " of add_many") -> str:
+        return labels[position] if labels is not None else f"task {position + 1}{within}"
+
     batch: list[NewTask] = []
     seen: dict[tuple[str, str], int] = {}
     for position, item in enumerate(tasks):
-        task = _new_task(item, position)
+        task = _new_task(item, label(position))
         try:
             code, key = check_task(task.code, task.key)
             check_due(task.due)
             dump_payload(task.payload, code, key)
         except (ConfigurationError, AttrsError) as exc:
-            raise type(exc)(f"task {position} of add_many: {exc}") from None
+            raise type(exc)(f"{label(position)}: {exc}") from None
         if (code, key) in seen:
             raise ConfigurationError(
-                f"task {position} of add_many: ({code!r}, {key!r}) is task {seen[code, key]} too; give each task once"
+                f"{label(position)}: ({code!r}, {key!r}) is {label(seen[code, key], '')} too; give each task once"
             )
         seen[code, key] = position
         batch.append(NewTask(code, key, task.due, task.payload))
     return batch
 
 
-def _new_task(item: object, position: int) -> NewTask:
+def _new_task(item: object, label: str) -> NewTask:
     if isinstance(item, NewTask):
         return item
     if isinstance(item, tuple) and 3 <= len(item) <= 4:
         return NewTask(*item)
     raise ConfigurationError(
-        f"task {position} of add_many: {type(item).__name__} {item!r:.80}: give NewTask(code, key, due, payload) "
+        f"{label}: {type(item).__name__} {item!r:.80}: give NewTask(code, key, due, payload) "
         "or a tuple (code, key, due) / (code, key, due, payload)"
     )
 
