@@ -147,17 +147,7 @@ class FlaskAPSchedulerGunicorn(Gunicorn):
             )  # fmt: skip
 
     def job_runs(self, job: str) -> list[Run]:
-        out = []
-        if not self.runs_path.exists():
-            return out
-        for line in self.runs_path.read_text().splitlines():
-            try:
-                fields = json.loads(line)
-            except ValueError:
-                continue  # a line being written
-            if fields.pop("job", None) == job:
-                out.append(Run(**fields))
-        return out
+        return job_runs(self.runs_path, job)
 
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         data = None if body is None else json.dumps(body).encode()
@@ -168,6 +158,21 @@ class FlaskAPSchedulerGunicorn(Gunicorn):
                 return response.status, json.loads(text) if text else None
         except urllib.error.HTTPError as exc:
             return exc.code, json.loads(exc.read() or b"null")
+
+
+def job_runs(path: Path, job: str) -> list[Run]:
+    """The runs of ``job`` in a runs file (one JSON line per run, with its job's name)."""
+    out: list[Run] = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            fields = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if fields.pop("job", None) == job:
+            out.append(Run(**fields))
+    return out
 
 
 @pytest.fixture

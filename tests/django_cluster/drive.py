@@ -1,0 +1,55 @@
+"""What a web process of the project does, one action per call: ``python drive.py ACTION JOB``.
+
+add / pause / resume / remove: through a paused MutexScheduler on the DjangoJobStore (a process that
+only changes jobs); admin-run: the admin's "run selected jobs" action, as a logged-in superuser;
+executions: the job's DjangoJobExecution rows as JSON."""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "cluster_project.settings")
+import django
+
+django.setup()
+
+
+def change(action: str, job: str) -> None:
+    from cluster_app.jobs import record
+    from django_apscheduler.jobstores import DjangoJobStore
+
+    from mutexcron import MutexScheduler
+
+    sched = MutexScheduler(jobstores={"default": DjangoJobStore()}, triggers=False)
+    sched.start(paused=True)
+    try:
+        if action == "add":
+            sched.add_job(record, "interval", seconds=1, args=[job], id=job)
+        else:
+            getattr(sched, f"{action}_job")(job)
+    finally:
+        sched.shutdown()
+
+
+def admin_run(job: str) -> None:
+    from django.contrib.auth.models import User
+    from django.contrib.messages import get_messages
+    from django.test import Client
+
+    user = User.objects.filter(username="admin").first() or User.objects.create_superuser("admin", "a@example.com", "pw")
+    client = Client()
+    client.force_login(user)
+    reply = client.post("/admin/django_apscheduler/djangojob/", {"action": "run_selected_jobs", "_selected_action": [job]})
+    print(json.dumps({"status": reply.status_code, "messages": [str(m) for m in get_messages(reply.wsgi_request)]}))
+
+
+def executions(job: str) -> None:
+    from django_apscheduler.models import DjangoJobExecution
+
+    rows = DjangoJobExecution.objects.filter(job_id=job).values_list("run_time", "status")
+    print(json.dumps([[when.timestamp(), status] for when, status in rows]))
+
+
+if __name__ == "__main__":
+    action, job = sys.argv[1], sys.argv[2]
+    {"admin-run": admin_run, "executions": executions}.get(action, lambda j: change(action, j))(job)
