@@ -302,11 +302,11 @@ class SharedDjangoJobStore(SharedJobStore, DjangoJobStore):  # type: ignore[misc
             listening = self._listening_waker()
             if listening is not None:
                 return listening
-        if self._vendor == "sqlite":
+        path = str(connections[self.using].settings_dict["NAME"])
+        if self._vendor == "sqlite" and path != ":memory:" and "mode=memory" not in path:
             from ..tasks.wakeups.sqlite import SQLiteWaker
 
-            return SQLiteWaker(str(connections[self.using].settings_dict["NAME"]), self._local_key, [CODE], None,
-                               self.where, version_poll=SQLITE_POLL)  # fmt: skip
+            return SQLiteWaker(path, self._local_key, [CODE], None, self.where, version_poll=SQLITE_POLL)
         return RegisteredPollWaker(self._local_key, [CODE], POLL)
 
     def _listening_waker(self) -> Waker | None:
