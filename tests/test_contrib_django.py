@@ -1,7 +1,7 @@
 """``mutexcron.contrib.django``: django-apscheduler, cluster-safe.
 
-A Django project (tests/django_cluster: django-apscheduler and ``mutexcron.contrib.django`` installed,
-one every-second job in the shared ``DjangoJobStore``) runs as 3 nodes, ``python manage.py mutexcron
+The example site (examples/django_apscheduler_site: django-apscheduler and ``mutexcron.contrib.django``
+installed, an every-second job in the shared ``DjangoJobStore``) runs as 3 nodes, ``python manage.py mutexcron
 run``, on SQLite, PostgreSQL and MariaDB (a database of the test's own, dropped afterwards; the locks
 and tasks in it by default). Each fire time runs once across the nodes; a job added, paused, resumed
 and removed by another process (a paused scheduler, as a web process has) reaches every node; the
@@ -28,7 +28,8 @@ from tests.backends import require_server
 from tests.test_contrib_flask import job_runs
 from tests.test_embedding import REPO, Run, _die_with_pytest, _report, analyse, child_env, require_modules
 
-PROJECT = REPO / "tests" / "django_cluster"
+PROJECT = REPO / "examples" / "django_apscheduler_site"
+DRIVE = REPO / "tests" / "django_site_drive.py"
 LEASE = 3.0
 NODES = 3
 
@@ -71,15 +72,15 @@ class Project:
     def __init__(self, database: dict[str, Any], workdir: Path) -> None:
         self.runs_path = workdir / "runs.jsonl"
         self.workdir = workdir
-        self.env = child_env(DJ_DATABASE=json.dumps(database), DJ_RUNS_LOG=str(self.runs_path),
-                             MUTEXCRON_UNACTIVE_INTERVAL=str(LEASE))  # fmt: skip
+        self.env = child_env(SITE_DATABASE=json.dumps(database), SITE_RUNS_LOG=str(self.runs_path),
+                             MUTEXCRON_UNACTIVE_INTERVAL=str(LEASE), PYTHONPATH=str(PROJECT))  # fmt: skip
         self.nodes: list[subprocess.Popen[bytes]] = []
 
     def manage(self, *args: str, timeout: float = 120) -> str:
         return self._run([sys.executable, "manage.py", *args], timeout)
 
     def drive(self, action: str, job: str) -> str:
-        return self._run([sys.executable, "drive.py", action, job], 60)
+        return self._run([sys.executable, str(DRIVE), action, job], 60)
 
     def _run(self, command: list[str], timeout: float) -> str:
         done = subprocess.run(command, cwd=PROJECT, env=self.env, capture_output=True, text=True, timeout=timeout)

@@ -1,4 +1,5 @@
-"""What a web process of the project does, one action per call: ``python drive.py ACTION JOB``.
+"""What a web process of examples/django_apscheduler_site does (tests/test_contrib_django.py), one
+action per call: ``python tests/django_site_drive.py ACTION JOB`` (the site on ``PYTHONPATH``).
 
 add / pause / resume / remove: through a paused MutexScheduler on the DjangoJobStore (a process that
 only changes jobs); admin-run: the admin's "run selected jobs" action, as a logged-in superuser;
@@ -8,15 +9,15 @@ import json
 import os
 import sys
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "cluster_project.settings")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "site_settings.settings")
 import django
 
 django.setup()
 
 
 def change(action: str, job: str) -> None:
-    from cluster_app.jobs import record
     from django_apscheduler.jobstores import DjangoJobStore
+    from reports.jobs import record
 
     from mutexcron import MutexScheduler
 
