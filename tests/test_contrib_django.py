@@ -176,6 +176,8 @@ def test_django_apscheduler_on_three_nodes(kind: str, database: dict[str, Any], 
         first = project.wait("the first run", lambda: project.runs("tick"))[0]
         project.wait("6 s of runs", lambda: any(r.fire >= first.fire + 6 for r in project.runs("tick")))
         result["steady"] = analyse(project.runs("tick"))
+        listing = project.manage("mutexcron", "jobs", "list")  # the jobs module from settings.MUTEXCRON_JOBS
+        assert "tick" in listing and "hourly" in listing, listing
         result.update(_changes_reach_every_node(project))
         result.update(_admin_run(project))
         result["kill"] = _kill_holder(project)
