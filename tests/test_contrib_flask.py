@@ -223,6 +223,12 @@ def _pause_resume_remove(server: FlaskAPSchedulerGunicorn) -> dict[str, Any]:
     _every_worker_sees(server, "added", lambda s, r: s == 200 and r["next_run_time"] is None)
     time.sleep(2.5)
     late = [r for r in server.job_runs("added") if r.wall > paused_at + 0.5]
+    run_at = time.time()  # run it now, paused: once, on the holder of its lock
+    status, reply = server.call("POST", "/scheduler/jobs/added/run")
+    assert status == 200, reply
+    _wait(server, "the requested run", lambda: any(r.wall > run_at for r in server.job_runs("added")))
+    time.sleep(1.5)
+    requested = [r for r in server.job_runs("added") if r.wall > run_at]
     status, reply = server.call("POST", "/scheduler/jobs/added/resume")
     assert status == 200 and reply["next_run_time"], reply
     resumed_at = time.time()
@@ -233,7 +239,7 @@ def _pause_resume_remove(server: FlaskAPSchedulerGunicorn) -> dict[str, Any]:
     _every_worker_sees(server, "added", lambda s, r: s == 404)
     time.sleep(2.5)
     after = [r for r in server.job_runs("added") if r.wall > removed_at + 0.5]
-    return {"runs_while_paused": len(late), "runs_after_remove": len(after)}
+    return {"runs_while_paused": len(late), "requested_runs": len(requested), "runs_after_remove": len(after)}
 
 
 def _kill_holder(server: FlaskAPSchedulerGunicorn) -> dict[str, Any]:
@@ -304,6 +310,7 @@ def test_flask_apscheduler_under_gunicorn(kind: str, flask_database: tuple[str, 
     assert not result["whole"]["duplicated"] and not result["added_whole"]["duplicated"], f"a fire time ran twice\n{result}"
     assert not result["whole"]["shared_node_ids"], result
     assert result["runs_while_paused"] == 0 and result["runs_after_remove"] == 0, result
+    assert result["requested_runs"] == 1, f"POST .../run did not run the job once\n{result}"
     # A run every second: the first fire time after the lease ran out is at most a second later.
     assert result["kill"]["moved_after_kill"] < LEASE + 1.5, f"the job took longer than the lease to move\n{result}"
     reload = result["reload"]
