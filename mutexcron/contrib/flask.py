@@ -26,9 +26,13 @@ from datetime import timedelta
 from typing import Any
 
 from apscheduler.util import ref_to_obj, undefined
-from flask_apscheduler import APScheduler as _FlaskAPScheduler
 
 from ..errors import ConfigurationError
+
+try:
+    from flask_apscheduler import APScheduler as _FlaskAPScheduler
+except ImportError as exc:  # pragma: no cover - the extra not installed
+    raise ConfigurationError(f"mutexcron.contrib.flask needs Flask-APScheduler: pip install 'mutexcron[flask]' ({exc})") from exc
 from ..guard import apscheduler_internals as aps
 from ..guard.triggers import TRIGGER_CODE
 from ..jobstores import is_shared

@@ -15,7 +15,15 @@ from __future__ import annotations
 
 import os
 
+from ...errors import ConfigurationError
 from ...locks import URL_ENV
+
+try:
+    import django_apscheduler  # noqa: F401 - the integration's dependency, named in the error below
+except ImportError as exc:  # pragma: no cover - the extra not installed
+    raise ConfigurationError(
+        f"mutexcron.contrib.django needs django-apscheduler: pip install 'mutexcron[django]' ({exc})"
+    ) from exc
 
 __all__ = ["lock_url"]
 
