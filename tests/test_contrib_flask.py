@@ -84,6 +84,11 @@ def test_lock_store_comes_from_the_apps_config(tmp_path: Path, no_lock_url_env: 
     assert scheduler.scheduler.lock_url == f"sqlite:///{tmp_path}/jobs.db"
     store.engine.dispose()
 
+    from mutexcron import MutexScheduler
+
+    with pytest.raises(ConfigurationError, match="FlaskMutexScheduler"):
+        APScheduler(MutexScheduler())  # its memory jobs would run unguarded in every process
+
     bare = APScheduler(app=_app({"JOBS": [{"id": "j", "func": f"{__name__}:_job", "trigger": "interval", "seconds": 5}]}))
     with pytest.raises(ConfigurationError, match="SCHEDULER_LOCK_URL"):
         bare.start()

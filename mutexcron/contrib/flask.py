@@ -77,16 +77,17 @@ class APScheduler(_FlaskAPScheduler):  # type: ignore[misc]
     """Flask-APScheduler's ``APScheduler`` on a :class:`FlaskMutexScheduler` (see the module docstring).
 
     Args:
-        scheduler: a :class:`~mutexcron.MutexScheduler` of your own (its own ``lock_url`` is kept unless
-            ``SCHEDULER_LOCK_URL`` is set); default a :class:`FlaskMutexScheduler`.
+        scheduler: a :class:`FlaskMutexScheduler` of your own (its own ``lock_url`` is kept unless
+            ``SCHEDULER_LOCK_URL`` is set); default one made here.
         app: the Flask app, as ``init_app(app)``.
     """
 
-    def __init__(self, scheduler: MutexScheduler | None = None, app: Any = None) -> None:
-        if scheduler is not None and not isinstance(scheduler, MutexScheduler):
+    def __init__(self, scheduler: FlaskMutexScheduler | None = None, app: Any = None) -> None:
+        if scheduler is not None and not isinstance(scheduler, FlaskMutexScheduler):
             raise ConfigurationError(
-                f"mutexcron.contrib.flask.APScheduler needs a MutexScheduler, not a {type(scheduler).__name__}: "
-                "pass none (it makes one) or mutexcron.MutexScheduler(...)"
+                f"mutexcron.contrib.flask.APScheduler needs a FlaskMutexScheduler, not a {type(scheduler).__name__} "
+                "(whose jobs in a memory store would run in every process): pass none (it makes one) or "
+                "mutexcron.contrib.flask.FlaskMutexScheduler(...) with your options"
             )
         self._own_scheduler = scheduler is None
         self._lock_url_missing: str | None = None
