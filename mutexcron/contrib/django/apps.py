@@ -8,6 +8,7 @@ import os
 
 from django.apps import AppConfig
 
+from ...errors import ConfigurationError
 from ...locks import URL_ENV
 from ...urls import mask_url
 
@@ -24,6 +25,10 @@ class MutexcronConfig(AppConfig):  # type: ignore[misc]
 
         if os.environ.get(URL_ENV):
             return
-        url = lock_url()
+        try:
+            url = lock_url()
+        except ConfigurationError as exc:  # the site still starts; the schedulers say where the locks went
+            log.warning("mutexcron: %s", exc)
+            return
         os.environ[URL_ENV] = url  # what every MutexScheduler(), TaskPool() and Mutex() built without a URL uses
         log.debug("mutexcron: locks in %s", mask_url(url))
