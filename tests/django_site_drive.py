@@ -8,6 +8,7 @@ executions: the job's DjangoJobExecution rows as JSON."""
 import json
 import os
 import sys
+from typing import Any
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "site_settings.settings")
 import django
@@ -32,6 +33,35 @@ def change(action: str, job: str) -> None:
         sched.shutdown()
 
 
+def remove_racing_a_run(job: str) -> None:
+    """Add ``job``, then remove it while a holder records a run of it: the run's DjangoJobExecution row
+    lands (on a connection of its own, committed) after Django deleted the job's rows and before it
+    deletes the job, as a node's run can. The removal must go through; prints the rows and jobs left."""
+    from django.db import connections
+    from django.db.models.sql.subqueries import DeleteQuery
+    from django_apscheduler.models import DjangoJob, DjangoJobExecution
+
+    change("add", job)
+    delete_batch = DeleteQuery.delete_batch
+    raced: list[bool] = []
+
+    def a_run_lands_first(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not raced and self.model is DjangoJob:
+            raced.append(True)
+            other = connections.create_connection("default")  # what another node's run does
+            with other.cursor() as cursor:
+                cursor.execute("INSERT INTO django_apscheduler_djangojobexecution (job_id, status, run_time) "
+                               "VALUES (%s, %s, %s)", [job, "Started execution", "2030-01-01T00:00:00+00:00"])
+            other.commit()
+            other.close()
+        return delete_batch(self, *args, **kwargs)
+
+    DeleteQuery.delete_batch = a_run_lands_first
+    change("remove", job)
+    print(json.dumps({"raced": bool(raced), "jobs": DjangoJob.objects.filter(id=job).count(),
+                      "rows": DjangoJobExecution.objects.filter(job_id=job).count()}))
+
+
 def admin_run(job: str) -> None:
     from django.contrib.auth.models import User
     from django.contrib.messages import get_messages
@@ -53,4 +83,5 @@ def executions(job: str) -> None:
 
 if __name__ == "__main__":
     action, job = sys.argv[1], sys.argv[2]
-    {"admin-run": admin_run, "executions": executions}.get(action, lambda j: change(action, j))(job)
+    actions = {"admin-run": admin_run, "executions": executions, "remove-racing-a-run": remove_racing_a_run}
+    actions.get(action, lambda j: change(action, j))(job)

@@ -203,3 +203,14 @@ def test_django_apscheduler_on_three_nodes(kind: str, database: dict[str, Any], 
     executions = result["executions"]
     assert executions["rows_without_run"] == 0 and executions["rows"] == len(set(row_fires)), result
     assert executions["runs_without_row"] <= 1, result  # the run the SIGKILL interrupted may have no row
+
+
+@pytest.mark.parametrize("kind", [pytest.param("postgresql", marks=pytest.mark.postgresql)])
+def test_a_removal_racing_a_runs_history_row_goes_through(kind: str, database: dict[str, Any], tmp_path: Path) -> None:
+    """A run's DjangoJobExecution row committed while a removal runs (after Django collected the job's
+    rows, before it deleted the job) failed the removal's commit with a foreign key error; the removal
+    is tried again and goes through, taking that row too (PostgreSQL checks the key at commit)."""
+    project = Project(database, tmp_path)
+    project.manage("migrate", "--noinput")
+    outcome = json.loads(project.drive("remove-racing-a-run", "raced").strip().splitlines()[-1])
+    assert outcome == {"raced": True, "jobs": 0, "rows": 0}, outcome

@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: How often a removal is tried again when a run's DjangoJobExecution row lands during it (the rows
+#: are deleted by Django before the job, in the same transaction: a row added meanwhile fails the commit).
+DELETE_ATTEMPTS = 5
+
 #: The change counter's statements, by name; ``{t}`` is the quoted ``<job table>_changes``.
 CHANGES_SQL = {
     # create: the one-row table, made by the first node
@@ -250,28 +254,31 @@ class SharedDjangoJobStore(SharedJobStore, DjangoJobStore):  # type: ignore[misc
         return done
 
     def _delete(self, job_id: str, base: bytes | None) -> bool:
-        def write() -> bool:
-            query = self._jobs().filter(id=job_id) if base is None else self._jobs().filter(id=job_id, job_state=base)
-            with transaction.atomic(using=self.using):
-                _, per_model = query.delete()  # its DjangoJobExecution rows go too (on_delete=CASCADE)
-                done: bool = per_model.get(DjangoJob._meta.label, 0) == 1
-                if done:
-                    self._announce()
-            return done
-
-        done = self._db(write)
+        query = self._jobs().filter(id=job_id) if base is None else self._jobs().filter(id=job_id, job_state=base)
+        done = self._db(lambda: self._cascade(query) == 1)
         if done:
             self._announce_locally()
         return done
 
     def _delete_all(self) -> None:
-        def write() -> None:
-            with transaction.atomic(using=self.using):
-                self._jobs().all().delete()
-                self._announce()
-
-        self._db(write)
+        self._db(lambda: self._cascade(self._jobs().all()))
         self._announce_locally()
+
+    def _cascade(self, query: Any) -> int:
+        """Delete the jobs of ``query`` with their DjangoJobExecution rows (``on_delete=CASCADE``, done
+        by Django before the jobs, in the same transaction), announced when any went; tried again when
+        a holder wrote a run's row meanwhile (that fails the commit). How many jobs went."""
+        for _ in range(DELETE_ATTEMPTS):
+            try:
+                with transaction.atomic(using=self.using):
+                    _, per_model = query.delete()
+                    deleted = int(per_model.get(DjangoJob._meta.label, 0))
+                    if deleted:
+                        self._announce()
+                return deleted
+            except IntegrityError:
+                continue
+        raise StoreUnavailableError(f"{self.where}: runs kept being recorded while their jobs were removed; try again")
 
     def _announce(self) -> None:
         """The change counter bumped, and a notice to every node (PostgreSQL), in the write's transaction."""
@@ -344,6 +351,8 @@ class SharedDjangoJobStore(SharedJobStore, DjangoJobStore):  # type: ignore[misc
             status, error = (DjangoJobExecution.SUCCESS, None) if ok else (DjangoJobExecution.ERROR, event.details.get("error"))
         try:
             DjangoJobExecution.atomic_update_or_create(self.lock, event.job_id, event.fire_time, status, exception=error)
+        except IntegrityError:  # the job was removed meanwhile: its history went with it
+            log.info("job %r was removed: no DjangoJobExecution row for %s", event.job_id, event.fire_time)
         except Exception as exc:  # noqa: BLE001 - the history must never fail a run
             log.warning("job %r: its DjangoJobExecution row for %s was not written (%s)", event.job_id, event.fire_time, exc)
 
