@@ -20,6 +20,7 @@ mutexcron's run events, by the node that ran the fire time: one row per fire tim
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Collection
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -50,6 +51,8 @@ T = TypeVar("T")
 #: How often a removal is tried again when a run's DjangoJobExecution row lands during it (the rows
 #: are deleted by Django before the job, in the same transaction: a row added meanwhile fails the commit).
 DELETE_ATTEMPTS = 5
+#: Seconds a write that found SQLite's file locked is tried again.
+SQLITE_LOCKED_RETRY = 2.0
 
 #: The change counter's statements, by name; ``{t}`` is the quoted ``<job table>_changes``.
 CHANGES_SQL = {
@@ -292,16 +295,29 @@ class SharedDjangoJobStore(SharedJobStore, DjangoJobStore):  # type: ignore[misc
         LOCAL_WAKERS.notify(self._local_key, CODE)
 
     def _db(self, work: Callable[[], T]) -> T:
-        """``work`` on this thread's Django connection; a database error closes that connection (the
-        next call opens a fresh one) and is raised as :class:`StoreUnavailableError`."""
-        try:
-            return work()
-        except IntegrityError:
-            raise
-        except DatabaseError as exc:
-            connections[self.using].close_if_unusable_or_obsolete()
-            detail = redact(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}", self._url())
-            raise StoreUnavailableError(f"{self.where}: {detail}") from exc
+        """``work`` (one transaction, or one read) on this thread's Django connection. SQLite's "database
+        is locked" is tried again for up to :data:`SQLITE_LOCKED_RETRY` seconds (a deferred transaction
+        that reads, then writes after another connection's commit, fails at once whatever the busy
+        timeout); any other database error closes the connection (the next call opens a fresh one) and
+        is raised as :class:`StoreUnavailableError`."""
+        deadline = time.monotonic() + SQLITE_LOCKED_RETRY
+        while True:
+            try:
+                return work()
+            except IntegrityError:
+                raise
+            except DatabaseError as exc:
+                if self._retry_locked(exc, deadline):
+                    time.sleep(0.02)
+                    continue
+                connections[self.using].close_if_unusable_or_obsolete()
+                detail = redact(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}", self._url())
+                raise StoreUnavailableError(f"{self.where}: {detail}") from exc
+
+    def _retry_locked(self, exc: DatabaseError, deadline: float) -> bool:
+        """SQLite's lock, outside the caller's own transaction, before the deadline."""
+        conn = connections[self.using]
+        return self._vendor == "sqlite" and "locked" in str(exc) and not conn.in_atomic_block and time.monotonic() < deadline
 
     # -- the watcher's waker ---------------------------------------------------------------------
     def waker(self) -> Waker:
