@@ -324,7 +324,7 @@ def test_flask_apscheduler_under_gunicorn(kind: str, flask_database: tuple[str, 
     assert result["stop_seconds"] is not None, f"gunicorn needed SIGKILL\n{result}"
 
 
-def test_example_is_importable_without_running() -> None:
+def test_the_example_changes_only_the_import() -> None:
     """The example's module names the import it replaces (the docs' before/after)."""
     text = (REPO / "examples" / "flask_apscheduler_app.py").read_text()
     assert "from mutexcron.contrib.flask import APScheduler  # was: from flask_apscheduler import APScheduler" in text
