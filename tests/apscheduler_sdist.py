@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = ROOT / "tests" / "dropin"
 
 
-def apscheduler_sdist(where: Path, version: str = APSCHEDULER_TESTS) -> Path:
-    """Download and unpack ``APScheduler==version``'s source distribution under ``where``; its
-    directory (with ``tests/`` and ``pyproject.toml``). Skips (fails under ``CI=true``) if pip cannot."""
-    spec = f"APScheduler=={version}"
+def apscheduler_sdist(where: Path, version: str = APSCHEDULER_TESTS, package: str = "APScheduler") -> Path:
+    """Download and unpack ``package==version``'s source distribution under ``where``; its
+    directory (with ``tests/``). Skips (fails under ``CI=true``) if pip cannot."""
+    spec = f"{package}=={version}"
     download = subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet", spec, "-d", str(where)],
         capture_output=True,
@@ -37,7 +37,7 @@ def apscheduler_sdist(where: Path, version: str = APSCHEDULER_TESTS) -> Path:
     if download.returncode != 0 or not archives:
         reason = f"cannot download the {spec} source distribution: {download.stderr.strip()[-300:]}"
         if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"{reason} (CI=true: APScheduler's own tests must run)")
+            pytest.fail(f"{reason} (CI=true: {package}'s own tests must run)")
         pytest.skip(reason)
     with tarfile.open(archives[0]) as archive:
         archive.extractall(where, filter="data")

@@ -1,5 +1,5 @@
-"""Shared APScheduler job stores: every node on one ``SQLAlchemyJobStore``, ``RedisJobStore`` or
-``MongoDBJobStore``, each job once per fire time across the cluster.
+"""Shared APScheduler job stores: every node on one ``SQLAlchemyJobStore``, ``RedisJobStore``,
+``MongoDBJobStore`` or django-apscheduler's ``DjangoJobStore``, each job once per fire time across the cluster.
 
 ``MutexScheduler.start()`` turns each of the scheduler's persistent job stores into its shared
 flavour (a subclass of APScheduler's own class, on the same data: :data:`SHAREABLE`). The family's
@@ -27,6 +27,7 @@ SHAREABLE: dict[str, str] = {
     "apscheduler.jobstores.sqlalchemy.SQLAlchemyJobStore": "sqlalchemy:SharedSQLAlchemyJobStore",
     "apscheduler.jobstores.redis.RedisJobStore": "redis:SharedRedisJobStore",
     "apscheduler.jobstores.mongodb.MongoDBJobStore": "mongodb:SharedMongoDBJobStore",
+    "django_apscheduler.jobstores.DjangoJobStore": "django:SharedDjangoJobStore",  # django-apscheduler's
 }
 
 

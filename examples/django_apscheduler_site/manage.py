@@ -1,0 +1,11 @@
+"""The example site's manage.py: ``python manage.py migrate``, then ``python manage.py mutexcron run``
+on every node (see README.md)."""
+
+import os
+import sys
+
+if __name__ == "__main__":
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "site_settings.settings")
+    from django.core.management import execute_from_command_line
+
+    execute_from_command_line(sys.argv)
