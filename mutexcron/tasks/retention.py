@@ -214,7 +214,8 @@ class Pruner:
             with self._hold() as lease:
                 if not lease:
                     return  # another node prunes
-                log.info("this node prunes finished tasks older than %s from %s", self.retention, self.store.masked_url)
+                age, where = format_age(self.retention), self.store.masked_url
+                log.info("this node prunes finished tasks older than %s from %s", age, where)
                 while not self._stop.is_set() and not lease.lost:
                     self._stop.wait(self._pass(lease))
                 if lease.lost:
