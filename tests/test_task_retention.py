@@ -196,3 +196,16 @@ def test_real_nodes_prune_one_at_a_time_and_a_killed_pruner_loses_nothing(
             assert all(ended <= b or e <= begun for b, e in by_node[other]), "two nodes pruned at once"
     finally:
         c.stop()
+
+
+def test_status_says_when_the_jobs_file_keeps_finished_tasks_forever(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/t.db"
+    with TaskPool(url) as pool:
+        _finish(pool.store, "mail", ["a"])
+    for retention, said in (("0", True), ("timedelta(days=1)", False)):
+        jobs = tmp_path / f"jobs_{said}.py"
+        jobs.write_text(f"from datetime import timedelta\nfrom mutexcron import MutexScheduler\n"
+                        f"sched = MutexScheduler(lock_url={url!r}, task_retention={retention})\n")  # fmt: skip
+        result = _cli("status", str(jobs), "--lock-url", url)
+        assert result.exit_code == 0, result.output
+        assert ("task retention: off (task_retention=0): finished tasks are kept forever" in result.output) is said, result.output

@@ -480,11 +480,13 @@ class TaskStatus:
         codes: one summary per code with tasks (None: the store has no task pool).
         note: why there is nothing to count (no task pool, no table yet), or None.
         handled: the codes the jobs file's handlers serve, if it says (None: not known).
+        keeps_forever: the jobs file turns task retention off (``task_retention=0``): nothing prunes.
     """
 
     codes: list[CodeSummary] | None
     note: str | None = None
     handled: frozenset[str] | None = None
+    keeps_forever: bool = False
 
     def unserved(self) -> list[CodeSummary]:
         """Codes with due tasks that no loaded handler serves (only when the handlers are known)."""
@@ -500,6 +502,15 @@ class TaskStatus:
         ]
 
     def lines(self) -> list[str]:
+        return [*self._code_lines(), *self._retention_lines()]
+
+    def _retention_lines(self) -> list[str]:
+        if not self.keeps_forever or self.codes is None:
+            return []
+        return ["task retention: off (task_retention=0): finished tasks are kept forever; "
+                "`mutexcron tasks purge --older-than 7d` removes them"]  # fmt: skip
+
+    def _code_lines(self) -> list[str]:
         if not self.codes:
             return [f"no tasks{f' ({self.note})' if self.note else ''}"]
         width = max(len(s.code) for s in self.codes)
@@ -547,6 +558,7 @@ def task_status(url: str, sched: Any = None) -> TaskStatus:
     from ..backends import family_of
 
     handled = _handled_codes(sched) if sched is not None else None
+    forever = sched is not None and getattr(sched, "task_retention", True) is None
     try:
         row = family_of(url)
     except ConfigurationError as exc:
@@ -556,8 +568,8 @@ def task_status(url: str, sched: Any = None) -> TaskStatus:
     with _store(url, "status") as store:
         note = _missing_table(store)
         if note is not None:
-            return TaskStatus([], note, handled)
-        return TaskStatus(store.summary(), None, handled)
+            return TaskStatus([], note, handled, forever)
+        return TaskStatus(store.summary(), None, handled, forever)
 
 
 # -- ddl ------------------------------------------------------------------------------------------

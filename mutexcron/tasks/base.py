@@ -448,6 +448,12 @@ class TaskStore(ABC):
         """How many tombstones finished more than ``older_than`` seconds ago (of ``code``): what a purge would remove."""
         return 0
 
+    def count_stored(self) -> dict[str, int]:
+        """What the store holds for the task pool, by kind (``rows``: every task's row or document;
+        ``tombstones``: the finished tasks among them, kept for their token), for the metrics.
+        One count over the table: not for a hot path. {} where counting is not cheap (Redis)."""
+        return {}
+
     @property
     def default_poll(self) -> float:
         """Seconds between two looks for new tasks where no notice comes, when no handler asks otherwise."""

@@ -632,6 +632,10 @@ class SQLTaskStore(TaskStore):
         params, and_code = self._purge_params(older_than, code)
         return int(self._read(self._sql.purge_count.replace("{and_code}", and_code), params, "purge count")[0][0])
 
+    def count_stored(self) -> dict[str, int]:
+        rows, tombstones = self._read(self._sql.count_stored, {}, "count rows")[0]
+        return {"rows": int(rows), "tombstones": int(tombstones)}
+
     def _purge_params(self, older_than: float, code: str | None) -> tuple[dict[str, Any], str]:
         params: dict[str, Any] = {"ago": -float(older_than)}
         if code is None:

@@ -282,6 +282,8 @@ class TaskStatements:
     purge_count: str = "SELECT COUNT(*) FROM {t} WHERE state = 'done' AND code <> '' AND updated < {cutoff}{and_code}"
     #: Deletes up to ``:n`` tombstones finished before ``{cutoff}`` whose token is at most ``:floor``.
     purge: str = ""
+    #: Every task's row, and the tombstones among them, the floor's row aside (``mutexcron_task_store_rows``).
+    count_stored: str = "SELECT COUNT(*), COALESCE(SUM(CASE WHEN state = 'done' THEN 1 ELSE 0 END), 0) FROM {t} WHERE code <> ''"
 
     def bind(self, table: str) -> TaskStatements:
         """This row with every template filled for ``table`` (``{codes}``, ``{pairs}``, ``{triples}``, ``{where}`` kept)."""
