@@ -7,16 +7,20 @@ that records each start) with ``MUTEXCRON_TASK_RETENTION`` set to ``--retention`
 producer adding ``--tasks`` distinct keys (``add_many``, 1,000 a call) as fast as the nodes take
 them (it pauses while more than ``--backlog`` tasks wait). Every ``--every`` seconds it samples:
 the task table's rows (Redis: the namespace's keys), and how long ``summary()`` and the
-dashboard's finished-tasks read take. At the end it waits for every task to finish and the
-tombstones older than the retention to go, then prints one table: tasks/s, the largest row
+dashboard's finished-tasks read take (medians of the run's second quarter, once the table is full,
+and of its last quarter; the samples are left in the run's directory as ``samples.json``). At
+the end it waits for every task to finish and every tombstone to go, then prints one table:
+tasks/s, the largest row
 count next to the bound docs/storage.md states (live tasks + finish rate x (retention + 2 x
-(floor settle + prune interval))), the reads' times at the start and the end, and keys that ran
+(floor settle + prune interval)), at the run's peak rate), the reads' times, and keys that ran
 twice. Not a test: it asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import secrets
 import statistics
@@ -42,6 +46,12 @@ class Samples:
     rows: list[int] = field(default_factory=list)
     summary_ms: list[float] = field(default_factory=list)
     finished_ms: list[float] = field(default_factory=list)
+    added: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, tasks added so far)
+
+    def peak_rate(self) -> float:
+        """The highest add rate over two consecutive sample intervals (tasks/s)."""
+        pairs = zip(self.added, self.added[2:], strict=False)
+        return max(((b - a) / (tb - ta) for (ta, a), (tb, b) in pairs if tb > ta), default=0.0)
 
 
 def store_url(kind: str, workdir: Path, tag: str) -> str:
@@ -68,9 +78,10 @@ def timed_ms(call: Any) -> float:
 
 def finished_read(store: TaskStore) -> Any:
     from mutexcron.dashboard.finished import finished_since
+    from mutexcron.dashboard.reads import THROUGHPUT_ROWS
 
     since = store.now() - timedelta(hours=1)
-    return lambda: finished_since(store, since, 100_000)
+    return lambda: finished_since(store, since, THROUGHPUT_ROWS)
 
 
 def start_nodes(url: str, workdir: Path, count: int, retention: float) -> list[subprocess.Popen[bytes]]:
@@ -112,6 +123,7 @@ def soak(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         while added < args.tasks:
             if time.monotonic() >= next_sample:
                 queued = sample(store, samples, read_finished)
+                samples.added.append((time.monotonic(), added))
                 next_sample = time.monotonic() + args.every
                 print(f"{kind}: {added:,} added, {queued:,} live, {samples.rows[-1]:,} rows", file=sys.stderr, flush=True)
             if queued > args.backlog:
@@ -139,15 +151,17 @@ def soak(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     for path in workdir.glob("*.starts"):
         starts.update(line.split(" ", 1)[0] for line in path.read_text().splitlines())
     twice = sum(1 for n in starts.values() if n > 1)
-    rate = args.tasks / produced_s
+    rate, peak = args.tasks / produced_s, samples.peak_rate()
     settle = getattr(store, "floor_settle", 0.0)
     interval = min(60.0, max(1.0, args.retention / 10))
-    kept = rate * (args.retention + 2 * (settle + interval)) if hasattr(store, "table") else 0.0  # Redis keeps no tombstone
+    kept = peak * (args.retention + 2 * (settle + interval)) if hasattr(store, "table") else 0.0  # Redis keeps no tombstone
+    (workdir / "samples.json").write_text(json.dumps(dataclasses.asdict(samples)))
     bound = args.backlog + CHUNK + kept
     drop(store, kind)
     store.close()
     return {"store": kind, "tasks": args.tasks, "ran": len(starts), "twice": twice, "seconds": produced_s, "rate": rate,
-            "rows_max": max(samples.rows), "rows_end": samples.rows[-1], "bound": bound, "samples": samples}  # fmt: skip
+            "peak": peak, "rows_max": max(samples.rows), "rows_end": samples.rows[-1], "bound": bound,
+            "samples": samples}  # fmt: skip
 
 
 def drop(store: Any, kind: str) -> None:
@@ -160,11 +174,13 @@ def drop(store: Any, kind: str) -> None:
             client.delete(*keys[start : start + 1000])
 
 
-def first_last(values: list[float]) -> str:
+def steady_last(values: list[float]) -> str:
+    """Medians of the second quarter (the table has filled up to its bound) and the last quarter, and the largest."""
     if not values:
         return "-"
-    head, tail = values[: max(1, len(values) // 10)], values[-max(1, len(values) // 10) :]
-    return f"{statistics.median(head):.1f} / {statistics.median(tail):.1f} / {max(values):.1f}"
+    quarter = max(1, len(values) // 4)
+    second, last = values[quarter : 2 * quarter] or values[:quarter], values[-quarter:]
+    return f"{statistics.median(second):.1f} / {statistics.median(last):.1f} / {max(values):.1f}"
 
 
 def main() -> None:
@@ -177,13 +193,14 @@ def main() -> None:
     parser.add_argument("--every", type=float, default=5.0, help="seconds between samples")
     args = parser.parse_args()
     results = [soak(kind, args) for kind in args.stores.split(",")]
-    print("| store | tasks | ran | ran twice | seconds | tasks/s | rows max (bound) | rows at the end |"
-          " summary ms first / last / max | dashboard read ms first / last / max |")  # fmt: skip
+    print("| store | tasks | ran | ran twice | seconds | tasks/s (peak) | rows max (bound) | rows at the end |"
+          " summary ms 2nd quarter / last quarter / max | dashboard read ms 2nd quarter / last quarter / max |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         s = r["samples"]
-        reads = f"{first_last(s.summary_ms)} | {first_last(s.finished_ms)}"
-        print(f"| {r['store']} | {r['tasks']:,} | {r['ran']:,} | {r['twice']} | {r['seconds']:.0f} | {r['rate']:,.0f} | "
+        reads = f"{steady_last(s.summary_ms)} | {steady_last(s.finished_ms)}"
+        rates = f"{r['rate']:,.0f} ({r['peak']:,.0f})"
+        print(f"| {r['store']} | {r['tasks']:,} | {r['ran']:,} | {r['twice']} | {r['seconds']:.0f} | {rates} | "
               f"{r['rows_max']:,} ({r['bound']:,.0f}) | {r['rows_end']:,} | {reads} |")  # fmt: skip
 
 
