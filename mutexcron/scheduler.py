@@ -505,6 +505,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         (one node at a time, under a lease of its own on the lock store)."""
         if self.task_retention is None or self._tasks.worker is None or self._pruner is not None:
             return
+        if not self._tasks.pool.store.keeps_tombstones:
+            return  # Redis, memory: a finished task is deleted when it finishes
         mutex = Mutex(store=self.lock_store, local_ip=self.local_ip)
         self._pruner = Pruner(
             self._tasks.pool.store,

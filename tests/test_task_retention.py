@@ -108,6 +108,8 @@ def test_the_purge_command_counts_removes_and_dry_runs(tmp_path: Path) -> None:
     assert rest.exit_code == 0 and "removed 3 finished task(s)" in rest.output, rest.output
     bad = _cli("tasks", "purge", "--older-than", "soon", "--lock-url", url)
     assert bad.exit_code == 2 and "write 7d, 12h" in bad.output
+    memory = _cli("tasks", "purge", "--older-than", "7d", "--lock-url", "memory://purge")
+    assert memory.exit_code == 0 and "nothing to purge: memory://purge deletes a task when it finishes" in memory.output
 
 
 # -- automatic ---------------------------------------------------------------------------------------
@@ -209,3 +211,20 @@ def test_status_says_when_the_jobs_file_keeps_finished_tasks_forever(tmp_path: P
         result = _cli("status", str(jobs), "--lock-url", url)
         assert result.exit_code == 0, result.output
         assert ("task retention: off (task_retention=0): finished tasks are kept forever" in result.output) is said, result.output
+
+
+@pytest.mark.parametrize(
+    ("url", "retention", "prunes"),
+    [("sqlite", DEFAULT_RETENTION, True), ("sqlite", 0, False), ("memory://no-tombstones", DEFAULT_RETENTION, False)],
+)
+def test_a_node_prunes_only_with_a_task_worker_a_retention_and_tombstones(
+    tmp_path: Path, url: str, retention: Any, prunes: bool
+) -> None:
+    sched = MutexScheduler(lock_url=f"sqlite:///{tmp_path}/t.db" if url == "sqlite" else url, task_retention=retention)
+    sched.tasks.handler("c")(lambda task: None)
+    sched.start()
+    try:
+        assert (sched._pruner is not None) is prunes
+    finally:
+        sched.shutdown()
+    assert sched._pruner is None or not sched._pruner._thread or not sched._pruner._thread.is_alive()  # stopped with the node

@@ -460,6 +460,9 @@ def purge(older_than: timedelta, code: str | None, dry_run: bool, lock_url: str 
     age = format_age(older_than)
     scope = f" of code {code!r}" if code is not None else ""
     with _store(lock_url, "tasks purge") as store:
+        if not store.keeps_tombstones:
+            click.echo(f"nothing to purge: {store.masked_url} deletes a task when it finishes")
+            return
         count = store.count_purgeable(older_than.total_seconds(), code=code)
         if dry_run:
             click.echo(f"would remove {count} finished task(s){scope} older than {age} from {store.masked_url} (dry run)")

@@ -433,6 +433,8 @@ class TaskStore(ABC):
     #: deleted: longer than any add's statement may live (0 where one writer at a time reads the
     #: floor and writes, as on SQLite).
     floor_settle: float = 0.0
+    #: True for the stores that keep a finished task's tombstone (SQL, MongoDB): the ones a node prunes.
+    keeps_tombstones: bool = False
 
     def purge_batch(self, older_than: float, *, code: str | None = None, limit: int = PURGE_BATCH) -> PurgeBatch:
         """Delete at most ``limit`` tombstones (finished or cancelled tasks) that finished more than

@@ -214,6 +214,8 @@ class MongoDBTaskStore(TaskStore):
         **options: with a URL: extra ``pymongo.MongoClient`` keyword options.
     """
 
+    keeps_tombstones = True
+
     def __init__(
         self,
         url: str | MongoDBBackend,

@@ -105,6 +105,8 @@ class SQLTaskStore(TaskStore):
         **engine_options: passed to the backend's engine (with a URL only).
     """
 
+    keeps_tombstones = True
+
     def __init__(
         self,
         url: str | SQLBackend,
