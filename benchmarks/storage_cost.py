@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import os
 import secrets
+import shutil
 import statistics
 import tempfile
 import time
@@ -129,7 +130,10 @@ def drop(store: Any, kind: str) -> None:
         keys = list(client.scan_iter(match=store.backend.key("*"), count=10_000))
         for start in range(0, len(keys), 1000):
             client.delete(*keys[start : start + 1000])
-    elif kind != "sqlite":
+    elif kind == "sqlite":
+        store.close()  # its file's directory goes with it
+        shutil.rmtree(Path(store.backend.engine.url.database).parent, ignore_errors=True)
+    else:
         store.backend.execute(f"DROP TABLE {store.table}", {}, "drop", write=True)
 
 
