@@ -108,6 +108,9 @@ def test_the_purge_command_counts_removes_and_dry_runs(tmp_path: Path) -> None:
     assert rest.exit_code == 0 and "removed 3 finished task(s)" in rest.output, rest.output
     bad = _cli("tasks", "purge", "--older-than", "soon", "--lock-url", url)
     assert bad.exit_code == 2 and "write 7d, 12h" in bad.output
+    absent = tmp_path / "absent.db"
+    none = _cli("tasks", "purge", "--older-than", "0", "--dry-run", "--lock-url", f"sqlite:///{absent}")
+    assert none.exit_code == 0 and "nothing to purge" in none.output and not absent.exists(), none.output
     memory = _cli("tasks", "purge", "--older-than", "7d", "--lock-url", "memory://purge")
     assert memory.exit_code == 0 and "nothing to purge: memory://purge deletes a task when it finishes" in memory.output
 

@@ -463,6 +463,10 @@ def purge(older_than: timedelta, code: str | None, dry_run: bool, lock_url: str 
         if not store.keeps_tombstones:
             click.echo(f"nothing to purge: {store.masked_url} deletes a task when it finishes")
             return
+        missing = _missing_table(store)  # a purge creates no table (nor, on SQLite, a file)
+        if missing is not None:
+            click.echo(f"nothing to purge in {store.masked_url}: {missing}")
+            return
         count = store.count_purgeable(older_than.total_seconds(), code=code)
         if dry_run:
             click.echo(f"would remove {count} finished task(s){scope} older than {age} from {store.masked_url} (dry run)")
