@@ -31,9 +31,11 @@ from .heartbeat import LeaseManager
 from .jobstores.hooks import SharedJobsMixin
 from .locks import DEFAULT_LOCK_URL, LockStore, Node, default_lock_url, lock_store_from_url, store_scope_note
 from .locks.record import DEFAULT_MAX_ATTRS_BYTES
+from .mutex.lock import Mutex
 from .node import default_node_id, outbound_ip
 from .observability.pings import register as register_pings
 from .tasks.pool import TaskPool
+from .tasks.retention import DEFAULT_RETENTION, PRUNE_LEASE, PRUNE_LOCK, Pruner, check_retention, retention_from_env
 from .tasks.runner import TaskRunner
 from .tasks.worker import DEFAULT_CONCURRENCY
 
@@ -61,6 +63,10 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             return raises AttrsError and keeps the previous attrs.
         task_concurrency: threads running task handlers (``sched.tasks``) on this node;
             ``$MUTEXCRON_TASK_CONCURRENCY`` sets it too (default 8).
+        task_retention: how long finished tasks (the SQL and MongoDB stores' tombstones) are kept
+            before a node running a task worker prunes them, one node at a time under the lock
+            ``mutexcron:prune-tasks``: a timedelta or seconds, ``0`` keeps everything;
+            ``$MUTEXCRON_TASK_RETENTION`` sets it too (``7d``, ``90s``; default 7 days).
         triggers: serve ``mutexcron trigger JOB`` requests (a task worker runs on every node with
             guarded jobs; default True).
         metrics_port: serve Prometheus metrics and health checks on this port from ``start()`` to
@@ -84,6 +90,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         shutdown_timeout: float = 30.0,
         max_attrs_bytes: int = DEFAULT_MAX_ATTRS_BYTES,
         task_concurrency: int | None = None,
+        task_retention: timedelta | float | None = DEFAULT_RETENTION,
         triggers: bool = True,
         metrics_port: int | None = None,
         metrics_host: str | None = None,
@@ -114,6 +121,9 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             lock_store.url if lock_store is not None else self.lock_url,
             task_concurrency or _env_int("MUTEXCRON_TASK_CONCURRENCY") or DEFAULT_CONCURRENCY,
         )
+        given = check_retention(task_retention)
+        self.task_retention = retention_from_env(given) if task_retention is DEFAULT_RETENTION else given
+        self._pruner: Pruner | None = None
         self._claim_batch = ClaimBatch()
         self._leases: LeaseManager | None = None
         self._catch_up: CatchUp | None = None
@@ -137,6 +147,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         unactive_interval: timedelta | float | None = None,
         shutdown_timeout: float | None = None,
         task_concurrency: int | None = None,
+        task_retention: timedelta | float | object | None = ...,
         metrics_port: int | None = None,
         metrics_host: str | None = None,
     ) -> None:
@@ -159,6 +170,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             self.shutdown_timeout = shutdown_timeout
         if task_concurrency is not None:
             self._tasks.concurrency = task_concurrency
+        if task_retention is not ...:
+            self.task_retention = check_retention(task_retention)
         if metrics_port is not None or metrics_host is not None:
             self._observability = _observability(metrics_port, metrics_host, self._observability)
         self._tasks.rebind(self.lock_url)
@@ -483,8 +496,25 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         if self.triggers and self._tasks.available() and guarded:
             register_triggers(self)  # type: ignore[arg-type]  # `mutexcron trigger JOB`: a guarded job through its lock
         self._tasks.start(self.node_id, self._leases, self._emit)
+        self._start_pruner()
         super().start(paused)  # type: ignore[misc]
 
+
+    def _start_pruner(self) -> None:
+        """On a node running a task worker, prune finished tasks older than ``task_retention``
+        (one node at a time, under a lease of its own on the lock store)."""
+        if self.task_retention is None or self._tasks.worker is None or self._pruner is not None:
+            return
+        if not self._tasks.pool.store.keeps_tombstones:
+            return  # Redis, memory: a finished task is deleted when it finishes
+        mutex = Mutex(store=self.lock_store, local_ip=self.local_ip)
+        self._pruner = Pruner(
+            self._tasks.pool.store,
+            self.task_retention,
+            lambda: mutex.hold(PRUNE_LOCK, lease=PRUNE_LEASE, wait=False),
+            on_stop=mutex.close,
+        )
+        self._pruner.start()
 
     def _size_store_pool(self, store: LockStore) -> None:
         """Tell a SQL store how many threads can call it at once (the executors' threads, the
@@ -580,6 +610,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             aps.stop_processing(self)  # no new fire times while guarded runs end (pause() would tell listeners)
             started = time.monotonic()
             leases.begin_stop()  # no takeover or new run while the task worker stops
+            if self._pruner is not None:
+                self._pruner.stop()  # after its batch in flight: the prune lock given back
             self._tasks.stop(timeout)  # tasks first: their leases renew in the heartbeat thread
             leases.stop(max(0.0, timeout - (time.monotonic() - started)))
 

@@ -409,6 +409,9 @@ def test_task_gauges_and_worker_counts(tmp_path: Path) -> None:
         assert value(samples, "mutexcron_tasks", code="mail", state="running") == 0.0
         assert value(samples, "mutexcron_tasks", code="mail", state="failed") == 0.0
         assert value(samples, "mutexcron_task_oldest_overdue_seconds", code="mail") == 0.0
+        # The table's rows: two queued, and the tombstone of "now".
+        assert value(samples, "mutexcron_task_store_rows", kind="rows") == 3.0
+        assert value(samples, "mutexcron_task_store_rows", kind="tombstones") == 1.0
         assert value(samples, "mutexcron_worker_tasks_total", event="done") == 1.0
         assert value(samples, "mutexcron_worker_tasks_total", event="claimed") == 1.0
         assert value(samples, "mutexcron_task_lag_seconds_count", code="mail") == 1.0

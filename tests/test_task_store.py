@@ -819,3 +819,53 @@ def test_summary_counts_each_code_by_the_store_clock(tasks_ctx: TaskCtx) -> None
     assert [s.code for s in listed] == ["a", "b", "zz"] and listed[1] == b and listed[2] == CodeSummary("zz")
     assert listed[0].due_now == 2 and listed[0].failed == 1
     assert store.summary("b") == [b]  # a lone code is one code
+
+
+# -- retention: tombstones purged, tokens still only go up ---------------------------------------
+def _purge_all(store: TaskStore, older_than: float = 0.0, code: str | None = None) -> int:
+    """Every purge batch until none is left (the stores here settle their floor at once)."""
+    removed = 0
+    for _ in range(100):
+        batch = store.purge_batch(older_than, code=code, limit=2)
+        removed += batch.removed
+        if batch.ready_in is None:
+            return removed
+        assert batch.ready_in == 0.0  # floor_settle is 0: never a wait
+    raise AssertionError("the purge did not end")
+
+
+@every_backend
+def test_a_purged_task_added_again_gets_a_higher_token_and_its_old_attempt_is_refused(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    store.floor_settle = 0.0  # one client, no concurrent add: no wait for the floor to settle
+    keeps_tombstones = tasks_ctx.kind not in ("memory", "redis", "redis-cluster")
+    for key in ("k", "other", "third"):
+        store.add("c", key, SOON)
+    claimed = {t.key: t for t in store.claim(A, ["c"], 10, 30)}
+    old = claimed.pop("k")
+    assert all(store.complete(A, "c", t.key, t.token, Done()) for t in claimed.values())
+    # The stale attempt of "k" (token 1, node A) is what a store resetting tokens would hand out again.
+    assert store.cancel("c", "k") and store.complete(A, "c", "k", old.token, Done())
+    store.add("d", "live", SOON)
+    tasks_ctx.wait(0.05)  # the tombstones are older than "now" by the store's clock
+
+    stored = store.count_stored()  # the metrics' rows: Redis does not count (a scan of the namespace)
+    kept = 3 if keeps_tombstones else 0
+    assert stored == ({} if tasks_ctx.kind.startswith("redis") else {"rows": 1 + kept, "tombstones": kept})
+    assert store.count_purgeable(3600) == 0  # nothing finished an hour ago
+    assert store.count_purgeable(0, code="c") == (3 if keeps_tombstones else 0)
+    assert _purge_all(store, code="zz") == 0
+    assert _purge_all(store) == (3 if keeps_tombstones else 0)
+    assert store.count_purgeable(0) == 0 and _purge_all(store) == 0
+    assert [t.key for t in store.list()] == ["live"]  # only tombstones go
+    assert store.count_stored() in ({}, {"rows": 1, "tombstones": 0})
+
+    assert store.add("c", "k", SOON) is AddResult.INSERTED
+    again = store.get("c", "k")
+    assert again is not None and again.token >= old.token and again.occurrence is not None and again.occurrence >= old.token
+    [new] = store.claim(A, ["c"], 10, 30)
+    assert new.key == "k" and new.token > old.token
+    for outcome in (Done(), Reschedule(SOON), Retry(SOON, "late"), Fail("late")):
+        assert not store.complete(A, "c", "k", old.token, outcome)  # the old attempt is refused
+    assert store.release(A, [("c", "k", old.token)]) == 0
+    assert store.complete(A, "c", "k", new.token, Done())

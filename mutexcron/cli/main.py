@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import click
@@ -85,6 +86,14 @@ def main(lock_url: str | None) -> None:
     help="Threads running task handlers (sched.tasks) on this node [env MUTEXCRON_TASK_CONCURRENCY; default 8].",
 )
 @click.option(
+    "--task-retention",
+    metavar="AGE",
+    envvar="MUTEXCRON_TASK_RETENTION",
+    callback=cli_tasks.age_option,
+    help="Keep finished tasks this long (7d, 12h, 90s), then prune them (one node at a time); 0 keeps everything "
+    "[env MUTEXCRON_TASK_RETENTION; default 7d].",
+)
+@click.option(
     "--metrics-port",
     type=click.IntRange(min=0, max=65535),
     envvar="MUTEXCRON_METRICS_PORT",
@@ -118,6 +127,7 @@ def run(
     unactive_interval: float | None,
     shutdown_timeout: float,
     task_concurrency: int | None,
+    task_retention: timedelta | None,
     metrics_port: int | None,
     metrics_host: str | None,
     startup_timeout: float,
@@ -144,6 +154,7 @@ def run(
                 ("node_id", node_id),
                 ("unactive_interval", unactive_interval),
                 ("task_concurrency", task_concurrency),
+                ("task_retention", task_retention),
                 ("metrics_port", metrics_port),
                 ("metrics_host", metrics_host),
             )

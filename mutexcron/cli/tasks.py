@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import click
 
@@ -26,18 +25,20 @@ from ..locks import DEFAULT_LOCK_URL
 from ..tasks import ON_CONFLICT, STATES, AddResult, CodeSummary, NewTask, TaskRecord, TaskStore, task_store_from_url
 from ..tasks.checks import check_batch
 from ..tasks.handlers import INTERNAL_PREFIX
+from ..tasks.retention import format_age, parse_age
 from .common import EXIT_BAD_INPUT, EXIT_FAILURE, _age, _clip, _did_you_mean, _fail, _fail_on, _lock_url_option
 from .progress import Progress
 
 
 def _tasks() -> None:
-    """The durable task pool: list, add, cancel and retry tasks (on the --lock-url store)."""
+    """The durable task pool: list, add, cancel, retry and purge tasks (on the --lock-url store)."""
 
 
 tasks: click.Group = click.group("tasks", context_settings={"help_option_names": ["-h", "--help"]})(_tasks)
 
 __all__ = [
     "TaskStatus",
+    "age_option",
     "parse_due",
     "schemaless_note",
     "task_ddl",
@@ -46,13 +47,10 @@ __all__ = [
 ]
 
 
+_V = TypeVar("_V")
+
+
 # -- input ----------------------------------------------------------------------------------------
-_RELATIVE = re.compile(
-    r"\+(?=\d)(?:(?P<w>\d+(?:\.\d+)?)w)?(?:(?P<d>\d+(?:\.\d+)?)d)?(?:(?P<h>\d+(?:\.\d+)?)h)?"
-    r"(?:(?P<m>\d+(?:\.\d+)?)m)?(?:(?P<s>\d+(?:\.\d+)?)s)?",
-    re.IGNORECASE,
-)
-_UNITS = {"w": "weeks", "d": "days", "h": "hours", "m": "minutes", "s": "seconds"}
 DUE_FORMS = "now, +90s, +2h30m, +3d, or a time with its zone: 2026-12-01T08:00Z, 2026-12-01T08:00:00+01:00"
 
 
@@ -67,13 +65,13 @@ def parse_due(text: str) -> datetime | timedelta:
     if value.lower() == "now":
         return timedelta(0)
     if value.startswith("+"):
-        match = _RELATIVE.fullmatch(value)
-        if match is None or not any(match.groupdict().values()):
-            raise ValueError(f"{text!r} is not a relative due: write +90s, +15m, +2h30m, +3d or +1w (units w, d, h, m, s)")
         try:
-            return timedelta(**{_UNITS[unit]: float(amount) for unit, amount in match.groupdict().items() if amount})
-        except OverflowError:
-            raise ValueError(f"{text!r} is too far ahead") from None
+            return parse_age(value[1:])
+        except ValueError as exc:
+            if isinstance(exc.__cause__, OverflowError):
+                raise ValueError(f"{text!r} is too far ahead") from None
+            forms = "+90s, +15m, +2h30m, +3d or +1w (units w, d, h, m, s)"
+            raise ValueError(f"{text!r} is not a relative due: write {forms}") from None
     iso = value[:-1] + "+00:00" if value[-1:] in ("Z", "z") else value  # Python 3.10 reads no Z
     try:
         when = datetime.fromisoformat(iso)
@@ -86,13 +84,22 @@ def parse_due(text: str) -> datetime | timedelta:
     return when.astimezone(timezone.utc)
 
 
-def _due_option(_ctx: click.Context, param: click.Parameter, value: str | None) -> datetime | timedelta | None:
-    if value is None:
-        return None
-    try:
-        return parse_due(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param=param) from None
+def _parsed(parse: Callable[[str], _V]) -> Callable[[click.Context, click.Parameter, str | None], _V | None]:
+    """A click callback: the option's text through ``parse``; its ValueError is the option's error."""
+
+    def callback(_ctx: click.Context, param: click.Parameter, value: str | None) -> _V | None:
+        if value is None:
+            return None
+        try:
+            return parse(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param=param) from None
+
+    return callback
+
+
+_due_option = _parsed(parse_due)
+age_option = _parsed(parse_age)
 
 
 def _reject_constant(name: str) -> Any:
@@ -197,6 +204,15 @@ def _check(code: str, key: str) -> tuple[str, str]:
 
     try:
         return check_task(code, key)
+    except ConfigurationError as exc:
+        _fail(str(exc), EXIT_BAD_INPUT)
+
+
+def _check_code(code: str) -> str:
+    from ..tasks.checks import check_codes
+
+    try:
+        return check_codes([code])[0]
     except ConfigurationError as exc:
         _fail(str(exc), EXIT_BAD_INPUT)
 
@@ -498,6 +514,47 @@ def retry(
     click.echo(f"retried: {_name(code, key)} is queued, due now")
 
 
+@tasks.command("purge")
+@click.option(
+    "--older-than", required=True, metavar="AGE", callback=age_option,
+    help="Remove finished tasks that finished more than AGE ago, by the store's clock: 7d, 12h, 90s, or 0 (all).",
+)
+@click.option("--code", help="Only finished tasks of this code.")
+@click.option("--dry-run", is_flag=True, help="Count what would be removed; remove nothing.")
+@_lock_url_option()
+def purge(older_than: timedelta, code: str | None, dry_run: bool, lock_url: str | None) -> None:  # fmt: skip
+    """Remove finished and cancelled tasks' records (tombstones) older than --older-than.
+
+    In batches of at most 1,000 (one short statement each); queued, running and failed tasks are
+    never touched, and a key added again later still gets a higher token. A running cluster does
+    this by itself (--task-retention, 7 days by default).
+    """
+    from ..tasks.retention import purge as purge_store
+    from .progress import Progress
+
+    if code is not None:
+        code = _check_code(code)
+    age = format_age(older_than)
+    scope = f" of code {code!r}" if code is not None else ""
+    with _store(lock_url, "tasks purge") as store:
+        if not store.keeps_tombstones:
+            click.echo(f"nothing to purge: {store.masked_url} deletes a task when it finishes")
+            return
+        missing = _missing_table(store)  # a purge creates no table (nor, on SQLite, a file)
+        if missing is not None:
+            click.echo(f"nothing to purge in {store.masked_url}: {missing}")
+            return
+        count = store.count_purgeable(older_than.total_seconds(), code=code)
+        if dry_run:
+            click.echo(f"would remove {count} finished task(s){scope} older than {age} from {store.masked_url} (dry run)")
+            return
+        with Progress("removing finished tasks", total=count) as progress:
+            removed = purge_store(store, older_than, code=code, on_batch=progress.advance)
+        left = store.count_purgeable(older_than.total_seconds(), code=code)
+    more = f"; {left} finished meanwhile or wait for the token floor: run it again" if left else ""
+    click.echo(f"removed {removed} finished task(s){scope} older than {age} from {store.masked_url}{more}")
+
+
 # -- status ---------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class TaskStatus:
@@ -507,11 +564,13 @@ class TaskStatus:
         codes: one summary per code with tasks (None: the store has no task pool).
         note: why there is nothing to count (no task pool, no table yet), or None.
         handled: the codes the jobs file's handlers serve, if it says (None: not known).
+        keeps_forever: the jobs file turns task retention off (``task_retention=0``): nothing prunes.
     """
 
     codes: list[CodeSummary] | None
     note: str | None = None
     handled: frozenset[str] | None = None
+    keeps_forever: bool = False
 
     def unserved(self) -> list[CodeSummary]:
         """Codes with due tasks that no loaded handler serves (only when the handlers are known)."""
@@ -527,6 +586,15 @@ class TaskStatus:
         ]
 
     def lines(self) -> list[str]:
+        return [*self._code_lines(), *self._retention_lines()]
+
+    def _retention_lines(self) -> list[str]:
+        if not self.keeps_forever or self.codes is None:
+            return []
+        return ["task retention: off (task_retention=0): finished tasks are kept forever; "
+                "`mutexcron tasks purge --older-than 7d` removes them"]  # fmt: skip
+
+    def _code_lines(self) -> list[str]:
         if not self.codes:
             return [f"no tasks{f' ({self.note})' if self.note else ''}"]
         width = max(len(s.code) for s in self.codes)
@@ -574,6 +642,7 @@ def task_status(url: str, sched: Any = None) -> TaskStatus:
     from ..backends import family_of
 
     handled = _handled_codes(sched) if sched is not None else None
+    forever = sched is not None and getattr(sched, "task_retention", True) is None
     try:
         row = family_of(url)
     except ConfigurationError as exc:
@@ -583,8 +652,8 @@ def task_status(url: str, sched: Any = None) -> TaskStatus:
     with _store(url, "status", read_only=True) as store:
         note = _missing_table(store)
         if note is not None:
-            return TaskStatus([], note, handled)
-        return TaskStatus(store.summary(), None, handled)
+            return TaskStatus([], note, handled, forever)
+        return TaskStatus(store.summary(), None, handled, forever)
 
 
 # -- ddl ------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from ..timeutil import as_utc
 __all__ = ["finished_since"]
 
 _FINISHED = (
-    "SELECT code, updated FROM {t} WHERE run_at IS NULL AND state = 'done' AND updated >= :since "
+    "SELECT code, updated FROM {t} WHERE run_at IS NULL AND code <> '' AND state = 'done' AND updated >= :since "
     "ORDER BY updated DESC LIMIT :limit"
 )
 
@@ -54,7 +54,7 @@ def _sql(store: Any, since: datetime, limit: int) -> list[tuple[str, datetime]]:
 
 def _mongodb(store: Any, since: datetime, limit: int) -> list[tuple[str, datetime]]:
     with store.backend.errors("finished tasks"):
-        query = {"state": "done", "updated": {"$gte": since}}
+        query = {"state": "done", "code": {"$ne": ""}, "updated": {"$gte": since}}
         docs = list(store.collection.find(query, {"_id": 0, "code": 1, "updated": 1}, sort=[("updated", -1)], limit=limit))
     return _pairs((doc.get("code"), doc.get("updated")) for doc in docs)
 

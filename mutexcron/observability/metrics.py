@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import fields
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from apscheduler.schedulers.base import STATE_STOPPED
 
@@ -389,17 +389,20 @@ for _name, _value in list(vars(LockStore).items()):
 
 
 # -- what is read at scrape time ------------------------------------------------------------------
-class _TaskCounts:
-    """``summary()`` of the node's task codes, at most every ``max_age`` seconds, one store call at a
-    time: a scrape that finds the counts older refreshes them; a concurrent scrape keeps the old ones."""
+_C = TypeVar("_C")
+
+
+class _TaskCounts(Generic[_C]):
+    """``summary()`` of the node's task codes (or another count), at most every ``max_age`` seconds, one
+    store call at a time: a scrape that finds the counts older refreshes them; a concurrent scrape keeps the old ones."""
 
     def __init__(self, max_age: float = TASK_COUNTS_MAX_AGE) -> None:
         self.max_age = max_age
         self._at = -math.inf
-        self._rows: list[CodeSummary] | None = None
+        self._rows: _C | None = None
         self._lock = threading.Lock()
 
-    def get(self, count: Callable[[], list[CodeSummary]]) -> list[CodeSummary] | None:
+    def get(self, count: Callable[[], _C]) -> _C | None:
         if time.monotonic() - self._at >= self.max_age and self._lock.acquire(blocking=False):
             try:
                 self._at = time.monotonic()  # a store that does not answer is asked again only then
@@ -443,7 +446,8 @@ class _StateCollector:
 
     def __init__(self, observability: Observability) -> None:
         self.obs = observability
-        self.task_counts = _TaskCounts()
+        self.task_counts: _TaskCounts[list[CodeSummary]] = _TaskCounts()
+        self.stored: _TaskCounts[dict[str, int]] = _TaskCounts()
 
     def describe(self) -> list[Metric]:
         return []  # names are checked against nothing; collect() is never called at registration
@@ -492,6 +496,7 @@ class _StateCollector:
             overdue.add_metric([row.code], float(row.oldest_overdue or 0.0))
         yield tasks
         yield overdue
+        yield _stored_rows(self.stored.get(store.count_stored))
         yield _lag_histogram(worker)
         handled = CounterMetricFamily(
             "mutexcron_worker_tasks", "What this node's task worker did since it started, by event.", labels=["event"]
@@ -502,6 +507,18 @@ class _StateCollector:
             if isinstance(count, (int, float)):
                 handled.add_metric([field.name], float(count))
         yield handled
+
+
+def _stored_rows(counts: dict[str, int] | None) -> Metric:
+    """``mutexcron_task_store_rows{kind}``: the task table's rows (documents), and its tombstones."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    family = GaugeMetricFamily(
+        "mutexcron_task_store_rows", "Rows (documents) of the task table, and the tombstones among them.", labels=["kind"]
+    )
+    for kind, count in sorted((counts or {}).items()):
+        family.add_metric([kind], float(count))
+    return family
 
 
 def _lag_histogram(worker: Any) -> Metric:

@@ -33,6 +33,13 @@ object ("end_promotion", "sku-123"). Rules every implementation follows (the con
   and memory keep one store-wide floor, raised by every delete), so a stale attempt of an earlier
   occurrence can never pass the fence of a later one. ``occurrence`` records the token at which
   an occurrence began.
+* Tombstones are purged (:meth:`TaskStore.purge_batch`) under a **store-wide token floor**: a new
+  row (no tombstone) starts from the floor, read in the same statement that inserts it. The purge
+  first raises the floor to the highest token of the tombstones it will delete, and deletes only
+  tombstones whose token is at most a floor that has held for :attr:`TaskStore.floor_settle`
+  seconds of the store's clock (longer than any add's statement may live), so no add can still be
+  holding an older floor: a task purged and added again gets a token above every token it ever had.
+  Only tombstones go; a queued, running or failed task is never purged.
 * Due times are within :data:`~mutexcron.tasks.checks.MIN_DUE` and
   :data:`~mutexcron.tasks.checks.MAX_DUE` (every store holds them); others are refused.
 * Fencing: :meth:`TaskStore.renew`, :meth:`TaskStore.complete` and :meth:`TaskStore.release`
@@ -67,6 +74,7 @@ from .wakeups.base import DEFAULT_POLL, PollWaker, Waker
 __all__ = [
     "KEEP",
     "ON_CONFLICT",
+    "PURGE_BATCH",
     "STATES",
     "AddResult",
     "CodeSummary",
@@ -74,6 +82,7 @@ __all__ = [
     "Due",
     "Fail",
     "Outcome",
+    "PurgeBatch",
     "Reschedule",
     "Retry",
     "TaskRecord",
@@ -84,6 +93,8 @@ __all__ = [
 STATES = ("queued", "running", "failed")
 #: What :meth:`TaskStore.add` does when the task exists (see :meth:`TaskStore.add`).
 ON_CONFLICT = ("replace", "keep", "earliest", "latest")
+#: The most tombstones one purge statement deletes: a short statement that holds no long lock.
+PURGE_BATCH = 1000
 #: An absolute due time (aware datetime) or one relative to the store's clock.
 Due = Union[datetime, timedelta]
 
@@ -199,6 +210,20 @@ class CodeSummary:
     running: int = 0
     failed: int = 0
     oldest_overdue: float | None = None
+
+
+@dataclass(frozen=True)
+class PurgeBatch:
+    """What one :meth:`TaskStore.purge_batch` did.
+
+    Attributes:
+        removed: tombstones deleted.
+        ready_in: seconds until the next batch may remove more (0: at once; more: the token floor it
+            raised must settle first), or None when no tombstone old enough is left.
+    """
+
+    removed: int = 0
+    ready_in: float | None = None
 
 
 # -- outcomes of a run: what complete() records -------------------------------------------------
@@ -402,6 +427,34 @@ class TaskStore(ABC):
         For ``mutexcron status`` and metrics: it may read every task of the codes it counts
         (an index-only count on the SQL stores), so it is not for a hot path.
         """
+
+    # -- retention -----------------------------------------------------------------------------
+    #: Seconds a raised token floor must hold (by the store's clock) before a tombstone under it is
+    #: deleted: longer than any add's statement may live (0 where one writer at a time reads the
+    #: floor and writes, as on SQLite).
+    floor_settle: float = 0.0
+    #: True for the stores that keep a finished task's tombstone (SQL, MongoDB): the ones a node prunes.
+    keeps_tombstones: bool = False
+
+    def purge_batch(self, older_than: float, *, code: str | None = None, limit: int = PURGE_BATCH) -> PurgeBatch:
+        """Delete at most ``limit`` tombstones (finished or cancelled tasks) that finished more than
+        ``older_than`` seconds ago by the store's clock (of ``code`` only, if given), each statement
+        one short atomic operation, under the token floor (see the module's rules).
+
+        A store that keeps no tombstone (Redis, memory: a finished task is deleted at once) has
+        nothing to purge: this default.
+        """
+        return PurgeBatch()
+
+    def count_purgeable(self, older_than: float, *, code: str | None = None) -> int:
+        """How many tombstones finished more than ``older_than`` seconds ago (of ``code``): what a purge would remove."""
+        return 0
+
+    def count_stored(self) -> dict[str, int]:
+        """What the store holds for the task pool, by kind (``rows``: every task's row or document;
+        ``tombstones``: the finished tasks among them, kept for their token), for the metrics.
+        One count over the table: not for a hot path. {} where counting is not cheap (Redis)."""
+        return {}
 
     @property
     def default_poll(self) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -231,6 +231,20 @@ class TaskPool:
             for task in page:
                 seen.add((task.code, task.key))
                 done += bool(act(task))
+
+    def purge(self, older_than: timedelta, *, code: str | None = None) -> int:
+        """Remove the finished and cancelled tasks' tombstones older than ``older_than`` by the
+        store's clock (of ``code`` only, if given), in batches of at most 1,000, each one short
+        statement; never a queued, running or failed task. Tokens still only go up: a key added
+        again after its purge gets a token above every one it had (see
+        :mod:`mutexcron.tasks.retention`). Returns how many were removed (0 on Redis and memory,
+        which keep no tombstone).
+
+        A running cluster does it by itself (``MutexScheduler(task_retention=...)``, 7 days by default).
+        """
+        from .retention import purge
+
+        return purge(self.store, older_than, code=code)
 
     def close(self) -> None:
         """Release the store's connections."""

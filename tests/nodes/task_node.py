@@ -34,3 +34,20 @@ def work(task: Task) -> Any:
     record("end", task)
     hours = payload.get("reschedule_hours_per_token")
     return timedelta(hours=task.token * hours) if hours else None
+
+
+if os.environ.get("PRUNE_LOG"):  # tests/test_task_retention.py: each purge batch's span on this node, one JSON line
+    from mutexcron.tasks.stores.sql import SQLTaskStore
+
+    PRUNE_LOG = open(os.environ["PRUNE_LOG"], "a", buffering=1)
+    plain_purge_batch = SQLTaskStore.purge_batch
+
+    def logged_purge_batch(self: SQLTaskStore, *args: Any, **kwargs: Any) -> Any:
+        started = time.time()
+        PRUNE_LOG.write(json.dumps({"node": NODE, "event": "begin", "t": started}) + "\n")
+        batch = plain_purge_batch(self, *args, **kwargs)
+        line = {"node": NODE, "event": "end", "t": time.time(), "begun": started, "removed": batch.removed}
+        PRUNE_LOG.write(json.dumps(line) + "\n")
+        return batch
+
+    SQLTaskStore.purge_batch = logged_purge_batch  # type: ignore[method-assign]

@@ -373,6 +373,10 @@ class MemoryTaskStore(TaskStore):
         for waker in self._wakers.get(code, ()):
             waker.notify()
 
+    def count_stored(self) -> dict[str, int]:
+        with self.backend.mutex:
+            return {"rows": len(self._rows), "tombstones": 0}
+
     def now(self) -> datetime:
         with self.backend.mutex:
             return self._now()

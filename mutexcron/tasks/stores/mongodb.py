@@ -51,8 +51,9 @@ import builtins
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
 from urllib.parse import unquote
@@ -65,7 +66,7 @@ from ...backends.mongodb import MongoDBBackend
 from ...errors import ConfigurationError, StoreError, StoreUnavailableError
 from ...timeutil import as_utc
 from ...urls import mask_url
-from ..base import AddResult, CodeSummary, Done, Due, Fail, Outcome, Retry, TaskRecord, TaskStore
+from ..base import PURGE_BATCH, AddResult, CodeSummary, Done, Due, Fail, Outcome, PurgeBatch, Retry, TaskRecord, TaskStore
 from ..checks import (
     check_claim,
     check_codes,
@@ -107,6 +108,14 @@ TASKS_COLLECTION_OPTION = "tasks_collection"
 #: Rounds of exclusive writes on a task that keeps changing between two commands before giving up.
 _ROUNDS = 5
 #: The indexes of the task collection: the task's identity, and the claim's ordered range.
+#: The store-wide token floor's document: the tombstone of the ``('', '')`` task (a code and a key
+#: no add accepts). The purge raises it; a new document starts its token from it.
+FLOOR = {"code": "", "key": ""}
+#: Seconds a raised floor holds before the purge deletes under it (:attr:`TaskStore.floor_settle`),
+#: and the most an add relies on the floor it read (an add reads it at most once per this many
+#: seconds of the node's monotonic clock, and never for more than a sixth of the settle time).
+FLOOR_SETTLE = 30.0
+FLOOR_FRESH = 5.0
 INDEXES: tuple[tuple[list[tuple[str, int]], bool], ...] = (
     ([("code", ASCENDING), ("key", ASCENDING)], True),
     ([("code", ASCENDING), ("run_at", ASCENDING)], False),
@@ -205,6 +214,8 @@ class MongoDBTaskStore(TaskStore):
         **options: with a URL: extra ``pymongo.MongoClient`` keyword options.
     """
 
+    keeps_tombstones = True
+
     def __init__(
         self,
         url: str | MongoDBBackend,
@@ -231,6 +242,8 @@ class MongoDBTaskStore(TaskStore):
         self.collection = backend.collection(self.collection_name)
         self._indexed = False
         self._index_lock = threading.Lock()
+        self.floor_settle = FLOOR_SETTLE
+        self._floor_read: tuple[int, float] | None = None  # (floor, monotonic time of the read)
 
     # -- plumbing ----------------------------------------------------------------------------
     def now_expr(self) -> Any:
@@ -342,7 +355,7 @@ class MongoDBTaskStore(TaskStore):
         mode = check_on_conflict(on_conflict)
         text = dump_payload(payload, code, key)
         now = self.now_expr()
-        pipeline = add_pipeline(now, due_expr(now, at, delay), text, mode)
+        pipeline = add_pipeline(now, due_expr(now, at, delay), text, mode, self._floor())
         for attempt in range(2):
             try:
                 doc = self._write(
@@ -633,6 +646,72 @@ class MongoDBTaskStore(TaskStore):
         for code in wanted or ():
             found.setdefault(code, CodeSummary(code))
         return [found[code] for code in sorted(found)]
+
+    # -- retention ---------------------------------------------------------------------------
+    def _floor(self) -> int:
+        """The token floor a new document starts from, read at most once per :data:`FLOOR_FRESH` seconds."""
+        cached = self._floor_read
+        fresh = min(FLOOR_FRESH, self.floor_settle / 6)  # never relied on near the settle time
+        if cached is not None and time.monotonic() - cached[1] < fresh:
+            return cached[0]
+        read_at = time.monotonic()  # before the read: the value is at least this fresh
+        with self.backend.errors("add (token floor)"):
+            doc = self._tasks().find_one(FLOOR, {"token": True})
+        floor = int(doc.get("token") or 0) if doc else 0
+        self._floor_read = (floor, read_at)
+        return floor
+
+    def purge_batch(self, older_than: float, *, code: str | None = None, limit: int = PURGE_BATCH) -> PurgeBatch:
+        """Delete up to ``limit`` old tombstones under the settled token floor (one ``find`` of their
+        ids, one ``delete_many`` that checks each again); once none is left under it, raise the floor
+        over the rest (see :meth:`TaskStore.purge_batch`)."""
+        now = self._server_now()
+        old = self._old_tombstones(now, older_than, code)
+        with self.backend.errors("purge"):
+            doc = self._tasks().find_one(FLOOR, {"token": True, "updated": True})
+        floor = int(doc.get("token") or 0) if doc else 0
+        since = as_utc(doc.get("updated")) if doc else None
+        age = (now - since).total_seconds() if since is not None else self.floor_settle
+        if age < self.floor_settle:
+            return PurgeBatch(0, self.floor_settle - age)
+        removed = self._delete_under(old, floor, max(1, int(limit)))
+        if removed >= limit:
+            return PurgeBatch(removed, 0.0)
+        with self.backend.errors("purge"):
+            top = self._tasks().find_one({**old, "token": {"$gt": floor}}, {"token": True}, sort=[("token", -1)])
+        if top is None:
+            return PurgeBatch(removed, None)
+        self._raise_floor(int(top["token"]), now)
+        return PurgeBatch(removed, self.floor_settle)
+
+    def _raise_floor(self, top: int, now: datetime) -> None:
+        """The floor to ``top`` (never lowered), its document created if missing."""
+        floor = {"state": "done", "token": top, "updated": now}
+        tasks = self._tasks()
+        self._write("purge (token floor)", lambda: tasks.update_one({**FLOOR, "token": {"$lt": top}}, {"$set": floor}))
+        self._write("purge (token floor)", lambda: tasks.update_one(FLOOR, {"$setOnInsert": floor}, upsert=True))
+
+    def _old_tombstones(self, now: datetime, older_than: float, code: str | None) -> dict[str, Any]:
+        codes: Any = {"$ne": ""} if code is None else check_codes([code])[0]
+        return {"state": "done", "code": codes, "updated": {"$lt": now - timedelta(seconds=float(older_than))}}
+
+    def _delete_under(self, old: Mapping[str, Any], floor: int, limit: int) -> int:
+        query = {**old, "token": {"$lte": floor}}
+        with self.backend.errors("purge"):
+            ids = [doc["_id"] for doc in self._tasks().find(query, {"_id": True}, limit=limit)]
+        if not ids:
+            return 0
+        result = self._write("purge", lambda: self._tasks().delete_many({**query, "_id": {"$in": ids}}))
+        return int(result.deleted_count)
+
+    def count_stored(self) -> dict[str, int]:
+        with self.backend.errors("count documents"):
+            tasks, real = self._tasks(), {"code": {"$ne": ""}}  # the floor's document aside
+            return {"rows": int(tasks.count_documents(real)), "tombstones": int(tasks.count_documents({**real, "state": "done"}))}
+
+    def count_purgeable(self, older_than: float, *, code: str | None = None) -> int:
+        with self.backend.errors("purge count"):
+            return int(self._tasks().count_documents(self._old_tombstones(self._server_now(), older_than, code)))
 
     def now(self) -> datetime:
         return self._server_now()

@@ -100,12 +100,13 @@ def _wins(mode: str, new_due: Expr, old_due: str) -> Expr:
     return {"$lt" if mode == "earliest" else "$gt": [new_due, old_due]}
 
 
-def add_pipeline(now: Expr, new_due: Expr, payload: str, mode: str) -> Pipeline:
+def add_pipeline(now: Expr, new_due: Expr, payload: str, mode: str, floor: int = 0) -> Pipeline:
     """The upsert of :meth:`~mutexcron.tasks.base.TaskStore.add`: :func:`~mutexcron.tasks.checks.decide_add` in ``$cond``s.
 
     The first stage writes the decision to ``last_add`` (``inserted``, ``replaced``, ``kept`` or
     ``pending``), reading the document as it was (no ``state``: the upsert is inserting it); the
-    second applies it. The document returned after the write says what this add did.
+    second applies it. The document returned after the write says what this add did. A new
+    document starts its token from ``floor``, the store-wide token floor of purged tombstones.
     """
     # No task, or the tombstone of a finished one (its token kept: tokens only go up).
     missing = {"$or": [_is_null("$state"), {"$eq": ["$state", "done"]}]}
@@ -144,8 +145,8 @@ def add_pipeline(now: Expr, new_due: Expr, payload: str, mode: str) -> Pipeline:
                 "attempt": _cond(fresh, 0, "$attempt"),
                 "lease_until": _cond(fresh, None, "$lease_until"),
                 "last_error": _cond(fresh, None, "$last_error"),
-                "token": {"$ifNull": ["$token", 0]},
-                "occurrence": _cond(fresh, {"$ifNull": ["$token", 0]}, "$occurrence"),
+                "token": {"$ifNull": ["$token", floor]},
+                "occurrence": _cond(fresh, {"$ifNull": ["$token", floor]}, "$occurrence"),
                 "owner": _cond(inserted, None, "$owner"),
                 # Running: the new values wait for the attempt's end; the later word (this add) wins over a cancel.
                 "pending_due": _cond(pending, new_due, _cond(inserted, None, "$pending_due")),

@@ -50,6 +50,7 @@ from ...backends.sql import TABLE_RE, SQLBackend, absolute_sqlite_url
 from ...errors import ConfigurationError, StoreError, StoreUnavailableError
 from ...timeutil import as_utc
 from ...urls import mask_url, pop_query
+from .. import base as task_base
 from ..base import AddResult, CodeSummary, Done, Due, Fail, NewTask, Outcome, Reschedule, TaskRecord, TaskStore
 from ..checks import (
     check_batch,
@@ -86,6 +87,10 @@ _ROUNDS = 5
 #: Tasks one multi-row insert of ``add_many`` carries (PostgreSQL).
 INSERT_MANY_CHUNK = 1000
 _WAKING = frozenset({AddResult.INSERTED, AddResult.REPLACED})
+#: Seconds a raised token floor holds before the purge deletes under it (TaskStore.floor_settle),
+#: where several writers read the floor at once: three times the longest a statement may live on
+#: the store's connections (OPERATION_TIMEOUT; PostgreSQL's statement_timeout).
+FLOOR_SETTLE = 30.0
 
 
 class SQLTaskStore(TaskStore):
@@ -99,6 +104,8 @@ class SQLTaskStore(TaskStore):
         connect_timeout: seconds to wait for a connection before failing closed (with a URL only).
         **engine_options: passed to the backend's engine (with a URL only).
     """
+
+    keeps_tombstones = True
 
     def __init__(
         self,
@@ -130,6 +137,9 @@ class SQLTaskStore(TaskStore):
                 "(at most 63, not starting with a digit)"
             )
         self._sql = STATEMENTS[backend.dialect.name].bind(self.table)
+        #: SQLite: every add reads the floor under the database's write lock, so no wait is needed.
+        self.floor_settle = 0.0 if backend.dialect.name == "sqlite" else FLOOR_SETTLE
+        self._floor_ready = False
         #: The task table in this process's registry of wakers (tasks.wakeup_listen.LOCAL_WAKERS).
         self._wake_key = self._table_identity()
         self._pads = False  # set when the table is first used: a MySQL table whose collation ignores trailing spaces
@@ -598,6 +608,52 @@ class SQLTaskStore(TaskStore):
             for code, queued, due_now, running, failed, until in (tuple(row) for row in rows)
         ]
         return sorted(found, key=lambda summary: summary.code)
+
+    # -- retention ---------------------------------------------------------------------------
+    def purge_batch(
+        self, older_than: float, *, code: str | None = None, limit: int = task_base.PURGE_BATCH
+    ) -> task_base.PurgeBatch:
+        """Delete up to ``limit`` old tombstones under the settled token floor, in one statement;
+        once none is left under it, raise the floor over the rest (see :meth:`TaskStore.purge_batch`)."""
+        params, and_code = self._purge_params(older_than, code)
+        floor, age = self._read_floor()
+        if age < self.floor_settle:
+            return task_base.PurgeBatch(0, self.floor_settle - age)
+        sql = self._sql.purge.replace("{and_code}", and_code)
+        removed = self._write(sql, {**params, "floor": floor, "n": max(1, int(limit))}, "purge")[1]
+        if removed >= limit:
+            return task_base.PurgeBatch(removed, 0.0)
+        rows = self._read(self._sql.purge_top.replace("{and_code}", and_code), {**params, "floor": floor}, "purge")
+        top = rows[0][0] if rows else None
+        if top is None:
+            return task_base.PurgeBatch(removed, None)
+        self._write(self._sql.floor_raise, {"top": int(top)}, "purge")
+        return task_base.PurgeBatch(removed, self.floor_settle)
+
+    def count_purgeable(self, older_than: float, *, code: str | None = None) -> int:
+        params, and_code = self._purge_params(older_than, code)
+        return int(self._read(self._sql.purge_count.replace("{and_code}", and_code), params, "purge count")[0][0])
+
+    def count_stored(self) -> dict[str, int]:
+        rows, tombstones = self._read(self._sql.count_stored, {}, "count rows")[0]
+        return {"rows": int(rows), "tombstones": int(tombstones)}
+
+    def _purge_params(self, older_than: float, code: str | None) -> tuple[dict[str, Any], str]:
+        params: dict[str, Any] = {"ago": -float(older_than)}
+        if code is None:
+            return params, ""
+        return {**params, "code": check_codes([code])[0]}, " AND code = :code"
+
+    def _read_floor(self) -> tuple[int, float]:
+        """The token floor and the seconds since it was raised (its row created first if missing)."""
+        if not self._floor_ready:
+            self._write(self._sql.floor_create, {}, "purge")
+            self._floor_ready = True
+        rows = self._read(self._sql.floor_read, {}, "purge")
+        if not rows:  # dropped under us (a table recreated): create it again next time
+            self._floor_ready = False
+            return 0, 0.0
+        return int(rows[0][0]), float(rows[0][1])
 
     @property
     def default_poll(self) -> float:

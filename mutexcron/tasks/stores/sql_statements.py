@@ -53,6 +53,10 @@ TOMBSTONE = (
     "state = 'done', run_at = NULL, payload = 'null', owner = NULL, lease_until = NULL, last_error = NULL, "
     "pending_due = NULL, pending_payload = NULL, cancel_requested = 0, updated = {now}"
 )
+#: The store-wide token floor: the highest token of every tombstone purged so far (see ``floor_*`` and
+#: ``purge`` below). It lives in the task table itself, as the tombstone of the ``('', '')`` task (a code
+#: and a key no add accepts), so it needs no table of its own; a new row starts its token from it.
+FLOOR = "COALESCE((SELECT f.token FROM {t} AS f WHERE f.code = '' AND f.task_key = ''), 0)"
 #: A tombstone (or a new row's conflict with one) becomes the task again: as a fresh insert, the token kept.
 REVIVE = (
     "state = 'queued', due = {new}due, run_at = {new}due, payload = {new}payload, attempt = 0, owner = NULL, "
@@ -260,12 +264,34 @@ class TaskStatements:
         "pending_payload = NULL, updated = {now} WHERE {fence} AND cancel_requested = 0 AND pending_due IS NOT NULL"
     )
 
+    # -- retention: the token floor and the purge of old tombstones (SQLTaskStore.purge_batch) ------
+    #: Creates the floor's row (token 0) unless it exists.
+    floor_create: str = (
+        "INSERT INTO {t} (code, task_key, due, payload, state, attempt, token, cancel_requested, created, updated, occurrence) "
+        "VALUES ('', '', {now}, 'null', 'done', 0, 0, 0, {now}, {now}, 0) ON CONFLICT (code, task_key) DO NOTHING"
+    )
+    #: The floor and the seconds since it was last raised.
+    floor_read: str = "SELECT token, {since_updated} FROM {t} WHERE code = '' AND task_key = ''"
+    #: Raises the floor to ``:top`` (never lowers it); ``updated`` says since when it holds.
+    floor_raise: str = "UPDATE {t} SET token = :top, updated = {now} WHERE code = '' AND task_key = '' AND token < :top"
+    #: The highest token above ``:floor`` of the tombstones finished before ``{cutoff}`` (now - ``:age`` seconds).
+    purge_top: str = (
+        "SELECT MAX(token) FROM {t} WHERE state = 'done' AND code <> '' AND updated < {cutoff} AND token > :floor{and_code}"
+    )
+    #: How many tombstones finished before ``{cutoff}`` (``mutexcron tasks purge --dry-run``).
+    purge_count: str = "SELECT COUNT(*) FROM {t} WHERE state = 'done' AND code <> '' AND updated < {cutoff}{and_code}"
+    #: Deletes up to ``:n`` tombstones finished before ``{cutoff}`` whose token is at most ``:floor``.
+    purge: str = ""
+    #: Every task's row, and the tombstones among them, the floor's row aside (``mutexcron_task_store_rows``).
+    count_stored: str = "SELECT COUNT(*), COALESCE(SUM(CASE WHEN state = 'done' THEN 1 ELSE 0 END), 0) FROM {t} WHERE code <> ''"
+
     def bind(self, table: str) -> TaskStatements:
         """This row with every template filled for ``table`` (``{codes}``, ``{pairs}``, ``{triples}``, ``{where}`` kept)."""
         due = f"COALESCE({self.due_param}, {self.plus.replace('{p}', 'delay')})"
         oldest = self.until.replace("{m}", "MIN(CASE WHEN run_at <= {now} THEN due END)")
         fill = {
             "{tombstone}": TOMBSTONE,
+            "{floor}": FLOOR,
             "{revive}": REVIVE.replace("{new}", ":"),
             "{revive_excluded}": REVIVE.replace("{new}due", "excluded.due").replace("{new}", "excluded."),
             "{counts}": COUNTS.replace("{oldest}", oldest),
@@ -275,6 +301,8 @@ class TaskStatements:
             "{due}": due,
             "{lease_end}": self.plus.replace("{p}", "lease"),
             "{until_min}": self.until.replace("{m}", "MIN(m.run_at)"),
+            "{since_updated}": "-(" + self.until.replace("{m}", "updated") + ")",
+            "{cutoff}": self.plus.replace("{p}", "ago"),
             "{now}": self.now,
             "{t}": table,
         }
@@ -319,6 +347,7 @@ POSTGRESQL = TaskStatements(
     PRIMARY KEY (code, task_key)
 )""",
         "CREATE INDEX IF NOT EXISTS {t}_run_at ON {t} (code, run_at)",
+        "CREATE INDEX IF NOT EXISTS {t}_done ON {t} (updated) WHERE state = 'done'",
     ),
     begin="START TRANSACTION",
     now="statement_timestamp()",
@@ -331,14 +360,14 @@ POSTGRESQL = TaskStatements(
     insert="""
 WITH ins AS (
     INSERT INTO {t} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated, occurrence)
-    VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, 0, 0, {now}, {now}, 0)
+    VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, {floor}, 0, {now}, {now}, {floor})
     ON CONFLICT (code, task_key) DO UPDATE SET {revive_excluded} WHERE {t}.state = 'done'
     RETURNING code
 )
 SELECT pg_notify('{t}', code) FROM ins""",
     insert_many="""
 INSERT INTO {t} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated, occurrence)
-SELECT r.code, r.task_key, r.due, r.due, r.payload, 'queued', 0, 0, 0, {now}, {now}, 0
+SELECT r.code, r.task_key, r.due, r.due, r.payload, 'queued', 0, {floor}, 0, {now}, {now}, {floor}
 FROM (
     SELECT code, task_key, payload, COALESCE(at, statement_timestamp() + delay * interval '1 second') AS due
     FROM unnest(CAST(:codes AS text[]), CAST(:keys AS text[]), CAST(:dues AS timestamptz[]),
@@ -391,6 +420,15 @@ CROSS JOIN LATERAL (
 SELECT k.code, s.* FROM unnest(CAST(:codes AS text[])) AS k(code)
 CROSS JOIN LATERAL (SELECT {counts} FROM {t} WHERE {t}.code = k.code AND {t}.state <> 'done') AS s""",
     summary_part="",
+    # SKIP LOCKED: a tombstone an add is reviving is left for the next purge; the outer WHERE checks
+    # again what a concurrent writer may have changed before the row was locked.
+    purge="""
+DELETE FROM {t} AS x USING (
+    SELECT code, task_key FROM {t}
+    WHERE state = 'done' AND code <> '' AND updated < {cutoff} AND token <= :floor{and_code}
+    LIMIT :n FOR UPDATE SKIP LOCKED
+) AS c
+WHERE x.code = c.code AND x.task_key = c.task_key AND x.state = 'done' AND x.token <= :floor""",
 )
 
 MYSQL = TaskStatements(
@@ -430,7 +468,7 @@ MYSQL = TaskStatements(
     # insert from an unchanged row. A duplicate key raises, and the store takes the update path.
     insert="""
 INSERT INTO {t} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated, occurrence)
-VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, 0, 0, {now}, {now}, 0)""",
+VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, {floor}, 0, {now}, {now}, {floor})""",
     lock_row="SELECT state, due, pending_due, {now} FROM {t} WHERE code = :code AND task_key = :key FOR UPDATE",
     # MySQL 8 and MariaDB >= 10.6 lock with SKIP LOCKED in a SELECT only (MariaDB's UPDATE has no
     # RETURNING either): pick, take and read back in one short READ COMMITTED transaction. The
@@ -455,6 +493,12 @@ WHERE {pairs}""",
     renew_read="SELECT code, task_key FROM {t} WHERE owner = :me AND state = 'running' AND ({triples})",
     leases_shape=_my_list("{triples}", (("code", "c"), ("task_key", "k"), ("token", "n"))),
     next_due_part="(SELECT run_at FROM {t} WHERE code = :pcode AND run_at IS NOT NULL ORDER BY run_at LIMIT 1)",
+    floor_create=TaskStatements.floor_create.replace("INSERT INTO", "INSERT IGNORE INTO").replace(
+        " ON CONFLICT (code, task_key) DO NOTHING", ""
+    ),
+    # No partial index on MySQL/MariaDB: the purge reads the table in primary-key order, locking only
+    # the rows it deletes (READ COMMITTED's semi-consistent reads skip the others without waiting).
+    purge="DELETE FROM {t} WHERE state = 'done' AND code <> '' AND updated < {cutoff} AND token <= :floor{and_code} LIMIT :n",
 )
 
 SQLITE = TaskStatements(
@@ -481,6 +525,7 @@ SQLITE = TaskStatements(
     PRIMARY KEY (code, task_key)
 )""",
         "CREATE INDEX IF NOT EXISTS {t}_run_at ON {t} (code, run_at)",
+        "CREATE INDEX IF NOT EXISTS {t}_done ON {t} (updated) WHERE state = 'done'",
     ),
     # BEGIN IMMEDIATE takes the database's write lock at once: the read and the write of add are
     # one step for every other writer (SQLite has no row locks to take instead).
@@ -496,7 +541,7 @@ SQLITE = TaskStatements(
     contains="instr(task_key, :contains) > 0",
     insert="""
 INSERT INTO {t} (code, task_key, due, run_at, payload, state, attempt, token, cancel_requested, created, updated, occurrence)
-VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, 0, 0, {now}, {now}, 0)
+VALUES (:code, :key, {due}, {due}, :payload, 'queued', 0, {floor}, 0, {now}, {now}, {floor})
 ON CONFLICT (code, task_key) DO UPDATE SET {revive_excluded} WHERE {t}.state = 'done'""",
     lock_row="SELECT state, due, pending_due, {now} FROM {t} WHERE code = :code AND task_key = :key",
     lock_fence="SELECT state, owner, token FROM {t} WHERE code = :code AND task_key = :key",
@@ -523,6 +568,10 @@ WHERE {t}.code = v.vc AND {t}.task_key = v.vk AND {t}.token = v.vt AND {t}.owner
     AND ({t}.cancel_requested = 1 OR {t}.pending_due IS NULL)
 RETURNING code, task_key, token""",
     next_due_part="SELECT * FROM (SELECT run_at FROM {t} WHERE code = :pcode AND run_at IS NOT NULL ORDER BY run_at LIMIT 1)",
+    purge="""
+DELETE FROM {t} WHERE rowid IN (
+    SELECT rowid FROM {t} WHERE state = 'done' AND code <> '' AND updated < {cutoff} AND token <= :floor{and_code} LIMIT :n
+)""",
 )
 
 #: The statements for each backend dialect (the registry family of the URL).
