@@ -9,6 +9,8 @@ from .errors import ConfigurationError
 
 #: The longest name every store holds (the SQL ``name`` column is VARCHAR(191)).
 MAX_NAME_LENGTH = 191
+#: Locks mutexcron takes for its own work (the task pruner): they guard no job of yours.
+INTERNAL_LOCK_PREFIX = "mutexcron:"
 
 
 def check_name(name: object, what: str) -> str:

@@ -12,7 +12,7 @@ from ..errors import MutexcronError
 from ..guard.triggers import NOT_DEFINED, NOT_GUARDED, PAUSED, TRIGGER_CODE, UNKNOWN
 from ..locks import DEFAULT_LOCK_URL, LockStore, lock_store_from_url
 from ..locks.record import LockRecord
-from ..names import printable
+from ..names import INTERNAL_LOCK_PREFIX, printable
 from ..tasks import TaskStore, task_store_from_url
 from .common import EXIT_BAD_INPUT, EXIT_FAILURE, _did_you_mean, _fail_on, _lock_url_option
 from .ops import node_liveness
@@ -105,6 +105,7 @@ def _naming(records: list[LockRecord], job: str) -> tuple[list[LockRecord], bool
     """The records naming ``job`` (the best last), and whether one that does not may yet run it: a
     live lock whose holder wrote no jobs (a node of an earlier version, a shared job store's lock),
     where only the request can tell, as before."""
+    records = [r for r in records if not r.name.startswith(INTERNAL_LOCK_PREFIX)]  # they guard no job
     named = sorted((r for r in records if job in r.fire_times), key=lambda r: r.fire_times[job])
     named = [r for r in records if r.holder is not None and job in (r.triggers or {})] or named
     return named, any(r.holder is not None and r.triggers is None for r in records)

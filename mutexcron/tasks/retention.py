@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 from ..errors import ConfigurationError, MutexcronError
+from ..names import INTERNAL_LOCK_PREFIX
 from .base import TaskStore
 
 __all__ = [
@@ -43,7 +44,7 @@ DEFAULT_RETENTION = timedelta(days=7)
 #: The environment variable that sets the retention (``mutexcron run --task-retention``).
 RETENTION_ENV = "MUTEXCRON_TASK_RETENTION"
 #: The lock under which one node of the cluster prunes at a time.
-PRUNE_LOCK = "mutexcron:prune-tasks"
+PRUNE_LOCK = INTERNAL_LOCK_PREFIX + "prune-tasks"
 #: Seconds of the prune lock's lease, and the least a lease must have left for one more batch to start
 #: (a batch is one statement, bounded by the store's operation timeout).
 PRUNE_LEASE = 30.0
