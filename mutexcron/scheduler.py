@@ -602,6 +602,12 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         guard = self._guarded.get(job_id)
         return None if guard is None or guard.config.callable_lock else guard
 
+    def misfire_grace_of(self, job_id: str) -> int | None:
+        """The misfire grace time a running node gives a guarded job (2 x the lease), read without
+        starting; None if the job is not guarded or the user set its own."""
+        guard = self.guard_of(job_id)
+        return None if guard is None or job_id in self._user_misfire else self._guard_misfire(guard)
+
     def running_tasks(self) -> dict[tuple[str, str], int]:
         """Task handlers in progress on this node, (code, key) -> token (after ``shutdown()``: those
         that outlived ``shutdown_timeout``)."""

@@ -838,3 +838,72 @@ def test_the_finish_times_of_a_mongodb_task_store_are_read_without_a_write() -> 
     assert found[0][1] > found[1][1] >= CLOCK_ORIGIN, "newest first, by the store's clock"
     assert finished_since(reader, found[0][1], 10) == found[:1]
     assert finished_since(reader, CLOCK_ORIGIN, 1) == found[:1], "at most the limit"
+
+
+def test_no_missed_run_alarm_inside_the_grace_the_nodes_use_during_a_takeover(tmp_path: Path) -> None:
+    """A node gives a guarded job a grace of 2 x the lease (20 s for a 10 s lease) when it starts;
+    the dashboard never starts the jobs file's scheduler, and must judge by the same grace, not by
+    APScheduler's 1 s default: a fire time 3 s old, during a takeover, is not missed."""
+    from mutexcron.dashboard.alarms import alarms
+    from mutexcron.dashboard.jobsfile import load_jobs_file
+    from mutexcron.dashboard.reads import Snapshot
+    from mutexcron.locks.record import LockRecord
+
+    spec = tmp_path / "jobs.py"
+    spec.write_text(
+        "from mutexcron import MutexScheduler\n"
+        f"sched = MutexScheduler(lock_url='sqlite:///{tmp_path}/dash.db', unactive_interval=10)\n"
+        "sched.add_job(print, 'interval', seconds=2, id='sync_catalog', mutex='catalog')\n"
+        "sched.add_job(print, 'interval', seconds=2, id='own_grace', mutex='catalog', misfire_grace_time=5)\n",
+        encoding="utf-8",
+    )
+    jobs = load_jobs_file(str(spec))
+    assert jobs.jobs["sync_catalog"].misfire_grace_time == 20 and jobs.jobs["own_grace"].misfire_grace_time == 5
+    now = datetime(2026, 11, 28, 12, 0, 0, tzinfo=timezone.utc)
+
+    def missed(last_claimed: float) -> list[str]:
+        fired = now - timedelta(seconds=last_claimed)
+        record = LockRecord("catalog", holder=None, heartbeat_age=last_claimed, ttl=10.0,
+                            fire_times={"sync_catalog": fired, "own_grace": fired})  # fmt: skip
+        snap = Snapshot("sqlite:///x", now, True, [record], [], {}, [])
+        return [a.text.split(":")[0] for a in alarms(snap, jobs) if a.kind == "missed-run"]
+
+    assert missed(3.0) == [], "a takeover inside the grace: no alarm"
+    assert missed(9.0) == ["job own_grace"], "past the user's own 5 s grace"
+    assert missed(25.0) == ["job sync_catalog", "job own_grace"]
+
+
+def test_the_token_is_checked_as_it_is_entered_and_the_check_changes_nothing(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/dash.db"
+    populate(url)
+    app = create_app(url, action_token=TOKEN)
+    try:
+        good = call(app, "/api/actions/token", "POST", {"by": "alice"}, action_headers(app))
+        wrong = call(app, "/api/actions/token", "POST", {"by": "alice"}, action_headers(app, "wrong-token-of-enough-length"))
+    finally:
+        app.close()
+    assert good[0] == 200 and json.loads(good[2])["message"] == "token accepted: actions as alice (dashboard, 127.0.0.1)"
+    assert wrong[0] == 403 and json.loads(wrong[2])["error"] == "missing or wrong action token"
+    assert not _record(url, "billing").paused and app.audit.entries() == []
+
+
+def test_alarms_link_to_their_lock_job_task_code_or_node_and_internal_codes_are_hidden(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/dash.db"
+    populate(url)
+    tasks = task_store_from_url(lock_store_from_url(url).url)
+    try:
+        tasks.add("mutexcron.trigger", "req-1", timedelta(hours=1))
+    finally:
+        tasks.close()
+    app = create_app(url)
+    try:
+        _, _, overview = call(app, "/")
+        _, _, tasks_page = call(app, "/tasks")
+        _, _, with_internal = call(app, "/tasks?internal=1")
+        _, _, lock_page = call(app, "/lock?name=billing")
+    finally:
+        app.close()
+    assert '<a href="/tasks?code=email.send&amp;state=failed">code email.send: 1 failed task</a>' in overview
+    assert "mutexcron.trigger</a>" not in tasks_page and "show mutexcron's own codes (1)" in tasks_page
+    assert "mutexcron.trigger</a>" in with_internal
+    assert "<h1>Lock billing</h1>" in lock_page and "close_invoices" in lock_page

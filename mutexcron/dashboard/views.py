@@ -25,6 +25,7 @@ from ..formatting import record_json
 from ..formatting import when as _when
 from ..locks.record import LockRecord, RunRecord
 from ..tasks import STATES, CodeSummary, TaskRecord
+from ..tasks.handlers import INTERNAL_PREFIX
 from ..version import __version__
 from .actions import AuditEntry
 from .alarms import Alarm, alarms
@@ -175,8 +176,15 @@ def _alarms(ctx: Context) -> str:
     )
     if not found:
         return f'<p class="ok-line">No alarms.</p>{note}'
-    items = "".join(f'<li class="alarm {escape(a.level)}">{_badge(a.kind, a.level)} {_t(a.text)}</li>' for a in found)
+    items = "".join(f'<li class="alarm {escape(a.level)}">{_badge(a.kind, a.level)} {_alarm_text(ctx, a)}</li>' for a in found)
     return f'<ul class="alarms">{items}</ul>{note}'
+
+
+def _alarm_text(ctx: Context, alarm: Alarm) -> str:
+    if alarm.link is None:
+        return _t(alarm.text)
+    path, query = alarm.link
+    return f'<a href="{ctx.link(path, **query)}">{_t(alarm.text)}</a>'
 
 
 def _nodes(ctx: Context) -> str:
@@ -191,11 +199,13 @@ def _nodes(ctx: Context) -> str:
     for record in snap.locks or ():
         if record.holder is not None and record.state == "active":
             held.setdefault(record.holder, []).append(record.name)
+    chosen = ctx.query.get("node")
     rows = [
         (_t(n.node_id), _badge("live", "ok") if snap.live(n) else _badge("stale", "warn"), _t(n.ip), _t(n.version),
          _ago(snap, n.last_seen), escape(_offset(n.clock_offset)),
          f'<span class="held">{_t(", ".join(held.get(n.node_id, [])) or None)}</span>')
         for n in snap.nodes
+        if chosen in (None, "", n.node_id)
     ]  # fmt: skip
     return _table(("node", "state", "IP", "version", "last seen", "clock offset", "locks held"), rows, "nodes")
 
@@ -215,6 +225,15 @@ def locks(ctx: Context) -> dict[str, str]:
     return {"locks": _notes(snap, "history") + "".join(_lock_card(ctx, r) for r in snap.locks)}
 
 
+def lock(ctx: Context) -> dict[str, str]:
+    """One lock's page: its state, holder, lease, jobs and their runs' charts."""
+    name = ctx.query.get("name", "")
+    record = ctx.snap.lock(name)
+    if record is None:
+        return {"lock": _notes(ctx.snap, "locks") or f'<p class="muted">No lock {_t(name)} in the store.</p>'}
+    return {"lock": _lock_card(ctx, record)}
+
+
 def _lock_card(ctx: Context, record: LockRecord) -> str:
     state = _badge(record.state, {"active": "ok", "stale": "warn"}.get(record.state, "muted"))
     paused = _badge(f"paused by {record.paused_by or '?'}", "warn") if record.paused else ""
@@ -227,7 +246,8 @@ def _lock_card(ctx: Context, record: LockRecord) -> str:
                if record.paused else
                _button(ctx, "Pause", "pause", {"lock": record.name}, f"Pause lock {record.name} on every node?",
                        "warn"))  # fmt: skip
-    head = (f'<div class="card-head"><h3>{_t(record.name)}</h3>{state}{paused}<span class="kv">holder <b>{_t(record.holder)}</b>'
+    title = f'<h3><a href="{ctx.link("lock", name=record.name)}">{_t(record.name)}</a></h3>'
+    head = (f'<div class="card-head">{title}{state}{paused}<span class="kv">holder <b>{_t(record.holder)}</b>'
             f'</span><span class="kv">lease left <b>{escape(lease)}</b></span>'
             f'<span class="kv">token <b>{record.token}</b></span>'
             f'<span class="actions">{buttons}</span></div>')  # fmt: skip
@@ -318,6 +338,9 @@ def _codes(ctx: Context) -> str:
     summaries = {c.code: c for c in snap.tasks}
     for code in flow.per_minute if flow is not None else ():  # finished lately, none left: still charted
         summaries.setdefault(code, CodeSummary(code))
+    hidden = [code for code in summaries if code.startswith(INTERNAL_PREFIX)]
+    if not ctx.query.get("internal"):  # mutexcron's own codes (trigger requests): not the user's
+        summaries = {code: c for code, c in summaries.items() if code not in hidden}
     if not summaries:
         return _notes(snap, "tasks") or '<p class="muted">No tasks.</p>'
     rows, charts = [], []
@@ -344,7 +367,10 @@ def _codes(ctx: Context) -> str:
     if any(ctx.reader.samples.values()):
         first = min(s[0].at for s in ctx.reader.samples.values() if s)
         span = f"backlog and lag sampled by this dashboard at each refresh since {_when(first)} UTC"
-    return f'{table}<p class="muted">{escape(span)}{_throughput_note(flow)}</p>{"".join(charts)}'
+    shown = ctx.query.get("internal")
+    internal = (f' · <a href="{ctx.link("tasks", internal=None if shown else "1")}">{"hide" if shown else "show"} '
+                f'mutexcron\'s own codes ({len(hidden)})</a>' if hidden else "")  # fmt: skip
+    return f'{table}<p class="muted">{escape(span)}{_throughput_note(flow)}{internal}</p>{"".join(charts)}'
 
 
 def _throughput_chart(code: str, flow: Throughput | None) -> str:
@@ -506,11 +532,13 @@ PAGES: dict[str, PageDef] = {
         PageDef("tasks", "Tasks", True, tasks),
         PageDef("history", "History", True, history),
         PageDef("task", "Task", False, task),
+        PageDef("lock", "Lock", False, lock),
     )
 }
 
 _SECTION_TITLES = {"counts": "", "alarms": "Alarms", "nodes": "Nodes", "audit": "Recent actions (this dashboard)", "locks": "",
-                   "codes": "Tasks by code", "selection": "Selection", "runs": "", "task": "", "shared": ""}  # fmt: skip
+                   "codes": "Tasks by code", "selection": "Selection", "runs": "", "task": "", "shared": "",
+                   "lock": ""}  # fmt: skip
 
 
 _DOCUMENT = """<!doctype html>
@@ -569,6 +597,8 @@ def _heading(ctx: Context, page: PageDef) -> str:
     if page.path == "history" and ctx.query.get("lock"):
         job = ctx.query.get("job")
         return escape(f"History of {job} (lock {ctx.query['lock']})" if job else f"History of lock {ctx.query['lock']}")
+    if page.path == "lock":
+        return escape(f"Lock {ctx.query.get('name', '')}")
     if page.path == "task":
         return escape(f"Task {ctx.query.get('code', '')}/{ctx.query.get('key', '')}")
     return escape(page.title)

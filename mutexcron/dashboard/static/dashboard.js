@@ -42,13 +42,24 @@
   }
   if (form) {
     document.getElementById("token-name").value = store.getItem("mc-name") || "";
-    form.addEventListener("submit", (event) => {
+    // The token is checked as it is entered (a POST that changes nothing): a wrong one is said at once.
+    form.addEventListener("submit", async (event) => {
       event.preventDefault();
       const value = document.getElementById("token-value").value;
+      const state = document.getElementById("token-state");
       store.setItem("mc-name", document.getElementById("token-name").value);
-      if (value) store.setItem("mc-token", value); else store.removeItem("mc-token");
       document.getElementById("token-value").value = "";
-      showToken();
+      if (!value) { store.removeItem("mc-token"); showToken(); return; }
+      store.setItem("mc-token", value);
+      try {
+        await act("token", {});
+        showToken();
+        state.className = "ok";
+      } catch (error) {
+        store.removeItem("mc-token");
+        state.textContent = `token refused: ${error.message}`;
+        state.className = "err";
+      }
     });
     showToken();
   }
