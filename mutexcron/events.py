@@ -35,6 +35,7 @@ __all__ = [
     "EVENT_RUN_STARTED",
     "EVENT_STORE_DOWN",
     "EVENT_STORE_UP",
+    "EVENT_TASK_FAILED",
     "Emit",
     "MutexEvent",
     "log_event",
@@ -67,8 +68,12 @@ EVENT_LOCK_PAUSED = 2**26
 EVENT_LOCK_RESUMED = 2**27
 #: A guarded run starts under its lease (``lag``: seconds from the fire time to the first line).
 EVENT_RUN_STARTED = 2**28
-#: A guarded run ended (``outcome``: ``success`` or ``error``; ``duration``; ``error``).
+#: A guarded run ended (``outcome``: ``success`` or ``error``; ``duration``; ``error``; ``exception``: the job's).
 EVENT_RUN_FINISHED = 2**29
+#: A task's attempt failed (``task_code``, ``key``, ``attempt``; ``final``: no attempt left, the task
+#: failed for good; ``exception``; ``duration``: seconds in the handler). Not logged here: the task
+#: worker logs it with its traceback.
+EVENT_TASK_FAILED = 2**30
 
 #: Every mutexcron event code.
 EVENT_MUTEX_ALL = (
@@ -85,6 +90,7 @@ EVENT_MUTEX_ALL = (
     | EVENT_LOCK_RESUMED
     | EVENT_RUN_STARTED
     | EVENT_RUN_FINISHED
+    | EVENT_TASK_FAILED
 )
 
 NAMES = {
@@ -101,6 +107,7 @@ NAMES = {
     EVENT_LOCK_RESUMED: "lock_resumed",
     EVENT_RUN_STARTED: "run_started",
     EVENT_RUN_FINISHED: "run_finished",
+    EVENT_TASK_FAILED: "task_failed",
 }
 
 

@@ -32,6 +32,7 @@ from .jobstores.hooks import SharedJobsMixin
 from .locks import DEFAULT_LOCK_URL, LockStore, Node, default_lock_url, lock_store_from_url, store_scope_note
 from .locks.record import DEFAULT_MAX_ATTRS_BYTES
 from .node import default_node_id, outbound_ip
+from .observability.feed.writer import start_feed
 from .observability.pings import register as register_pings
 from .tasks.pool import TaskPool
 from .tasks.runner import TaskRunner
@@ -477,6 +478,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
                 log.log(*note)
         self._started_pid = os.getpid()
         _at_exit(self._stop_at_exit)
+        start_feed(self, self.lock_store, self.node_id)  # the event feed the dashboard shows (observability/feed)
         # The heartbeat thread starts first: BlockingScheduler.start() does not return.
         self._leases.start()
         guarded = any(not g.config.callable_lock for g in self._guarded.values()) or (self._has_shared_stores() and not paused)

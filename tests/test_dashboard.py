@@ -27,6 +27,7 @@ from mutexcron.dashboard.app import Dashboard
 from mutexcron.errors import ConfigurationError
 from mutexcron.locks import lock_store_from_url
 from mutexcron.locks.base import FireClaim, Node, Presence, RunInfo
+from mutexcron.observability.feed import FeedEvent, feed_store_for
 from mutexcron.tasks import Fail, task_store_from_url
 from tests.backends import backend_params, cleanup_redis, drop_store_tables, require_server
 
@@ -87,9 +88,12 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 
 def populate(url: str) -> None:
-    """Two locks with runs, a node presence, and tasks: one failed, two queued."""
+    """Two locks with runs, a node presence, tasks (one failed, two queued) and an event."""
     locks = lock_store_from_url(url)
     try:
+        feed = feed_store_for(locks)
+        assert feed is not None
+        feed.append([FeedEvent("node_joined", NODE.node_id, None, f"node {NODE.node_id} joined")])
         for name, jobs in (("billing", ("close_invoices", "send_reminders")), ("reports", ("nightly_report",))):
             got = locks.acquire_or_renew(name, NODE, ttl=60, claim=FireClaim.new(jobs[0], 1_000_000))
             for i, job in enumerate(jobs * 3):
@@ -170,10 +174,10 @@ def test_every_page_of_a_used_store_renders_with_reads_only(url: str, counted_st
     assert "order-2" in bodies["/tasks?state=any"][2]
     assert "SMTP said no" in bodies["/task?code=email.send&key=order-1"][2]
     status = json.loads(bodies["/api/status"][2])
-    assert [lock["name"] for lock in status["locks"]] == ["billing", "reports"] and status["calls"] == 4
+    assert [lock["name"] for lock in status["locks"]] == ["billing", "reports"] and status["calls"] == 5
 
 
-def test_a_refresh_is_four_store_calls_shared_by_every_open_page(tmp_path: Path, counted_statements: list[str]) -> None:
+def test_a_refresh_is_five_store_calls_shared_by_every_open_page(tmp_path: Path, counted_statements: list[str]) -> None:
     url = f"sqlite:///{tmp_path}/dash.db"
     populate(url)
     app = create_app(url, refresh=10)
@@ -185,7 +189,7 @@ def test_a_refresh_is_four_store_calls_shared_by_every_open_page(tmp_path: Path,
             call(app, "/api/sections/overview")
     finally:
         app.close()
-    assert len(counted_statements) == 4, counted_statements
+    assert len(counted_statements) == 5, counted_statements  # locks, nodes, histories, tasks, the event feed
 
 
 # -- actions ------------------------------------------------------------------------------------------
@@ -873,6 +877,15 @@ def test_no_missed_run_alarm_inside_the_grace_the_nodes_use_during_a_takeover(tm
     assert missed(25.0) == ["job sync_catalog", "job own_grace"]
 
 
+def pages(url: str, *paths: str) -> list[str]:
+    """The bodies of ``paths`` from a read-only dashboard of ``url``."""
+    app = create_app(url)
+    try:
+        return [call(app, path)[2] for path in paths]
+    finally:
+        app.close()
+
+
 def test_the_token_is_checked_as_it_is_entered_and_the_check_changes_nothing(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/dash.db"
     populate(url)
@@ -895,15 +908,36 @@ def test_alarms_link_to_their_lock_job_task_code_or_node_and_internal_codes_are_
         tasks.add("mutexcron.trigger", "req-1", timedelta(hours=1))
     finally:
         tasks.close()
-    app = create_app(url)
-    try:
-        _, _, overview = call(app, "/")
-        _, _, tasks_page = call(app, "/tasks")
-        _, _, with_internal = call(app, "/tasks?internal=1")
-        _, _, lock_page = call(app, "/lock?name=billing")
-    finally:
-        app.close()
+    overview, tasks_page, with_internal, lock_page = pages(url, "/", "/tasks", "/tasks?internal=1", "/lock?name=billing")
     assert '<a href="/tasks?code=email.send&amp;state=failed">code email.send: 1 failed task</a>' in overview
     assert "mutexcron.trigger</a>" not in tasks_page and "show mutexcron's own codes (1)" in tasks_page
     assert "mutexcron.trigger</a>" in with_internal
     assert "<h1>Lock billing</h1>" in lock_page and "close_invoices" in lock_page
+
+
+def test_the_event_feed_node_states_and_folded_tracebacks_on_the_overview_job_and_task_pages(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/dash.db"
+    populate(url)
+    locks = lock_store_from_url(url)
+    run = next(r for r in locks.history("billing", "send_reminders") if r.outcome == "error")
+    feed = feed_store_for(locks)
+    assert feed is not None
+    traceback = 'Traceback (most recent call last):\n  File "jobs.py", line 9, in send_reminders\nValueError: boom\n'
+    feed.append([
+        FeedEvent("run_failed", NODE.node_id, "billing", "job send_reminders failed on node-a:1:aa: ValueError: boom",
+                  traceback, {"job": "send_reminders", "token": run.token, "fire_time": str(run.fire_time), "error": "boom"}),
+        FeedEvent("task_failed", NODE.node_id, "email.send", "task email.send/order-1 attempt 1 failed for good",
+                  traceback.replace("send_reminders", "send_email"), {"key": "order-1", "attempt": 1, "duration": 0.25}),
+        FeedEvent("node_stopped", NODE.node_id, None, f"node {NODE.node_id} stopped cleanly"),
+    ])  # fmt: skip
+    locks.close()
+    overview, failed_only, job_page, recent, task_page = pages(
+        url, "/", "/?kind=run_failed", "/history?lock=billing&job=send_reminders", "/history?outcome=error",
+        "/task?code=email.send&key=order-1",
+    )  # fmt: skip
+    assert '<span class="badge muted">stopped</span>' in overview, "a clean stop is recorded as such"
+    assert "job send_reminders failed on node-a:1:aa" in overview and "node node-a:1:aa stopped cleanly" in overview
+    assert "stopped cleanly" not in failed_only.split('id="s-events"')[1], "the feed is filtered by kind"
+    assert '<details class="error"><summary>ValueError: boom</summary><pre>Traceback' in job_page
+    assert "<h1>Recent runs</h1>" in recent and "in send_reminders" in recent and "success</span>" not in recent
+    assert "<h3>attempts</h3>" in task_page and "in send_email" in task_page and "failed</span>" in task_page
