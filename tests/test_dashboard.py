@@ -33,7 +33,8 @@ from tests.backends import backend_params, cleanup_redis, drop_store_tables, req
 
 TOKEN = "t0ken-for-the-dashboard-tests"
 NODE = Node("node-a:1:aa", "10.0.0.1")
-PAGES = ("/", "/locks", "/tasks", "/tasks?state=any", "/history", "/history?lock=billing&job=close_invoices",
+PAGES = ("/", "/locks", "/locks?state=active&sort=holder&dir=desc", "/lock?name=billing",
+         "/tasks", "/tasks?state=any", "/history", "/history?lock=billing&job=close_invoices",
          "/task?code=email.send&key=order-1", "/api/status", "/api/sections/overview", "/api/sections/locks",
          "/api/sections/tasks", "/api/sections/history?lock=billing", "/api/trigger?job=close_invoices&lock=billing")  # fmt: skip
 
@@ -166,9 +167,9 @@ def test_every_page_of_a_used_store_renders_with_reads_only(url: str, counted_st
     overview = bodies["/"][2]
     assert "node-a:1:aa" in overview and "+0.002s" in overview and "live" in overview
     assert "code email.send: 1 failed task" in overview
-    locks = bodies["/locks"][2]
-    assert "billing" in locks and "close_invoices" in locks and "send_reminders" in locks and "<svg" in locks
-    assert 'class="bar err"' in locks and 'data-action="pause"' in locks and 'data-action="trigger"' in locks
+    locks, lock = bodies["/locks"][2], bodies["/lock?name=billing"][2]
+    assert "billing" in locks and "close_invoices" in locks and "send_reminders" in locks and 'data-action="pause"' in locks
+    assert "<svg" in lock and 'class="bar err"' in lock and 'data-action="pause"' in lock and 'data-action="trigger"' in lock
     assert "order-1" in bodies["/tasks"][2] and "SMTP said no" in bodies["/tasks"][2]
     assert "order-2" not in bodies["/tasks"][2], "the Tasks page lists the failed tasks by default"
     assert "order-2" in bodies["/tasks?state=any"][2]

@@ -306,11 +306,99 @@ def _audit(ctx: Context) -> str:
 
 
 # -- Locks and jobs -------------------------------------------------------------------------------
+#: The Locks page's columns a click sorts by, and each row's key for it.
+_LOCK_SORTS: dict[str, Callable[[LockRecord, RunRecord | None], Any]] = {
+    "name": lambda r, _: r.name,
+    "state": lambda r, _: (r.state, r.name),
+    "holder": lambda r, _: (r.holder or "", r.name),
+    "token": lambda r, _: r.token,
+    "last run": lambda _, run: run.ended.timestamp() if run is not None and run.ended is not None else 0.0,
+}
+
+
 def locks(ctx: Context) -> dict[str, str]:
+    """Every lock as one row: filtered by name, state and node (holder or last run's), sorted by a column."""
     snap = ctx.snap
     if not snap.locks:
         return {"locks": _notes(snap, "locks", "history") or '<p class="muted">No lock in the store yet.</p>'}
-    return {"locks": _notes(snap, "history") + "".join(_lock_card(ctx, r) for r in snap.locks)}
+    q, state, node = (ctx.query.get(k) or None for k in ("q", "state", "node"))
+    last = {r.name: next(iter(sorted(snap.runs(r.name), key=lambda run: run.ended or snap.now, reverse=True)), None)
+            for r in snap.locks}  # fmt: skip
+    ran_on = {name: run.node if run is not None else None for name, run in last.items()}
+    chosen = [r for r in snap.locks if (q is None or q in r.name) and state in (None, r.state, "paused" if r.paused else None)
+              and node in (None, r.holder, ran_on[r.name])]  # fmt: skip
+    sort = ctx.query.get("sort") or "name"
+    sort = sort if sort in _LOCK_SORTS else "name"
+    chosen.sort(key=lambda r: _LOCK_SORTS[sort](r, last[r.name]), reverse=ctx.query.get("dir") == "desc")
+    rows = [_lock_row(ctx, r, last[r.name]) for r in chosen]
+    what = f'<p class="muted">{len(chosen)} of {len(snap.locks)} locks</p>'
+    return {"locks": _notes(snap, "history") + what + _sortable_table(ctx, rows, "locks")}
+
+
+def _sortable_table(ctx: Context, rows: list[tuple[str, ...]], cls: str) -> str:
+    """The Locks table; a sortable column's header links to the page sorted by it (again: the other way)."""
+    header = ("name", "state", "holder", "lease left", "token", "jobs", "last run", "")
+    heads = []
+    for name in header:
+        if name not in _LOCK_SORTS:
+            heads.append(f"<th>{escape(name)}</th>")
+            continue
+        now, way = ctx.query.get("sort") == name, ctx.query.get("dir")
+        query = {**ctx.query, "sort": name, "dir": "desc" if now and way != "desc" else "asc"}
+        sorted_as = ' aria-sort="descending"' if now and way == "desc" else ' aria-sort="ascending"' if now else ""
+        heads.append(f'<th{sorted_as}><a href="{ctx.link("locks", **query)}">{escape(name)}</a></th>')
+    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
+    return f'<div class="scroll"><table class="{cls}"><thead><tr>{"".join(heads)}</tr></thead><tbody>{body}</tbody></table></div>'
+
+
+def _lock_row(ctx: Context, record: LockRecord, run: RunRecord | None) -> tuple[str, ...]:
+    jobs = _jobs_of(ctx, record)
+    return (
+        f'<a href="{ctx.link("lock", name=record.name)}">{_t(record.name)}</a>',
+        _lock_state(record),
+        _t(record.holder),
+        escape(_lease_left(record)),
+        str(record.token),
+        ", ".join(f'<a href="{ctx.link("history", lock=record.name, job=j)}">{_t(j)}</a>' for j in jobs[:4])
+        + (f" +{len(jobs) - 4}" if len(jobs) > 4 else ""),
+        f"{_outcome(run)} {_ago(ctx.snap, run.ended)} on {_t(run.node)}" if run else "-",
+        f'<span class="actions">{_pause_buttons(ctx, record)}</span>',
+    )
+
+
+def _lock_state(record: LockRecord) -> str:
+    state = _badge(record.state, {"active": "ok", "stale": "warn"}.get(record.state, "muted"))
+    return state + (_badge(f"paused by {record.paused_by or '?'}", "warn") if record.paused else "")
+
+
+def _lease_left(record: LockRecord) -> str:
+    if record.state != "active" or record.heartbeat_age is None:
+        return "-"
+    return f"{max(0.0, record.ttl - record.heartbeat_age):.1f}s of {record.ttl:g}s"
+
+
+def _pause_buttons(ctx: Context, record: LockRecord) -> str:
+    if record.paused:
+        return _button(ctx, "Resume", "resume", {"lock": record.name}, f"Resume lock {record.name}?") + _button(
+            ctx, "Resume + catch up", "resume", {"lock": record.name, "catch_up": True},
+            f"Resume lock {record.name} and run each of its jobs once now?")  # fmt: skip
+    return _button(ctx, "Pause", "pause", {"lock": record.name}, f"Pause lock {record.name} on every node?", "warn")
+
+
+def _locks_filters(ctx: Context) -> str:
+    q, state, node = (ctx.query.get(k, "") for k in ("q", "state", "node"))
+    states = '<option value="">every state</option>' + "".join(
+        f'<option{" selected" if s == state else ""}>{s}</option>' for s in ("active", "stale", "released", "paused")
+    )
+    nodes = sorted({r.holder for r in ctx.snap.locks or () if r.holder} | {n.node_id for n in ctx.snap.nodes or ()})
+    node_options = '<option value="">every node</option>' + "".join(
+        f'<option{" selected" if n == node else ""}>{_t(n)}</option>' for n in nodes
+    )
+    return (f'<form class="filters" method="get" action="{ctx.link("locks")}">'
+            f'<label>name contains <input name="q" value="{escape(q, quote=True)}"></label>'
+            f'<label>state <select name="state">{states}</select></label>'
+            f'<label>holder or node <select name="node">{node_options}</select></label>'
+            '<button type="submit">Filter</button></form>')  # fmt: skip
 
 
 def lock(ctx: Context) -> dict[str, str]:
@@ -323,22 +411,11 @@ def lock(ctx: Context) -> dict[str, str]:
 
 
 def _lock_card(ctx: Context, record: LockRecord) -> str:
-    state = _badge(record.state, {"active": "ok", "stale": "warn"}.get(record.state, "muted"))
-    paused = _badge(f"paused by {record.paused_by or '?'}", "warn") if record.paused else ""
-    lease = "-"
-    if record.state == "active" and record.heartbeat_age is not None:
-        lease = f"{max(0.0, record.ttl - record.heartbeat_age):.1f}s of {record.ttl:g}s"
-    buttons = (_button(ctx, "Resume", "resume", {"lock": record.name}, f"Resume lock {record.name}?")
-               + _button(ctx, "Resume + catch up", "resume", {"lock": record.name, "catch_up": True},
-                         f"Resume lock {record.name} and run each of its jobs once now?")
-               if record.paused else
-               _button(ctx, "Pause", "pause", {"lock": record.name}, f"Pause lock {record.name} on every node?",
-                       "warn"))  # fmt: skip
     title = f'<h3><a href="{ctx.link("lock", name=record.name)}">{_t(record.name)}</a></h3>'
-    head = (f'<div class="card-head">{title}{state}{paused}<span class="kv">holder <b>{_t(record.holder)}</b>'
-            f'</span><span class="kv">lease left <b>{escape(lease)}</b></span>'
+    head = (f'<div class="card-head">{title}{_lock_state(record)}<span class="kv">holder <b>{_t(record.holder)}</b>'
+            f'</span><span class="kv">lease left <b>{escape(_lease_left(record))}</b></span>'
             f'<span class="kv">token <b>{record.token}</b></span>'
-            f'<span class="actions">{buttons}</span></div>')  # fmt: skip
+            f'<span class="actions">{_pause_buttons(ctx, record)}</span></div>')  # fmt: skip
     runs = list(reversed(ctx.snap.runs(record.name)))  # oldest first
     charts = ""
     if runs:
@@ -683,11 +760,15 @@ def _shared_row(ctx: Context, row: Mapping[str, Any]) -> tuple[str, ...]:
                   "warn")
     )  # fmt: skip
     next_run = row.get("next_run")
+    details = (f'<details class="job-details"><summary>{_t(row.get("trigger"))}</summary><dl class="fields">'
+               f'<dt>function</dt><dd>{_t(row.get("func"))}</dd><dt>args</dt><dd>{_t(row.get("args"))}</dd>'
+               f'<dt>kwargs</dt><dd>{_t(row.get("kwargs"))}</dd><dt>lease</dt><dd>{_t(row.get("lease"))}</dd>'
+               "</dl></details>")  # fmt: skip
     return (
         f'<a href="{ctx.link("history", lock=lock, job=job)}">{_t(job)}</a>',
         _t(row["store"]),
         _badge("paused", "warn") if paused else _badge("scheduled", "ok"),
-        _t(row.get("trigger")),
+        details,
         escape(_when(next_run)) + (f' <span class="muted">{_ago(ctx.snap, next_run)}</span>' if next_run else ""),
         _t(lock),
         _t(holder),
@@ -771,6 +852,8 @@ def _above(ctx: Context, page: PageDef, section: str) -> str:
     """A section's filters, outside the part that refreshes (a choice being made stays put)."""
     if section == "events":
         return _event_filters(ctx)
+    if section == "locks" and page.path == "locks":
+        return _locks_filters(ctx)
     if section == "runs" and not ctx.query.get("lock"):
         return _runs_filters(ctx)
     return ""

@@ -18,6 +18,7 @@ from apscheduler.util import ref_to_obj
 
 from ..errors import ConfigurationError
 from ..guard import apscheduler_internals as aps
+from ..urls import mask_values
 from . import is_shared, share
 from .base import SharedJobStore
 from .node import config_of_function
@@ -55,7 +56,8 @@ def stored_rows(sched: Any, stores: dict[str, SharedJobStore]) -> list[dict[str,
             next_run = fields.get("next_run_time")
             rows.append({"job": job_id, "store": alias, "declared": False, "func": fields.get("func"),
                          "trigger": str(fields.get("trigger")), "next_run": next_run, "lock": lock, "lease": lease,
-                         "guarded": True, "args": repr(fields.get("args")), "kwargs": repr(fields.get("kwargs")),
+                         "guarded": True, "args": repr(mask_values(fields.get("args"))),
+                         "kwargs": repr(mask_values(fields.get("kwargs"))),
                          "state": "paused" if next_run is None else "scheduled"})  # fmt: skip
     return rows
 
