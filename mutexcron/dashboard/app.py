@@ -135,7 +135,7 @@ class Dashboard:
             page = PAGES.get(_page_path(path.removeprefix("/api/sections/")))
             if page is None:
                 return _json({"error": "no such page"}, "404 Not Found")
-            ctx = self._context(environ, query)
+            ctx = self._context(environ, query, page.histories)
             sections = page.sections(ctx)
             return _json({"sections": sections, "at": ctx.snap.now.isoformat(), "calls": ctx.snap.calls,
                           "store_ms": round(ctx.snap.seconds * 1000, 3)})  # fmt: skip
@@ -147,15 +147,15 @@ class Dashboard:
         page = PAGES.get(path.strip("/"))
         if page is None:
             return "404 Not Found", "text/plain; charset=utf-8", "no such page"
-        ctx = self._context(environ, query)
+        ctx = self._context(environ, query, page.histories)
         return "200 OK", "text/html; charset=utf-8", render_page(ctx, page, self.guard.csrf_token(), self.refresh)
 
-    def _context(self, environ: dict[str, Any], query: dict[str, str]) -> Context:
-        return Context(environ.get("SCRIPT_NAME", "").rstrip("/"), self.reader, self.reader.snapshot(), self.jobs,
-                       self.guard.actions_enabled, self.audit.entries(), query)  # fmt: skip
+    def _context(self, environ: dict[str, Any], query: dict[str, str], histories: bool) -> Context:
+        return Context(environ.get("SCRIPT_NAME", "").rstrip("/"), self.reader, self.reader.snapshot(histories=histories),
+                       self.jobs, self.guard.actions_enabled, self.audit.entries(), query)  # fmt: skip
 
     def _status(self) -> dict[str, Any]:
-        snap = self.reader.snapshot()
+        snap = self.reader.snapshot(histories=True)
         return {
             "store": snap.store,
             "now": snap.now.isoformat(),

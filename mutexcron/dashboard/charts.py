@@ -131,7 +131,9 @@ def line_chart(title: str, series: Sequence[Series], note: str = "", fmt: Callab
             f"{_LEFT + _PLOT_W * j / max(1, n - 1):.1f},{_TOP + _PLOT_H - _PLOT_H * v / top:.1f}" for j, v in enumerate(s.values)
         )
         parts.append(f'<polyline class="line {escape(s.kind)}" points="{points}"/>')
-        parts.append(f'<text class="legend {escape(s.kind)}" x="{_LEFT + i * 110}" y="{_LEGEND_Y}">— {escape(s.name)}</text>')
+        x = _LEFT + i * 110  # a coloured key, then the name in the text colour (readable on any screen)
+        parts.append(f'<rect class="key {escape(s.kind)}" x="{x}" y="{_LEGEND_Y - 8}" width="12" height="8"/>'
+                     f'<text class="legend" x="{x + 16}" y="{_LEGEND_Y}">{escape(s.name)}</text>')  # fmt: skip
     parts += _time_axis(times)
     if note:
         parts.append(f'<text class="axis" x="{_W - _RIGHT - 30}" y="{_LEGEND_Y}" text-anchor="end">{escape(note)}</text>')

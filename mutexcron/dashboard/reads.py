@@ -4,10 +4,11 @@ One :class:`StoreReader` per dashboard keeps its lock and task stores open (a po
 not a new one per refresh) and makes them read-only: a SQL table is looked for, never created or
 altered (:attr:`mutexcron.backends.sql.SQLBackend.read_only`), node presences are read without
 pruning the old ones (``nodes(prune=False)``), and a SQLite file that does not exist is not
-created by connecting to it. A refresh is four reads (locks, nodes, run histories, task summary),
-shared by every open page for :attr:`StoreReader.min_interval` seconds, so ten open tabs cost the
-store what one does. A fifth read takes the newest events of the event feed
-(:mod:`mutexcron.observability.feed`), where the store keeps one.
+created by connecting to it. A refresh is four reads (locks, nodes, task summary, the newest
+events of the event feed, :mod:`mutexcron.observability.feed`), shared by every open page for
+:attr:`StoreReader.min_interval` seconds, so ten open tabs cost the store what one does. The kept
+run histories of every lock (one read, but its cost grows with locks x jobs x kept runs) are read
+only for the pages that show them (History, Shared jobs), and then shared the same way.
 """
 
 from __future__ import annotations
@@ -86,7 +87,6 @@ class Snapshot:
     now_from_store: bool
     locks: list[LockRecord] | None
     nodes: list[NodePresence] | None
-    histories: dict[str, list[RunRecord]]
     tasks: list[CodeSummary] | None
     #: The newest events of the feed (None: not kept by this store, or not readable).
     feed: list[FeedEvent] | None = None
@@ -97,6 +97,9 @@ class Snapshot:
     #: Store calls made for this snapshot and their wall time.
     calls: int = 0
     seconds: float = 0.0
+    #: Every lock's kept runs, newest first (read only for the pages that show them: see ``histories_read``).
+    histories: dict[str, list[RunRecord]] = field(default_factory=dict)
+    histories_read: bool = False
 
     def lock(self, name: str) -> LockRecord | None:
         return next((r for r in self.locks or () if r.name == name), None)
@@ -180,15 +183,29 @@ class StoreReader:
             self._locks = self._tasks = None
 
     # -- one refresh ------------------------------------------------------------------------
-    def snapshot(self) -> Snapshot:
-        """The latest snapshot, read again once it is :attr:`min_interval` seconds old."""
+    def snapshot(self, *, histories: bool = False) -> Snapshot:
+        """The latest snapshot, read again once it is :attr:`min_interval` seconds old; with
+        ``histories``, with every lock's kept runs (read once per snapshot, for the pages that need them)."""
         with self._read:
-            if self._last is not None and time.monotonic() - self._last[0] < self.min_interval:
-                return self._last[1]
-            snap = self._snapshot()
-            self._last = (time.monotonic(), snap)
-            self._sample(snap)
+            if self._last is None or time.monotonic() - self._last[0] >= self.min_interval:
+                snap = self._snapshot()
+                self._last = (time.monotonic(), snap)
+                self._sample(snap)
+            snap = self._last[1]
+            if histories and not snap.histories_read:
+                self._read_histories(snap)
             return snap
+
+    def _read_histories(self, snap: Snapshot) -> None:
+        names = [r.name for r in snap.locks or ()]
+        snap.histories_read = True
+        if not names:
+            return
+        started = time.perf_counter()
+        with _caught("history", snap.errors, snap.notes):
+            snap.histories = self.lock_store().history_many(names)
+        snap.calls += 1
+        snap.seconds += time.perf_counter() - started
 
     def invalidate(self) -> None:
         """The next snapshot is read from the store (after an action: show its effect at once)."""
@@ -213,12 +230,10 @@ class StoreReader:
         missing = self._missing_file()
         if missing is not None:
             notes["locks"] = missing
-            locks, nodes, histories, tasks, events = None, None, {}, None, None
+            locks, nodes, tasks, events = None, None, None, None
         else:
             locks = part("locks", lambda: self.lock_store().list())
             nodes = part("nodes", lambda: self.lock_store().nodes(prune=False)) if "locks" not in errors else None
-            names = [r.name for r in locks or ()]
-            histories = (part("history", lambda: self.lock_store().history_many(names)) if names else None) or {}
             tasks = part("tasks", lambda: self.task_store().summary()) if self.has_tasks else None
             if not self.has_tasks:
                 notes["tasks"] = "this store has no task pool"
@@ -230,7 +245,7 @@ class StoreReader:
         if events and from_store and self._feed is not None and self._feed.ages_on_host:
             shift = now - datetime.now(timezone.utc)  # the events' ages, on the store's clock as the records
             events = [dataclasses.replace(e, at=e.at + shift) if e.at is not None else e for e in events]
-        return Snapshot(self.masked_url, now, from_store, locks, nodes, histories, tasks, events, errors, notes, calls,
+        return Snapshot(self.masked_url, now, from_store, locks, nodes, tasks, events, errors, notes, calls,
                         time.perf_counter() - started)  # fmt: skip
 
     def _missing_file(self) -> str | None:

@@ -60,12 +60,14 @@ class Context:
 
 @dataclass(frozen=True)
 class PageDef:
-    """A page: its path (``""`` is the Overview), title, whether the navigation shows it, and its sections."""
+    """A page: its path (``""`` is the Overview), title, whether the navigation shows it, its
+    sections, and whether they show every lock's kept runs (:meth:`StoreReader.snapshot`)."""
 
     path: str
     title: str
     nav: bool
     sections: Callable[[Context], dict[str, str]]
+    histories: bool = False
 
 
 # -- small pieces ---------------------------------------------------------------------------------
@@ -85,7 +87,8 @@ def _table(header: Iterable[str], rows: Iterable[Iterable[str]], cls: str = "") 
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
     # In a box of its own that scrolls sideways: a wide table never widens the page (a phone's 390 px).
-    return f'<div class="scroll"><table class="{escape(cls)}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
+    table = f'<table class="{escape(cls)}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    return f'<div class="scroll" tabindex="0">{table}</div>'
 
 
 def _t(value: Any) -> str:
@@ -122,9 +125,9 @@ def _notes(snap: Snapshot, *parts: str) -> str:
     return "".join(shown)
 
 
-def _jobs_of(ctx: Context, record: LockRecord) -> list[str]:
-    """The jobs of a lock: claimed in it, in its history, or in the jobs file under it."""
-    names = set(record.fire_times) | {r.job for r in ctx.snap.runs(record.name)}
+def _jobs_of(ctx: Context, record: LockRecord, runs: Iterable[RunRecord] = ()) -> list[str]:
+    """The jobs of a lock: claimed in it, in its kept ``runs``, or in the jobs file under it."""
+    names = set(record.fire_times) | {r.job for r in runs}
     if ctx.jobs is not None:
         names |= {j.job_id for j in ctx.jobs.of_lock(record.name)}
     return sorted(names)
@@ -307,12 +310,12 @@ def _audit(ctx: Context) -> str:
 
 # -- Locks and jobs -------------------------------------------------------------------------------
 #: The Locks page's columns a click sorts by, and each row's key for it.
-_LOCK_SORTS: dict[str, Callable[[LockRecord, RunRecord | None], Any]] = {
-    "name": lambda r, _: r.name,
-    "state": lambda r, _: (r.state, r.name),
-    "holder": lambda r, _: (r.holder or "", r.name),
-    "token": lambda r, _: r.token,
-    "last run": lambda _, run: run.ended.timestamp() if run is not None and run.ended is not None else 0.0,
+_LOCK_SORTS: dict[str, Callable[[LockRecord], Any]] = {
+    "name": lambda r: r.name,
+    "state": lambda r: (r.state, r.name),
+    "holder": lambda r: (r.holder or "", r.name),
+    "token": lambda r: r.token,
+    "last run": lambda r: r.last_run_finished.timestamp() if r.last_run_finished is not None else 0.0,
 }
 
 
@@ -322,15 +325,12 @@ def locks(ctx: Context) -> dict[str, str]:
     if not snap.locks:
         return {"locks": _notes(snap, "locks", "history") or '<p class="muted">No lock in the store yet.</p>'}
     q, state, node = (ctx.query.get(k) or None for k in ("q", "state", "node"))
-    last = {r.name: next(iter(sorted(snap.runs(r.name), key=lambda run: run.ended or snap.now, reverse=True)), None)
-            for r in snap.locks}  # fmt: skip
-    ran_on = {name: run.node if run is not None else None for name, run in last.items()}
     chosen = [r for r in snap.locks if (q is None or q in r.name) and state in (None, r.state, "paused" if r.paused else None)
-              and node in (None, r.holder, ran_on[r.name])]  # fmt: skip
+              and node in (None, r.holder, r.active_ip)]  # fmt: skip
     sort = ctx.query.get("sort") or "name"
     sort = sort if sort in _LOCK_SORTS else "name"
-    chosen.sort(key=lambda r: _LOCK_SORTS[sort](r, last[r.name]), reverse=ctx.query.get("dir") == "desc")
-    rows = [_lock_row(ctx, r, last[r.name]) for r in chosen]
+    chosen.sort(key=_LOCK_SORTS[sort], reverse=ctx.query.get("dir") == "desc")
+    rows = [_lock_row(ctx, r) for r in chosen]
     what = f'<p class="muted">{len(chosen)} of {len(snap.locks)} locks</p>'
     return {"locks": _notes(snap, "history") + what + _sortable_table(ctx, rows, "locks")}
 
@@ -348,11 +348,15 @@ def _sortable_table(ctx: Context, rows: list[tuple[str, ...]], cls: str) -> str:
         sorted_as = ' aria-sort="descending"' if now and way == "desc" else ' aria-sort="ascending"' if now else ""
         heads.append(f'<th{sorted_as}><a href="{ctx.link("locks", **query)}">{escape(name)}</a></th>')
     body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
-    return f'<div class="scroll"><table class="{cls}"><thead><tr>{"".join(heads)}</tr></thead><tbody>{body}</tbody></table></div>'
+    table = f'<table class="{cls}"><thead><tr>{"".join(heads)}</tr></thead><tbody>{body}</tbody></table>'
+    return f'<div class="scroll" tabindex="0">{table}</div>'
 
 
-def _lock_row(ctx: Context, record: LockRecord, run: RunRecord | None) -> tuple[str, ...]:
+def _lock_row(ctx: Context, record: LockRecord) -> tuple[str, ...]:
+    """One lock, from its record alone (its last run is in it: no read of the run histories)."""
     jobs = _jobs_of(ctx, record)
+    ended = record.last_run_finished
+    outcome = _badge("error", "err") if record.last_error else _badge("success", "ok")
     return (
         f'<a href="{ctx.link("lock", name=record.name)}">{_t(record.name)}</a>',
         _lock_state(record),
@@ -361,7 +365,7 @@ def _lock_row(ctx: Context, record: LockRecord, run: RunRecord | None) -> tuple[
         str(record.token),
         ", ".join(f'<a href="{ctx.link("history", lock=record.name, job=j)}">{_t(j)}</a>' for j in jobs[:4])
         + (f" +{len(jobs) - 4}" if len(jobs) > 4 else ""),
-        f"{_outcome(run)} {_ago(ctx.snap, run.ended)} on {_t(run.node)}" if run else "-",
+        f"{outcome} {_ago(ctx.snap, ended)}" if ended is not None else "-",
         f'<span class="actions">{_pause_buttons(ctx, record)}</span>',
     )
 
@@ -407,16 +411,17 @@ def lock(ctx: Context) -> dict[str, str]:
     record = ctx.snap.lock(name)
     if record is None:
         return {"lock": _notes(ctx.snap, "locks") or f'<p class="muted">No lock {_t(name)} in the store.</p>'}
-    return {"lock": _lock_card(ctx, record)}
+    return {"lock": _lock_card(ctx, record, ctx.reader.history(record.name))}
 
 
-def _lock_card(ctx: Context, record: LockRecord) -> str:
+def _lock_card(ctx: Context, record: LockRecord, kept: list[RunRecord]) -> str:
+    """The lock's state and actions, its jobs (with ``kept``, its runs, newest first) and their charts."""
     title = f'<h3><a href="{ctx.link("lock", name=record.name)}">{_t(record.name)}</a></h3>'
     head = (f'<div class="card-head">{title}{_lock_state(record)}<span class="kv">holder <b>{_t(record.holder)}</b>'
             f'</span><span class="kv">lease left <b>{escape(_lease_left(record))}</b></span>'
             f'<span class="kv">token <b>{record.token}</b></span>'
             f'<span class="actions">{_pause_buttons(ctx, record)}</span></div>')  # fmt: skip
-    runs = list(reversed(ctx.snap.runs(record.name)))  # oldest first
+    runs = list(reversed(kept))  # oldest first
     charts = ""
     if runs:
         durations = [Bar(f"{r.job} {_when(r.ended)} {r.outcome} {seconds(r.duration or 0.0)} on {r.node}", r.duration or 0.0,
@@ -425,13 +430,14 @@ def _lock_card(ctx: Context, record: LockRecord) -> str:
                 for r in runs if (lag := _lag(r)) is not None]  # fmt: skip
         charts = (f'<div class="charts">{bar_chart("run duration", durations, f"{len(runs)} kept runs")}'
                   f'{bar_chart("start lag (fire time to first line)", lags)}</div>')  # fmt: skip
-    return f'<div class="card lock" data-lock="{escape(record.name, quote=True)}">{head}{_jobs_table(ctx, record)}{charts}</div>'
+    jobs = _jobs_table(ctx, record, kept)
+    return f'<div class="card lock" data-lock="{escape(record.name, quote=True)}">{head}{jobs}{charts}</div>'
 
 
-def _jobs_table(ctx: Context, record: LockRecord) -> str:
+def _jobs_table(ctx: Context, record: LockRecord, kept: list[RunRecord]) -> str:
     rows = []
-    for job in _jobs_of(ctx, record):
-        last = next(iter(ctx.snap.runs(record.name, job)), None)
+    for job in _jobs_of(ctx, record, kept):
+        last = next((r for r in kept if r.job == job), None)
         scheduled = ctx.jobs.jobs.get(job) if ctx.jobs is not None else None
         following = scheduled.next_fire_time(ctx.snap.now) if scheduled is not None else None
         trigger = _button(
@@ -782,9 +788,9 @@ PAGES: dict[str, PageDef] = {
     for page in (
         PageDef("", "Overview", True, overview),
         PageDef("locks", "Locks and jobs", True, locks),
-        PageDef("shared", "Shared jobs", True, shared),
+        PageDef("shared", "Shared jobs", True, shared, histories=True),
         PageDef("tasks", "Tasks", True, tasks),
-        PageDef("history", "History", True, history),
+        PageDef("history", "History", True, history, histories=True),
         PageDef("task", "Task", False, task),
         PageDef("lock", "Lock", False, lock),
     )
@@ -811,8 +817,10 @@ _DOCUMENT = """<!doctype html>
 </body></html>"""
 
 _ACTIONS_FORM = (
-    '<form id="token" class="token" autocomplete="off"><input id="token-name" placeholder="your name" maxlength="64">'
-    '<input id="token-value" type="password" placeholder="action token"><button type="submit">Use for actions</button>'
+    '<form id="token" class="token" autocomplete="off">'
+    '<input id="token-name" placeholder="your name" aria-label="your name" maxlength="64">'
+    '<input id="token-value" type="password" placeholder="action token" aria-label="action token">'
+    '<button type="submit">Use for actions</button>'
     '<span id="token-state"></span></form>'
 )
 
