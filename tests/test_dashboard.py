@@ -169,7 +169,8 @@ def test_every_page_of_a_used_store_renders_with_reads_only(url: str, counted_st
     assert "code email.send: 1 failed task" in overview
     locks, lock = bodies["/locks"][2], bodies["/lock?name=billing"][2]
     assert "billing" in locks and "close_invoices" in locks and 'data-action="pause"' in locks
-    assert "send_reminders" in lock and "<svg" in lock and 'class="bar err"' in lock and 'data-action="pause"' in lock and 'data-action="trigger"' in lock
+    assert "send_reminders" in lock and "<svg" in lock and 'class="bar err"' in lock
+    assert 'data-action="pause"' in lock and 'data-action="trigger"' in lock
     assert "order-1" in bodies["/tasks"][2] and "SMTP said no" in bodies["/tasks"][2]
     assert "order-2" not in bodies["/tasks"][2], "the Tasks page lists the failed tasks by default"
     assert "order-2" in bodies["/tasks?state=any"][2]

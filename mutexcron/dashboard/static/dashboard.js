@@ -54,6 +54,7 @@
       try {
         await act("token", {});
         showToken();
+        state.textContent = `token accepted: ${state.textContent}`;
         state.className = "ok";
       } catch (error) {
         store.removeItem("mc-token");
