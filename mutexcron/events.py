@@ -64,7 +64,7 @@ EVENT_RUN_SKIPPED = 2**24
 EVENT_RUN_MISSED = 2**25
 #: This node saw a lock paused (``mutexcron pause``; ``paused_by``): its fire times are skipped.
 EVENT_LOCK_PAUSED = 2**26
-#: This node saw a paused lock resumed (``catch_up``: ``mutexcron resume --catch-up``).
+#: This node saw a paused lock resumed (``catch_up``: ``mutexcron resume --catch-up``; ``paused_by``: who resumed it).
 EVENT_LOCK_RESUMED = 2**27
 #: A guarded run starts under its lease (``lag``: seconds from the fire time to the first line).
 EVENT_RUN_STARTED = 2**28

@@ -257,6 +257,9 @@ def test_pause_resume_retry_with_the_token_are_recorded_with_who_did_them(tmp_pa
     finally:
         app.close()
     assert "alice (dashboard, 127.0.0.1)" in overview and "resume --catch-up" in overview
+    events = overview.split('id="s-events"')[1]  # in the feed at once, by whom (a node sees it at its next read)
+    assert "lock billing paused by alice (dashboard, 127.0.0.1)" in events
+    assert "lock billing resumed with catch-up by bob (dashboard, 127.0.0.1)" in events
 
 
 def test_a_bulk_action_runs_only_on_the_count_the_operator_confirmed(tmp_path: Path) -> None:

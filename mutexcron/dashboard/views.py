@@ -161,7 +161,7 @@ def _counts(ctx: Context) -> str:
     cells = [
         ("locks", len(locks), f"{by_state['active']} held, {by_state['stale']} stale, {sum(r.paused for r in locks)} paused"),
         ("jobs", len(known_jobs(snap, ctx.jobs)), "in the store" + (" and the jobs file" if ctx.jobs else "")),
-        ("nodes", live, f"live; {len(nodes) - live} stale" if snap.nodes is not None else "no presence kept"),
+        ("nodes", live, f"live; {len(nodes) - live} stopped or lost" if snap.nodes is not None else "no presence kept"),
         ("tasks queued", tasks["queued"], f"{sum(c.due_now for c in snap.tasks or ())} due now"),
         ("tasks running", tasks["running"], ""),
         ("tasks failed", tasks["failed"], ""),

@@ -181,7 +181,7 @@ def _paused(w: FeedWriter, e: ev.MutexEvent) -> FeedEvent:
 
 
 def _resumed(w: FeedWriter, e: ev.MutexEvent) -> FeedEvent:
-    by = e.details.get("paused_by") or e.details.get("by")
+    by = e.details.get("paused_by")
     catch_up = " with catch-up" if e.details.get("catch_up") else ""
     return FeedEvent("lock_resumed", e.node, e.lock, f"lock {e.lock} resumed{catch_up} by {by or '?'}", fields={"by": by})
 
