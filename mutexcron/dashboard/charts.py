@@ -7,6 +7,7 @@ min: never "0ms" beside "400µs"), a time axis labelled under the plot when its 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -60,6 +61,15 @@ def count(value: float) -> str:
     return f"{value:.0f}" if value >= 10 or value == int(value) else f"{value:.1f}"
 
 
+def _top(highest: float, floor: float, fmt: Callable[[float], str] | None) -> float:
+    """The axis's top: a little over the highest value; for counts an even whole number (whole ticks)."""
+    top = max(highest, floor) * 1.1
+    if fmt is count:
+        top = math.ceil(top)
+        top += top % 2
+    return top
+
+
 def _frame(title: str, top: float, fmt: Callable[[float], str] | None) -> list[str]:
     label = (fmt or seconds_axis(top)) if fmt is not count else count
     parts = [f'<svg class="chart" viewBox="0 0 {_W} {_H}" role="img" aria-label="{escape(title)}">',
@@ -102,7 +112,7 @@ def bar_chart(title: str, bars: Sequence[Bar], note: str = "", fmt: Callable[[fl
     ``fmt``: the value axis's labels (default: durations, one unit for every tick)."""
     if not bars:
         return f'<p class="muted chart-empty">{escape(title)}: {escape(empty)}</p>'
-    top = max(max(b.value for b in bars), floor) * 1.1
+    top = _top(max(b.value for b in bars), floor, fmt)
     parts = _frame(title, top, fmt)
     step = _PLOT_W / len(bars)
     for i, bar in enumerate(bars):
@@ -123,7 +133,7 @@ def line_chart(title: str, series: Sequence[Series], note: str = "", fmt: Callab
     values = [v for s in series for v in s.values]
     if len(values) < 2:
         return f'<p class="muted chart-empty">{escape(title)}: collecting samples (one per refresh)</p>'
-    top = max(max(values), 1.0) * 1.1  # at least 1 (task, second): a flat zero line stays at the bottom
+    top = _top(max(values), 1.0, fmt)  # at least 1 (task, second): a flat zero line stays at the bottom
     parts = _frame(title, top, fmt)
     for i, s in enumerate(series):
         n = len(s.values)
