@@ -257,9 +257,16 @@ class StoreReader:
         return None if missing is None else f"{missing}: no node has used this store yet"
 
     def _sample(self, snap: Snapshot) -> None:
-        for summary in snap.tasks or ():
+        if snap.tasks is None:
+            return
+        seen = set()
+        for summary in snap.tasks:
+            seen.add(summary.code)
             samples = self.samples.setdefault(summary.code, deque(maxlen=TASK_SAMPLES))
             samples.append(TaskSample(snap.now, summary.queued, summary.running, summary.failed, summary.oldest_overdue or 0.0))
+        for code, samples in self.samples.items():  # a code with no task left: its backlog is zero, not unknown
+            if code not in seen:
+                samples.append(TaskSample(snap.now, 0, 0, 0, 0.0))
 
     # -- reads for one page -----------------------------------------------------------------
     def events(self, kinds: tuple[str, ...], subject: str | None, limit: int = FEED_ROWS) -> list[FeedEvent]:
