@@ -450,6 +450,20 @@ def test_the_shared_jobs_page_shows_schedule_next_run_holder_and_acts_like_mutex
             while not runs_of("daily"):
                 assert datetime.now(timezone.utc) < deadline, "the run-now request did not run"
                 time.sleep(0.05)
+            before = store._read_states()["report"]
+            for bad in ("", "every -5", "61 * * * *", "hourly"):  # refused with both forms named; nothing written
+                status, _, body = call(app, "/api/actions/job_reschedule", "POST", {"job": "report", "schedule": bad},
+                                       action_headers(app))  # fmt: skip
+                assert status == 400 and "give a crontab line ('0 6 * * mon') or 'every N' seconds" in body, body
+            assert store._read_states()["report"] == before
+            status, _, body = call(app, "/api/actions/job_reschedule", "POST", {"job": "report", "schedule": "0 6 * * mon"},
+                                   action_headers(app))  # fmt: skip
+            assert status == 200 and "report: rescheduled to cron[" in json.loads(body)["message"], body
+            assert str(web.get_job("report").trigger).startswith("cron[") and next_run("report").hour == 6
+            status, _, body = call(app, "/api/actions/job_reschedule", "POST", {"job": "report", "schedule": "every 300"},
+                                   action_headers(app))  # fmt: skip
+            assert status == 200 and next_run("report").timestamp() % 300 == 0, body  # anchored as every node anchors
+            assert 'data-action="job_reschedule"' in call(app, "/shared")[2]
             status, _, body = call(app, "/api/actions/job_remove", "POST", {"job": "report"}, action_headers(app))
             assert status == 200 and "report" not in store._read_states(), body
             status, _, body = call(app, "/api/actions/job_remove", "POST", {"job": "report"}, action_headers(app))

@@ -189,16 +189,26 @@ class Actions:
         """``mutexcron jobs pause|resume|remove JOBS JOB``: the same compare-and-set write and notice."""
         from ..jobstores.admin import change_shared_job
 
+        return self._shared_change(job, how, by, lambda stores, name: change_shared_job(stores, name, how))
+
+    def _shared_change(self, job: Any, what: str, by: str, change: Callable[[dict[str, Any], str], str | None]) -> dict[str, Any]:
+        """``change`` of the shared job ``job`` (its outcome; None: no store has it), recorded as ``job <what>``."""
         if not isinstance(job, str) or not job:
             raise ActionError("job: give the shared job's id")
         stores = self.shared_stores()
         if not stores:
             raise ActionError("no shared job store: start the dashboard with --jobs jobs.py naming one", 404)
-        outcome = change_shared_job(stores, job, how)
+        outcome = _checked(lambda: change(stores, job))
         if outcome is None:
             raise ActionError(f"no job {job!r} in the shared job stores", 404)
-        self.audit.add(by, f"job {how}", job, outcome)
+        self.audit.add(by, f"job {what}", job, outcome)
         return {"message": outcome}
+
+    def reschedule(self, job: Any, schedule: Any, by: str) -> dict[str, Any]:
+        """A shared job on a new schedule (a crontab line or ``every N`` seconds), the same write as pause."""
+        from ..jobstores.admin import reschedule_shared_job
+
+        return self._shared_change(job, "reschedule", by, lambda stores, name: reschedule_shared_job(stores, name, schedule))
 
     # -- tasks ------------------------------------------------------------------------------
     def retry(self, code: Any, key: Any, by: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ Routes, under wherever it is mounted (``SCRIPT_NAME``):
 * ``GET /api/status``: the snapshot as JSON (the shape of ``mutexcron status --json``);
 * ``GET /api/trigger``: a trigger request's outcome (a read);
 * ``POST /api/actions/<action>``: token (checks the token, changes nothing), pause, resume, trigger,
-  job_pause, job_resume, job_remove, retry, cancel, bulk (see :mod:`.security`);
+  job_pause, job_resume, job_reschedule, job_remove, retry, cancel, bulk (see :mod:`.security`);
 * ``GET /static/<file>``: the stylesheet and the script, shipped in the package.
 
 Every response body passes through :func:`mutexcron.urls.redact` for the store URL's secrets, on
@@ -200,6 +200,8 @@ class Dashboard:
             return self.actions.resume(body.get("lock"), bool(body.get("catch_up")), by)
         if name == "trigger":
             return self.actions.trigger(body.get("job"), by)
+        if name == "job_reschedule":
+            return self.actions.reschedule(body.get("job"), body.get("schedule"), by)
         if name in ("job_pause", "job_resume", "job_remove"):
             return self.actions.shared_job(name.removeprefix("job_"), body.get("job"), by)
         if name == "retry":

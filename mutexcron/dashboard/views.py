@@ -75,11 +75,14 @@ def _badge(text: str, kind: str) -> str:
     return f'<span class="badge {escape(kind)}">{escape(text)}</span>'
 
 
-def _button(ctx: Context, label: str, action: str, args: Mapping[str, Any], confirm: str = "", kind: str = "") -> str:
+def _button(ctx: Context, label: str, action: str, args: Mapping[str, Any], confirm: str = "", kind: str = "",
+            prompt: str = "") -> str:  # fmt: skip
+    """An action's button; ``prompt`` asks for its ``value`` first (the page's script)."""
     if not ctx.actions:
         return ""
     data = escape(json.dumps(dict(args)), quote=True)
     ask = f' data-confirm="{escape(confirm, quote=True)}"' if confirm else ""
+    ask += f' data-prompt="{escape(prompt, quote=True)}"' if prompt else ""
     return f'<button class="act {escape(kind)}" data-action="{escape(action)}" data-args="{data}"{ask}>{escape(label)}</button>'
 
 
@@ -762,6 +765,8 @@ def _shared_row(ctx: Context, row: Mapping[str, Any]) -> tuple[str, ...]:
          if paused else
          _button(ctx, "Pause", "job_pause", {"job": job}, f"Pause {what} on every node?", "warn"))
         + _button(ctx, "Run now", "trigger", {"job": job, "lock": lock}, f"Run {what} once now on its holder?")
+        + _button(ctx, "Reschedule", "job_reschedule", {"job": job},
+                  prompt=f"New schedule of {what} on every node: a crontab line (0 6 * * mon) or every N seconds (every 300)")
         + _button(ctx, "Remove", "job_remove", {"job": job}, f"Remove {what} from its store? Every node lets go of it.",
                   "warn")
     )  # fmt: skip

@@ -108,6 +108,11 @@
     const button = event.target.closest("button[data-action]");
     if (!button) return;
     const args = JSON.parse(button.dataset.args || "{}");
+    if (button.dataset.prompt) {  // an action that takes a value (a new schedule): asked for, checked by the server
+      const value = window.prompt(button.dataset.prompt);
+      if (value === null) return;
+      args.schedule = value;
+    }
     if (button.dataset.confirm && !window.confirm(button.dataset.confirm)) return;
     button.disabled = true;
     try {
