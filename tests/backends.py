@@ -182,6 +182,7 @@ def _mongodb_cleanup(url: str) -> None:
     store = MongoDBLockStore(url)
     try:
         store.collection.drop()
+        store.backend.collection(f"{store.backend.collection_name}_feed").drop()  # the event feed's
     finally:
         store.close()
 

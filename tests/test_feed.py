@@ -17,7 +17,7 @@ from tests.backends import backend_params, open_backend
 from tests.schedulers import wait_for
 
 
-@pytest.fixture(params=backend_params("memory", "sqlite", "mysql", "postgresql", "redis"))
+@pytest.fixture(params=backend_params("memory", "sqlite", "mysql", "postgresql", "redis", "mongomock"))
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FeedStore]:
     with open_backend(request.param, tmp_path) as ctx:
         found = feed_store_for(ctx.make())

@@ -4,7 +4,7 @@ store the nodes share, within a retention and a bounded size.
 
 Each node writes its own events (:mod:`.writer`, a listener of :mod:`mutexcron.events`); the
 dashboard reads the newest. One module per store family: :mod:`.sql`, :mod:`.memory`,
-:mod:`.redis`. The feed is an account of what happened, not a decision: losing an event (the
+:mod:`.redis`, :mod:`.mongodb`. The feed is an account of what happened, not a decision: losing an event (the
 store down, the buffer full) changes nothing a node does, and is said once in the log.
 """
 
@@ -100,7 +100,7 @@ class FeedStore(ABC):
 
 def feed_store_for(lock_store: Any) -> FeedStore | None:
     """The feed store beside ``lock_store`` (on its backend: its connection pool, its clock), or
-    None for a store family that keeps no feed (MongoDB)."""
+    None for a store that keeps no feed (a test double)."""
     from ...backends.memory import MemoryBackend
     from ...backends.sql import SQLBackend
 
@@ -113,8 +113,12 @@ def feed_store_for(lock_store: Any) -> FeedStore | None:
         from .memory import MemoryFeedStore
 
         return MemoryFeedStore(backend)
-    if type(backend).__name__ == "RedisBackend":  # not imported here: the driver is the redis extra's
+    if type(backend).__name__ == "RedisBackend":  # not imported here: the drivers are the extras'
         from .redis import RedisFeedStore
 
         return RedisFeedStore(backend)
+    if type(backend).__name__ == "MongoDBBackend":
+        from .mongodb import MongoDBFeedStore
+
+        return MongoDBFeedStore(backend)
     return None
