@@ -76,6 +76,10 @@
     return data;
   }
 
+  // A duration in the unit that suits it, as the server's tables and charts show it (charts.seconds).
+  const seconds = (value) => value < 0.001 ? `${(value * 1e6).toFixed(0)}µs` : value < 1 ? `${(value * 1000).toFixed(0)}ms`
+    : value < 120 ? `${value.toFixed(1)}s` : `${(value / 60).toFixed(0)}m`;
+
   // -- a trigger's outcome: followed until the run is recorded -------------------------------
   const outcomes = {};
   function restoreOutcomes() {
@@ -96,7 +100,7 @@
         showOutcome(job, data.state === "running" ? `running on ${data.node}…` : "waiting for the holder…", "");
         continue;
       }
-      if (data.state === "success") showOutcome(job, `ran: success${data.duration != null ? ` in ${(data.duration * 1000).toFixed(0)} ms` : ""} on ${data.node}`, "ok");
+      if (data.state === "success") showOutcome(job, `ran: success${data.duration != null ? ` in ${seconds(data.duration)}` : ""} on ${data.node}`, "ok");
       else if (data.state === "error") showOutcome(job, `ran: error: ${data.error}${data.node ? ` on ${data.node}` : ""}`, "err");
       else showOutcome(job, data.note || data.state, "");
       return;
