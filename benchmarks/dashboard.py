@@ -6,7 +6,8 @@ run and interleaved, ``--repeats`` times each:
 
 * **dashboard refresh**: one ``GET /api/sections/overview`` of the dashboard's WSGI app with its
   snapshot read again (what every refresh of an open page costs the store when it is the only
-  page; more pages in the same second share it);
+  page; more pages in the same second share it), with ``--events`` events in the event feed;
+* **locks page refresh**: the same for ``GET /api/sections/locks`` (every lock one table row);
 * **status --json**: the ``mutexcron status --json`` command in process (it opens its stores for
   the call, as a terminal's ``status --watch`` redraw does not: ``--watch`` keeps them);
 * **throughput read**: the Tasks page's read of the finished tasks' times for its throughput
@@ -41,6 +42,7 @@ from mutexcron.cli.main import main as cli
 from mutexcron.dashboard import create_app
 from mutexcron.locks import lock_store_from_url
 from mutexcron.locks.base import FireClaim, Node, Presence, RunInfo
+from mutexcron.observability.feed import FeedEvent, feed_store_for
 from mutexcron.tasks import Fail, task_store_from_url
 
 SERVERS = {
@@ -83,6 +85,20 @@ def fill(url: str, locks: int, codes: int) -> None:
         tasks.close()
 
 
+def fill_feed(url: str, events: int) -> None:
+    """``events`` events in the event feed (acquired, failed runs with a traceback), in batches."""
+    store = lock_store_from_url(url)
+    feed = feed_store_for(store)
+    assert feed is not None
+    try:
+        for start in range(0, events, 500):
+            feed.append([FeedEvent("run_failed" if i % 5 == 0 else "lock_acquired", f"node-{i % 3}:1:ab", f"lock-{i % 50:03d}",
+                                   f"event {i}", "Traceback ...\n" * 20 if i % 5 == 0 else None, {"token": i})
+                         for i in range(start, min(events, start + 500))])  # fmt: skip
+    finally:
+        store.close()
+
+
 def fill_finished(url: str, finished: int, codes: int) -> None:
     """``finished`` tombstones (finished tasks, as the store keeps them), spread over the last two
     hours by the store's clock: written in one batch, as thousands of completions would leave them."""
@@ -111,7 +127,7 @@ def drop(url: str) -> None:
     try:
         tasks = url.rpartition("tasks_table=")[2]
         with backend.engine.connect() as conn:
-            for name in (backend.table, f"{backend.table}_nodes", tasks):
+            for name in (backend.table, f"{backend.table}_nodes", f"{backend.table}_feed", tasks):
                 conn.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
     finally:
         backend.close()
@@ -129,9 +145,9 @@ class Counter:
         event.remove(sqlalchemy.engine.Engine, "before_cursor_execute", self._one)
 
 
-def _refresh(app: Any) -> float:
+def _refresh(app: Any, page: str = "overview") -> float:
     app.reader.invalidate()
-    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/api/sections/overview", "QUERY_STRING": "", "SERVER_NAME": "x",
+    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": f"/api/sections/{page}", "QUERY_STRING": "", "SERVER_NAME": "x",
                "SERVER_PORT": "1", "wsgi.input": io.BytesIO(b""), "wsgi.url_scheme": "http"}  # fmt: skip
     body = json.loads(b"".join(app(environ, lambda status, headers: None)))
     return float(body["store_ms"])
@@ -148,17 +164,20 @@ def _status(url: str) -> None:
     assert result.exit_code == 0, result.output
 
 
-def measure(store: str, repeats: int, locks: int, codes: int, finished: int) -> dict[str, Any]:
+def measure(store: str, repeats: int, locks: int, codes: int, finished: int, events: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         url = _url(store, tmp, uuid.uuid4().hex[:8])
         drop(url)
         try:
             fill(url, locks, codes)
             fill_finished(url, finished, codes)
+            fill_feed(url, events)
             app = create_app(url)
             counter = Counter()
-            samples: dict[str, list[tuple[int, float]]] = {"dashboard refresh": [], "status --json": [], "throughput read": []}
+            samples: dict[str, list[tuple[int, float]]] = {"dashboard refresh": [], "locks page refresh": [],
+                                                           "status --json": [], "throughput read": []}  # fmt: skip
             store_ms: list[float] = []
+            locks_ms: list[float] = []
             try:
                 _refresh(app)
                 _status(url)  # warm: imports, the dashboard's table check
@@ -166,6 +185,7 @@ def measure(store: str, repeats: int, locks: int, codes: int, finished: int) -> 
                 _throughput(app, now)
                 for _ in range(repeats):
                     calls = (("dashboard refresh", lambda: store_ms.append(_refresh(app))),
+                             ("locks page refresh", lambda: locks_ms.append(_refresh(app, "locks"))),
                              ("status --json", lambda: _status(url)),
                              ("throughput read", lambda: _throughput(app, now)))  # fmt: skip
                     for name, call in calls:
@@ -181,6 +201,8 @@ def measure(store: str, repeats: int, locks: int, codes: int, finished: int) -> 
            for name, rows in samples.items()}  # fmt: skip
     statements, ms, _ = out["dashboard refresh"]
     out["dashboard refresh"] = (statements, ms, f"{statistics.median(store_ms):.1f}")
+    statements, ms, _ = out["locks page refresh"]
+    out["locks page refresh"] = (statements, ms, f"{statistics.median(locks_ms):.1f}")
     return out
 
 
@@ -191,13 +213,15 @@ def main() -> None:
     parser.add_argument("--locks", type=int, default=50, help="locks (two jobs each, 20 kept runs per job)")
     parser.add_argument("--codes", type=int, default=5, help="task codes (50 tasks each, 5 failed)")
     parser.add_argument("--finished", type=int, default=20_000, help="finished tasks kept (over the last two hours)")
+    parser.add_argument("--events", type=int, default=10_000, help="events in the event feed")
     args = parser.parse_args()
     print(f"{args.locks} locks x 2 jobs x 20 kept runs, 3 nodes, {args.codes} task codes x 50 tasks, "
-          f"{args.finished} finished tasks; medians of {args.repeats} interleaved calls\n")  # fmt: skip
+          f"{args.finished} finished tasks, {args.events} events; medians of {args.repeats} interleaved calls\n")  # fmt: skip
     print("| store | what | SQL statements | of it in the store's reads (ms) | wall time (ms) |")
     print("|---|---|---:|---:|---:|")
     for store in args.stores.split(","):
-        for name, (statements, ms, reads) in measure(store, args.repeats, args.locks, args.codes, args.finished).items():
+        found = measure(store, args.repeats, args.locks, args.codes, args.finished, args.events)
+        for name, (statements, ms, reads) in found.items():
             print(f"| {store} | {name} | {statements:.0f} | {reads or '-'} | {ms:.1f} |")
 
 

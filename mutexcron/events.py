@@ -35,6 +35,7 @@ __all__ = [
     "EVENT_RUN_STARTED",
     "EVENT_STORE_DOWN",
     "EVENT_STORE_UP",
+    "EVENT_TASK_FAILED",
     "Emit",
     "MutexEvent",
     "log_event",
@@ -63,12 +64,16 @@ EVENT_RUN_SKIPPED = 2**24
 EVENT_RUN_MISSED = 2**25
 #: This node saw a lock paused (``mutexcron pause``; ``paused_by``): its fire times are skipped.
 EVENT_LOCK_PAUSED = 2**26
-#: This node saw a paused lock resumed (``catch_up``: ``mutexcron resume --catch-up``).
+#: This node saw a paused lock resumed (``catch_up``: ``mutexcron resume --catch-up``; ``paused_by``: who resumed it).
 EVENT_LOCK_RESUMED = 2**27
 #: A guarded run starts under its lease (``lag``: seconds from the fire time to the first line).
 EVENT_RUN_STARTED = 2**28
-#: A guarded run ended (``outcome``: ``success`` or ``error``; ``duration``; ``error``).
+#: A guarded run ended (``outcome``: ``success`` or ``error``; ``duration``; ``error``; ``exception``: the job's).
 EVENT_RUN_FINISHED = 2**29
+#: A task's attempt failed (``task_code``, ``key``, ``attempt``; ``final``: no attempt left, the task
+#: failed for good; ``exception``; ``duration``: seconds in the handler). Not logged here: the task
+#: worker logs it with its traceback.
+EVENT_TASK_FAILED = 2**30
 
 #: Every mutexcron event code.
 EVENT_MUTEX_ALL = (
@@ -85,6 +90,7 @@ EVENT_MUTEX_ALL = (
     | EVENT_LOCK_RESUMED
     | EVENT_RUN_STARTED
     | EVENT_RUN_FINISHED
+    | EVENT_TASK_FAILED
 )
 
 NAMES = {
@@ -101,6 +107,7 @@ NAMES = {
     EVENT_LOCK_RESUMED: "lock_resumed",
     EVENT_RUN_STARTED: "run_started",
     EVENT_RUN_FINISHED: "run_finished",
+    EVENT_TASK_FAILED: "task_failed",
 }
 
 

@@ -412,7 +412,8 @@ class LeaseManager:
         if paused:
             self._emit(EVENT_LOCK_PAUSED, name, None, paused_by=record.paused_by if record is not None else None)
         else:  # `mutexcron resume --catch-up` asks the holder for the catch-up runs itself (triggers)
-            self._emit(EVENT_LOCK_RESUMED, name, None, catch_up=bool(record is not None and record.resume_catch_up))
+            self._emit(EVENT_LOCK_RESUMED, name, None, catch_up=bool(record is not None and record.resume_catch_up),
+                       paused_by=record.paused_by if record is not None else None)  # who resumed it
 
     def begin_run(self, name: str) -> bool:
         """Count a guarded run as started, from before its store call to its hand-off.

@@ -33,6 +33,7 @@ from .locks import DEFAULT_LOCK_URL, LockStore, Node, default_lock_url, lock_sto
 from .locks.record import DEFAULT_MAX_ATTRS_BYTES
 from .mutex.lock import Mutex
 from .node import default_node_id, outbound_ip
+from .observability.feed.writer import start_feed
 from .observability.pings import register as register_pings
 from .tasks.pool import TaskPool
 from .tasks.retention import DEFAULT_RETENTION, PRUNE_LEASE, PRUNE_LOCK, Pruner, check_retention, retention_from_env
@@ -490,6 +491,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
                 log.log(*note)
         self._started_pid = os.getpid()
         _at_exit(self._stop_at_exit)
+        start_feed(self, self.lock_store, self.node_id)  # the event feed the dashboard shows (observability/feed)
         # The heartbeat thread starts first: BlockingScheduler.start() does not return.
         self._leases.start()
         guarded = any(not g.config.callable_lock for g in self._guarded.values()) or (self._has_shared_stores() and not paused)
@@ -633,6 +635,12 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         """The guard of a guarded job (not of a callable-lock one), or None."""
         guard = self._guarded.get(job_id)
         return None if guard is None or guard.config.callable_lock else guard
+
+    def misfire_grace_of(self, job_id: str) -> int | None:
+        """The misfire grace time a running node gives a guarded job (2 x the lease), read without
+        starting; None if the job is not guarded or the user set its own."""
+        guard = self.guard_of(job_id)
+        return None if guard is None or job_id in self._user_misfire else self._guard_misfire(guard)
 
     def running_tasks(self) -> dict[tuple[str, str], int]:
         """Task handlers in progress on this node, (code, key) -> token (after ``shutdown()``: those

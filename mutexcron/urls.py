@@ -19,6 +19,8 @@ The rule, not a list of known names:
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlencode
 
 #: Fragments of a query parameter's name that make its value a secret (compared lower-cased,
@@ -143,6 +145,16 @@ def redact(text: str, url: str | None = None, *, path: bool = False) -> str:
         return mask(core) + url[len(core) :]
 
     return _URL_IN_TEXT.sub(masked, text)
+
+
+def mask_values(value: Any) -> Any:
+    r"""``value`` (a job's args or kwargs) with the same rule applied inside: the value of every key
+    whose name suggests a secret (:func:`is_secret_name`) is ``***``, and every text is :func:`redact`\ ed."""
+    if isinstance(value, Mapping):
+        return {k: _MASK if isinstance(k, str) and is_secret_name(k) else mask_values(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(mask_values(v) for v in value) if isinstance(value, list) else tuple(mask_values(v) for v in value)
+    return redact(value) if isinstance(value, str) else value
 
 
 def _hides_something(url: str) -> bool:

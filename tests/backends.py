@@ -115,14 +115,14 @@ def sql_url(base: str, prefix: str) -> str:
 
 
 def sql_tables(url: str) -> list[str]:
-    """Every table mutexcron creates for a SQL URL: the lock table, its ``_nodes`` presence table
-    and, when the URL names one (``?tasks_table=``), the task table (the default one is shared)."""
+    """Every table mutexcron creates for a SQL URL: the lock table, its ``_nodes`` presence table,
+    its ``_feed`` event feed and, when the URL names one (``?tasks_table=``), the task table (the default one is shared)."""
     from mutexcron.backends.sql import DEFAULT_TABLE
     from mutexcron.urls import pop_query
 
     _, options = pop_query(url, "table", "tasks_table")
     table = options.get("table", DEFAULT_TABLE)
-    return [table, f"{table}_nodes", *([options["tasks_table"]] if "tasks_table" in options else [])]
+    return [table, f"{table}_nodes", f"{table}_feed", *([options["tasks_table"]] if "tasks_table" in options else [])]
 
 
 def cleanup_sql(url: str) -> None:
@@ -153,13 +153,13 @@ def drop_tasks_table(url: str) -> None:
 
 
 def drop_store_tables(url: str) -> None:
-    """Drop every table of a SQL URL: the lock table (``?table=``), its ``_nodes`` table and the task table."""
+    """Drop every table of a SQL URL: the lock table (``?table=``), its ``_nodes`` and ``_feed`` tables and the task table."""
     from mutexcron.tasks.stores.sql import SQLTaskStore
 
     store = SQLTaskStore(url)
     try:
         with store.backend.engine.connect() as conn:
-            for name in (store.backend.table, f"{store.backend.table}_nodes", store.table):
+            for name in (store.backend.table, f"{store.backend.table}_nodes", f"{store.backend.table}_feed", store.table):
                 conn.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
             conn.commit()
     finally:
@@ -182,6 +182,7 @@ def _mongodb_cleanup(url: str) -> None:
     store = MongoDBLockStore(url)
     try:
         store.collection.drop()
+        store.backend.collection(f"{store.backend.collection_name}_feed").drop()  # the event feed's
     finally:
         store.close()
 

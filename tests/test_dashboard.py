@@ -27,12 +27,14 @@ from mutexcron.dashboard.app import Dashboard
 from mutexcron.errors import ConfigurationError
 from mutexcron.locks import lock_store_from_url
 from mutexcron.locks.base import FireClaim, Node, Presence, RunInfo
+from mutexcron.observability.feed import FeedEvent, feed_store_for
 from mutexcron.tasks import Fail, task_store_from_url
 from tests.backends import backend_params, cleanup_redis, drop_store_tables, require_server
 
 TOKEN = "t0ken-for-the-dashboard-tests"
 NODE = Node("node-a:1:aa", "10.0.0.1")
-PAGES = ("/", "/locks", "/tasks", "/tasks?state=any", "/history", "/history?lock=billing&job=close_invoices",
+PAGES = ("/", "/locks", "/locks?state=active&sort=holder&dir=desc", "/lock?name=billing",
+         "/tasks", "/tasks?state=any", "/history", "/history?lock=billing&job=close_invoices",
          "/task?code=email.send&key=order-1", "/api/status", "/api/sections/overview", "/api/sections/locks",
          "/api/sections/tasks", "/api/sections/history?lock=billing", "/api/trigger?job=close_invoices&lock=billing")  # fmt: skip
 
@@ -87,9 +89,12 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 
 def populate(url: str) -> None:
-    """Two locks with runs, a node presence, and tasks: one failed, two queued."""
+    """Two locks with runs, a node presence, tasks (one failed, two queued) and an event."""
     locks = lock_store_from_url(url)
     try:
+        feed = feed_store_for(locks)
+        assert feed is not None
+        feed.append([FeedEvent("node_joined", NODE.node_id, None, f"node {NODE.node_id} joined")])
         for name, jobs in (("billing", ("close_invoices", "send_reminders")), ("reports", ("nightly_report",))):
             got = locks.acquire_or_renew(name, NODE, ttl=60, claim=FireClaim.new(jobs[0], 1_000_000))
             for i, job in enumerate(jobs * 3):
@@ -162,15 +167,16 @@ def test_every_page_of_a_used_store_renders_with_reads_only(url: str, counted_st
     overview = bodies["/"][2]
     assert "node-a:1:aa" in overview and "+0.002s" in overview and "live" in overview
     assert "code email.send: 1 failed task" in overview
-    locks = bodies["/locks"][2]
-    assert "billing" in locks and "close_invoices" in locks and "send_reminders" in locks and "<svg" in locks
-    assert 'class="bar err"' in locks and 'data-action="pause"' in locks and 'data-action="trigger"' in locks
+    locks, lock = bodies["/locks"][2], bodies["/lock?name=billing"][2]
+    assert "billing" in locks and "close_invoices" in locks and 'data-action="pause"' in locks
+    assert "send_reminders" in lock and "<svg" in lock and 'class="bar err"' in lock
+    assert 'data-action="pause"' in lock and 'data-action="trigger"' in lock
     assert "order-1" in bodies["/tasks"][2] and "SMTP said no" in bodies["/tasks"][2]
     assert "order-2" not in bodies["/tasks"][2], "the Tasks page lists the failed tasks by default"
     assert "order-2" in bodies["/tasks?state=any"][2]
     assert "SMTP said no" in bodies["/task?code=email.send&key=order-1"][2]
     status = json.loads(bodies["/api/status"][2])
-    assert [lock["name"] for lock in status["locks"]] == ["billing", "reports"] and status["calls"] == 4
+    assert [lock["name"] for lock in status["locks"]] == ["billing", "reports"] and status["calls"] == 5
 
 
 def test_a_refresh_is_four_store_calls_shared_by_every_open_page(tmp_path: Path, counted_statements: list[str]) -> None:
@@ -185,7 +191,7 @@ def test_a_refresh_is_four_store_calls_shared_by_every_open_page(tmp_path: Path,
             call(app, "/api/sections/overview")
     finally:
         app.close()
-    assert len(counted_statements) == 4, counted_statements
+    assert len(counted_statements) == 4, counted_statements  # locks, nodes, tasks, the event feed (no run history)
 
 
 # -- actions ------------------------------------------------------------------------------------------
@@ -251,6 +257,9 @@ def test_pause_resume_retry_with_the_token_are_recorded_with_who_did_them(tmp_pa
     finally:
         app.close()
     assert "alice (dashboard, 127.0.0.1)" in overview and "resume --catch-up" in overview
+    events = overview.split('id="s-events"')[1]  # in the feed at once, by whom (a node sees it at its next read)
+    assert "lock billing paused by alice (dashboard, 127.0.0.1)" in events
+    assert "lock billing resumed with catch-up by bob (dashboard, 127.0.0.1)" in events
 
 
 def test_a_bulk_action_runs_only_on_the_count_the_operator_confirmed(tmp_path: Path) -> None:
@@ -441,6 +450,20 @@ def test_the_shared_jobs_page_shows_schedule_next_run_holder_and_acts_like_mutex
             while not runs_of("daily"):
                 assert datetime.now(timezone.utc) < deadline, "the run-now request did not run"
                 time.sleep(0.05)
+            before = store._read_states()["report"]
+            for bad in ("", "every -5", "61 * * * *", "hourly"):  # refused with both forms named; nothing written
+                status, _, body = call(app, "/api/actions/job_reschedule", "POST", {"job": "report", "schedule": bad},
+                                       action_headers(app))  # fmt: skip
+                assert status == 400 and "give a crontab line ('0 6 * * mon') or 'every N' seconds" in body, body
+            assert store._read_states()["report"] == before
+            status, _, body = call(app, "/api/actions/job_reschedule", "POST", {"job": "report", "schedule": "0 6 * * mon"},
+                                   action_headers(app))  # fmt: skip
+            assert status == 200 and "report: rescheduled to cron[" in json.loads(body)["message"], body
+            assert str(web.get_job("report").trigger).startswith("cron[") and next_run("report").hour == 6
+            status, _, body = call(app, "/api/actions/job_reschedule", "POST", {"job": "report", "schedule": "every 300"},
+                                   action_headers(app))  # fmt: skip
+            assert status == 200 and next_run("report").timestamp() % 300 == 0, body  # anchored as every node anchors
+            assert 'data-action="job_reschedule"' in call(app, "/shared")[2]
             status, _, body = call(app, "/api/actions/job_remove", "POST", {"job": "report"}, action_headers(app))
             assert status == 200 and "report" not in store._read_states(), body
             status, _, body = call(app, "/api/actions/job_remove", "POST", {"job": "report"}, action_headers(app))
@@ -838,3 +861,102 @@ def test_the_finish_times_of_a_mongodb_task_store_are_read_without_a_write() -> 
     assert found[0][1] > found[1][1] >= CLOCK_ORIGIN, "newest first, by the store's clock"
     assert finished_since(reader, found[0][1], 10) == found[:1]
     assert finished_since(reader, CLOCK_ORIGIN, 1) == found[:1], "at most the limit"
+
+
+def test_no_missed_run_alarm_inside_the_grace_the_nodes_use_during_a_takeover(tmp_path: Path) -> None:
+    """A node gives a guarded job a grace of 2 x the lease (20 s for a 10 s lease) when it starts;
+    the dashboard never starts the jobs file's scheduler, and must judge by the same grace, not by
+    APScheduler's 1 s default: a fire time 3 s old, during a takeover, is not missed."""
+    from mutexcron.dashboard.alarms import alarms
+    from mutexcron.dashboard.jobsfile import load_jobs_file
+    from mutexcron.dashboard.reads import Snapshot
+    from mutexcron.locks.record import LockRecord
+
+    spec = tmp_path / "jobs.py"
+    spec.write_text(
+        "from mutexcron import MutexScheduler\n"
+        f"sched = MutexScheduler(lock_url='sqlite:///{tmp_path}/dash.db', unactive_interval=10)\n"
+        "sched.add_job(print, 'interval', seconds=2, id='sync_catalog', mutex='catalog')\n"
+        "sched.add_job(print, 'interval', seconds=2, id='own_grace', mutex='catalog', misfire_grace_time=5)\n",
+        encoding="utf-8",
+    )
+    jobs = load_jobs_file(str(spec))
+    assert jobs.jobs["sync_catalog"].misfire_grace_time == 20 and jobs.jobs["own_grace"].misfire_grace_time == 5
+    now = datetime(2026, 11, 28, 12, 0, 0, tzinfo=timezone.utc)
+
+    def missed(last_claimed: float) -> list[str]:
+        fired = now - timedelta(seconds=last_claimed)
+        record = LockRecord("catalog", holder=None, heartbeat_age=last_claimed, ttl=10.0,
+                            fire_times={"sync_catalog": fired, "own_grace": fired})  # fmt: skip
+        snap = Snapshot("sqlite:///x", now, True, [record], [], {}, [])
+        return [a.text.split(":")[0] for a in alarms(snap, jobs) if a.kind == "missed-run"]
+
+    assert missed(3.0) == [], "a takeover inside the grace: no alarm"
+    assert missed(9.0) == ["job own_grace"], "past the user's own 5 s grace"
+    assert missed(25.0) == ["job sync_catalog", "job own_grace"]
+
+
+def pages(url: str, *paths: str) -> list[str]:
+    """The bodies of ``paths`` from a read-only dashboard of ``url``."""
+    app = create_app(url)
+    try:
+        return [call(app, path)[2] for path in paths]
+    finally:
+        app.close()
+
+
+def test_the_token_is_checked_as_it_is_entered_and_the_check_changes_nothing(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/dash.db"
+    populate(url)
+    app = create_app(url, action_token=TOKEN)
+    try:
+        good = call(app, "/api/actions/token", "POST", {"by": "alice"}, action_headers(app))
+        wrong = call(app, "/api/actions/token", "POST", {"by": "alice"}, action_headers(app, "wrong-token-of-enough-length"))
+    finally:
+        app.close()
+    assert good[0] == 200 and json.loads(good[2])["message"] == "token accepted: actions as alice (dashboard, 127.0.0.1)"
+    assert wrong[0] == 403 and json.loads(wrong[2])["error"] == "missing or wrong action token"
+    assert not _record(url, "billing").paused and app.audit.entries() == []
+
+
+def test_alarms_link_to_their_lock_job_task_code_or_node_and_internal_codes_are_hidden(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/dash.db"
+    populate(url)
+    tasks = task_store_from_url(lock_store_from_url(url).url)
+    try:
+        tasks.add("mutexcron.trigger", "req-1", timedelta(hours=1))
+    finally:
+        tasks.close()
+    overview, tasks_page, with_internal, lock_page = pages(url, "/", "/tasks", "/tasks?internal=1", "/lock?name=billing")
+    assert '<a href="/tasks?code=email.send&amp;state=failed">code email.send: 1 failed task</a>' in overview
+    assert "mutexcron.trigger</a>" not in tasks_page and "show mutexcron's own codes (1)" in tasks_page
+    assert "mutexcron.trigger</a>" in with_internal
+    assert "<h1>Lock billing</h1>" in lock_page and "close_invoices" in lock_page
+
+
+def test_the_event_feed_node_states_and_folded_tracebacks_on_the_overview_job_and_task_pages(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/dash.db"
+    populate(url)
+    locks = lock_store_from_url(url)
+    run = next(r for r in locks.history("billing", "send_reminders") if r.outcome == "error")
+    feed = feed_store_for(locks)
+    assert feed is not None
+    traceback = 'Traceback (most recent call last):\n  File "jobs.py", line 9, in send_reminders\nValueError: boom\n'
+    feed.append([
+        FeedEvent("run_failed", NODE.node_id, "billing", "job send_reminders failed on node-a:1:aa: ValueError: boom",
+                  traceback, {"job": "send_reminders", "token": run.token, "fire_time": str(run.fire_time), "error": "boom"}),
+        FeedEvent("task_failed", NODE.node_id, "email.send", "task email.send/order-1 attempt 1 failed for good",
+                  traceback.replace("send_reminders", "send_email"), {"key": "order-1", "attempt": 1, "duration": 0.25}),
+        FeedEvent("node_stopped", NODE.node_id, None, f"node {NODE.node_id} stopped cleanly"),
+    ])  # fmt: skip
+    locks.close()
+    overview, failed_only, job_page, recent, task_page = pages(
+        url, "/", "/?kind=run_failed", "/history?lock=billing&job=send_reminders", "/history?outcome=error",
+        "/task?code=email.send&key=order-1",
+    )  # fmt: skip
+    assert '<span class="badge muted">stopped</span>' in overview, "a clean stop is recorded as such"
+    assert "job send_reminders failed on node-a:1:aa" in overview and "node node-a:1:aa stopped cleanly" in overview
+    assert "stopped cleanly" not in failed_only.split('id="s-events"')[1], "the feed is filtered by kind"
+    assert '<details class="error"><summary>ValueError: boom</summary><pre>Traceback' in job_page
+    assert "<h1>Recent runs</h1>" in recent and "in send_reminders" in recent and "success</span>" not in recent
+    assert "<h3>attempts</h3>" in task_page and "in send_email" in task_page and "failed</span>" in task_page

@@ -210,3 +210,12 @@ def test_no_generated_secret_survives_masking_or_redaction() -> None:
         query = masked.partition("?")[2]
         for value in plains:
             assert f"={value}" in query, (url, masked)
+
+
+def test_a_jobs_args_and_kwargs_are_masked_by_the_same_rule() -> None:
+    from mutexcron.urls import mask_values
+
+    kwargs = {"job": "sync", "api_token": "t-123", "dsn": "postgresql://app:pw-9@db/x", "nested": {"password": "p"}}
+    assert mask_values(kwargs) == {"job": "sync", "api_token": "***", "dsn": "postgresql://app:***@db/x",
+                                   "nested": {"password": "***"}}  # fmt: skip
+    assert mask_values(("redis://:s3@h/0", 5)) == ("redis://:***@h/0", 5)

@@ -35,7 +35,7 @@ from ..jobstores.base import SharedJobStore, timestamp
 from ..jobstores.states import load
 from ..locks import DEFAULT_LOCK_URL, lock_store_from_url
 from ..locks.record import LockRecord
-from ..urls import redact
+from ..urls import mask_values, redact
 from .common import EXIT_FAILURE, _did_you_mean, _fail, _fail_on, _lock_url_option
 
 __all__ = ["CHANGES", "change_shared_job", "jobs", "shared_stores", "stored_rows"]
@@ -82,7 +82,7 @@ def _declared_rows(sched: Any, stored: set[str]) -> list[dict[str, Any]]:
         rows.append({"job": job.id, "store": alias, "declared": True, "func": _ref(func), "trigger": str(job.trigger),
                      "next_run": next_run, "lock": guard.lock if guard is not None else None,
                      "lease": guard.ttl if guard is not None else None, "guarded": guard is not None,
-                     "args": repr(tuple(job.args)), "kwargs": repr(dict(job.kwargs)),
+                     "args": repr(mask_values(tuple(job.args))), "kwargs": repr(mask_values(dict(job.kwargs))),
                      "state": "not stored yet" if shared else ("paused" if next_run is None else "scheduled")})  # fmt: skip
     return rows
 

@@ -25,6 +25,7 @@ from ..errors import ConfigurationError
 from ..guard.triggers import TRIGGER_CODE
 from ..locks import LockStore, lock_store_from_url
 from ..names import check_name
+from ..observability.feed import FeedEvent, feed_store_for
 from ..tasks import STATES, TaskStore, task_store_from_url
 from ..tasks.checks import check_task
 from ..timeutil import as_utc
@@ -126,6 +127,7 @@ class Actions:
         with self._locks() as store:
             name = self._existing_lock(store, lock)
             record = store.set_paused(name, True, by)
+            _tell_feed(store, FeedEvent("lock_paused", None, name, f"lock {name} paused by {by}", fields={"by": by}))
         message = f"{name}: paused by {record.paused_by}"
         self.audit.add(by, "pause", name, "paused")
         return {"message": message, "lock": record.to_json()}
@@ -139,6 +141,8 @@ class Actions:
             name = self._existing_lock(store, lock)
             before = store.read(name)
             record = store.set_paused(name, False, by, catch_up=catch_up)
+            how = " with catch-up" if catch_up else ""
+            _tell_feed(store, FeedEvent("lock_resumed", None, name, f"lock {name} resumed{how} by {by}", fields={"by": by}))
         jobs = sorted(before.fire_times) if before is not None and catch_up else []
         if jobs:
             request_runs(self.reader.lock_store().url, name, jobs)
@@ -185,16 +189,26 @@ class Actions:
         """``mutexcron jobs pause|resume|remove JOBS JOB``: the same compare-and-set write and notice."""
         from ..jobstores.admin import change_shared_job
 
+        return self._shared_change(job, how, by, lambda stores, name: change_shared_job(stores, name, how))
+
+    def _shared_change(self, job: Any, what: str, by: str, change: Callable[[dict[str, Any], str], str | None]) -> dict[str, Any]:
+        """``change`` of the shared job ``job`` (its outcome; None: no store has it), recorded as ``job <what>``."""
         if not isinstance(job, str) or not job:
             raise ActionError("job: give the shared job's id")
         stores = self.shared_stores()
         if not stores:
             raise ActionError("no shared job store: start the dashboard with --jobs jobs.py naming one", 404)
-        outcome = change_shared_job(stores, job, how)
+        outcome = _checked(lambda: change(stores, job))
         if outcome is None:
             raise ActionError(f"no job {job!r} in the shared job stores", 404)
-        self.audit.add(by, f"job {how}", job, outcome)
+        self.audit.add(by, f"job {what}", job, outcome)
         return {"message": outcome}
+
+    def reschedule(self, job: Any, schedule: Any, by: str) -> dict[str, Any]:
+        """A shared job on a new schedule (a crontab line or ``every N`` seconds), the same write as pause."""
+        from ..jobstores.admin import reschedule_shared_job
+
+        return self._shared_change(job, "reschedule", by, lambda stores, name: reschedule_shared_job(stores, name, schedule))
 
     # -- tasks ------------------------------------------------------------------------------
     def retry(self, code: Any, key: Any, by: str) -> dict[str, Any]:
@@ -247,3 +261,15 @@ def _describe(code: str | None, state: str | None, contains: str | None) -> str:
     if contains:
         parts.append(f"key contains {contains!r}")
     return ", ".join(parts)
+
+
+def _tell_feed(store: LockStore, event: FeedEvent) -> None:
+    """Keep a pause or resume in the event feed at once, by whom (a node sees it only at its next
+    read of the lock, and a quick pause and resume not at all). The action is done: a feed that
+    cannot be written is logged, never an error."""
+    try:
+        feed = feed_store_for(store)
+        if feed is not None:
+            feed.append([event])
+    except Exception:
+        log.warning("%s: not kept in the event feed", event.text, exc_info=True)

@@ -33,11 +33,13 @@ TASK_LAG_ALARM = 60.0
 
 @dataclass(frozen=True)
 class Alarm:
-    """One line of the alarm list: ``level`` is ``error`` or ``warning``; ``kind`` groups them."""
+    """One line of the alarm list: ``level`` is ``error`` or ``warning``; ``kind`` groups them;
+    ``link`` is the page it is about (a lock, a job, a task code, a node): a path and its query."""
 
     level: str
     kind: str
     text: str
+    link: tuple[str, dict[str, str]] | None = None
 
 
 def alarms(snap: Snapshot, jobs: JobsFile | None) -> list[Alarm]:
@@ -62,7 +64,8 @@ def _missed_runs(snap: Snapshot, jobs: JobsFile | None) -> list[Alarm]:
         missed = latest_fire_time(job.trigger, after, horizon, after=after)
         if missed is not None:
             found.append(Alarm("error", "missed-run", f"job {job.job_id}: fire time {missed:%Y-%m-%d %H:%M:%S} UTC ran on "
-                                                      f"no node (last claimed {last:%Y-%m-%d %H:%M:%S} UTC)"))  # fmt: skip
+                                                      f"no node (last claimed {last:%Y-%m-%d %H:%M:%S} UTC)",
+                               ("history", {"lock": job.lock, "job": job.job_id})))  # fmt: skip
     return found
 
 
@@ -75,11 +78,13 @@ def _disagreements(snap: Snapshot, jobs: JobsFile | None) -> list[Alarm]:
     for node in live:
         if node.clock_offset is not None and abs(node.clock_offset) > CLOCK_OFFSET_ALARM:
             found.append(Alarm("warning", "nodes", f"node {node.node_id}: clock {node.clock_offset:+.3f}s off the store's "
-                                                   "(fire times are judged by each node's clock: check NTP)"))  # fmt: skip
+                                                   "(fire times are judged by each node's clock: check NTP)",
+                                   ("", {"node": node.node_id})))  # fmt: skip
     for record in snap.locks or ():
         if record.state == "stale":
             found.append(Alarm("warning", "nodes", f"lock {record.name}: holder {record.holder} stopped renewing "
-                                                   f"{record.heartbeat_age or 0:.0f}s ago (lease {record.ttl:g}s)"))  # fmt: skip
+                                                   f"{record.heartbeat_age or 0:.0f}s ago (lease {record.ttl:g}s)",
+                                   ("lock", {"name": record.name})))  # fmt: skip
         if jobs is not None and record.state == "active":
             found += _other_jobs_file(record, jobs)
     return found
@@ -97,10 +102,11 @@ def _other_jobs_file(record: LockRecord, jobs: JobsFile) -> list[Alarm]:
         return []
     holder, said = printable(record.holder or "?"), "; ".join([zone, *found] if zone is not None else found)
     text = f"lock {record.name}: its holder {holder} runs another jobs file than {jobs.spec}: {said}"
+    link = ("lock", {"name": record.name})
     if zone is not None:  # the nodes running this file refuse the lock's jobs and never take it over
         return [Alarm("error", "nodes", f"{text}. A node with {jobs.spec} runs none of the lock's jobs and does not "
-                                        "take the lock over")]  # fmt: skip
-    return [Alarm("warning", "nodes", f"{text}. The lock's fire times and failover follow whichever node holds it")]
+                                        "take the lock over", link)]  # fmt: skip
+    return [Alarm("warning", "nodes", f"{text}. The lock's fire times and failover follow whichever node holds it", link)]
 
 
 def _tasks(snap: Snapshot) -> list[Alarm]:
@@ -108,8 +114,10 @@ def _tasks(snap: Snapshot) -> list[Alarm]:
     for summary in snap.tasks or ():
         if summary.failed:
             found.append(Alarm("warning", "tasks", f"code {summary.code}: {summary.failed} failed task"
-                                                   f"{'s' if summary.failed != 1 else ''} (see the Tasks page)"))  # fmt: skip
+                                                   f"{'s' if summary.failed != 1 else ''}",
+                                   ("tasks", {"code": summary.code, "state": "failed"})))  # fmt: skip
         if summary.oldest_overdue is not None and summary.oldest_overdue > TASK_LAG_ALARM:
             found.append(Alarm("warning", "tasks", f"code {summary.code}: the oldest due task has waited "
-                                                   f"{summary.oldest_overdue:.0f}s ({summary.due_now} due now)"))  # fmt: skip
+                                                   f"{summary.oldest_overdue:.0f}s ({summary.due_now} due now)",
+                                   ("tasks", {"code": summary.code, "state": "queued"})))  # fmt: skip
     return found

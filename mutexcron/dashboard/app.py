@@ -3,12 +3,12 @@ framework; :meth:`Dashboard.asgi` is the same app for an ASGI one.
 
 Routes, under wherever it is mounted (``SCRIPT_NAME``):
 
-* ``GET /``, ``/locks``, ``/shared``, ``/tasks``, ``/history``, ``/task``: the pages (:data:`views.PAGES`);
+* ``GET /``, ``/locks``, ``/lock``, ``/shared``, ``/tasks``, ``/history``, ``/task``: the pages (:data:`views.PAGES`);
 * ``GET /api/sections/<page>``: the page's sections, refreshed in place by the page's script;
 * ``GET /api/status``: the snapshot as JSON (the shape of ``mutexcron status --json``);
 * ``GET /api/trigger``: a trigger request's outcome (a read);
-* ``POST /api/actions/<action>``: pause, resume, trigger, job_pause, job_resume, job_remove, retry,
-  cancel, bulk (see :mod:`.security`);
+* ``POST /api/actions/<action>``: token (checks the token, changes nothing), pause, resume, trigger,
+  job_pause, job_resume, job_reschedule, job_remove, retry, cancel, bulk (see :mod:`.security`);
 * ``GET /static/<file>``: the stylesheet and the script, shipped in the package.
 
 Every response body passes through :func:`mutexcron.urls.redact` for the store URL's secrets, on
@@ -135,7 +135,7 @@ class Dashboard:
             page = PAGES.get(_page_path(path.removeprefix("/api/sections/")))
             if page is None:
                 return _json({"error": "no such page"}, "404 Not Found")
-            ctx = self._context(environ, query)
+            ctx = self._context(environ, query, page.histories)
             sections = page.sections(ctx)
             return _json({"sections": sections, "at": ctx.snap.now.isoformat(), "calls": ctx.snap.calls,
                           "store_ms": round(ctx.snap.seconds * 1000, 3)})  # fmt: skip
@@ -147,15 +147,15 @@ class Dashboard:
         page = PAGES.get(path.strip("/"))
         if page is None:
             return "404 Not Found", "text/plain; charset=utf-8", "no such page"
-        ctx = self._context(environ, query)
+        ctx = self._context(environ, query, page.histories)
         return "200 OK", "text/html; charset=utf-8", render_page(ctx, page, self.guard.csrf_token(), self.refresh)
 
-    def _context(self, environ: dict[str, Any], query: dict[str, str]) -> Context:
-        return Context(environ.get("SCRIPT_NAME", "").rstrip("/"), self.reader, self.reader.snapshot(), self.jobs,
-                       self.guard.actions_enabled, self.audit.entries(), query)  # fmt: skip
+    def _context(self, environ: dict[str, Any], query: dict[str, str], histories: bool) -> Context:
+        return Context(environ.get("SCRIPT_NAME", "").rstrip("/"), self.reader, self.reader.snapshot(histories=histories),
+                       self.jobs, self.guard.actions_enabled, self.audit.entries(), query)  # fmt: skip
 
     def _status(self) -> dict[str, Any]:
-        snap = self.reader.snapshot()
+        snap = self.reader.snapshot(histories=True)
         return {
             "store": snap.store,
             "now": snap.now.isoformat(),
@@ -192,12 +192,16 @@ class Dashboard:
         return _json(result)
 
     def _act(self, name: str, body: dict[str, Any], by: str) -> dict[str, Any]:
+        if name == "token":  # the page checks a token as it is entered: the guard let it through
+            return {"message": f"token accepted: actions as {by}"}
         if name == "pause":
             return self.actions.pause(body.get("lock"), by)
         if name == "resume":
             return self.actions.resume(body.get("lock"), bool(body.get("catch_up")), by)
         if name == "trigger":
             return self.actions.trigger(body.get("job"), by)
+        if name == "job_reschedule":
+            return self.actions.reschedule(body.get("job"), body.get("schedule"), by)
         if name in ("job_pause", "job_resume", "job_remove"):
             return self.actions.shared_job(name.removeprefix("job_"), body.get("job"), by)
         if name == "retry":

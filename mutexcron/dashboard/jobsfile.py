@@ -86,7 +86,8 @@ def load_jobs_file(spec: str) -> JobsFile:
         guard = sched.guard_of(job.id)
         if guard is None:
             continue
-        grace = getattr(job, "misfire_grace_time", grace_default)
+        # As a running node has it (2 x the lease unless the user set one), not APScheduler's 1 s default.
+        grace = sched.misfire_grace_of(job.id) or getattr(job, "misfire_grace_time", grace_default)
         written = not guard.config.callable_lock  # a lock named at run time: no holder writes zone or triggers
         jobs[job.id] = ScheduledJob(job.id, guard.lock, guard.ttl, str(job.trigger), job.trigger, grace,
                                     guard.zone if written else None, guard.trigger_text if written else None)  # fmt: skip

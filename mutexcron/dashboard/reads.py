@@ -4,13 +4,16 @@ One :class:`StoreReader` per dashboard keeps its lock and task stores open (a po
 not a new one per refresh) and makes them read-only: a SQL table is looked for, never created or
 altered (:attr:`mutexcron.backends.sql.SQLBackend.read_only`), node presences are read without
 pruning the old ones (``nodes(prune=False)``), and a SQLite file that does not exist is not
-created by connecting to it. A refresh is four reads (locks, nodes, run histories, task summary),
-shared by every open page for :attr:`StoreReader.min_interval` seconds, so ten open tabs cost the
-store what one does.
+created by connecting to it. A refresh is four reads (locks, nodes, task summary, the newest
+events of the event feed, :mod:`mutexcron.observability.feed`), shared by every open page for
+:attr:`StoreReader.min_interval` seconds, so ten open tabs cost the store what one does. The kept
+run histories of every lock (one read, but its cost grows with locks x jobs x kept runs) are read
+only for the pages that show them (History, Shared jobs), and then shared the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -27,6 +30,7 @@ from ..errors import MutexcronError, SchemaMissingError
 from ..heartbeat import PRESENCE_EVERY
 from ..locks import LockStore, lock_store_from_url
 from ..locks.record import LockRecord, NodePresence, RunRecord
+from ..observability.feed import FeedEvent, FeedStore, feed_store_for
 from ..tasks import CodeSummary, TaskRecord, TaskStore, task_store_from_url
 from ..urls import mask_url
 
@@ -46,6 +50,8 @@ THROUGHPUT_MINUTES = 60
 THROUGHPUT_EVERY = 30.0
 #: Finish times read at most (the newest first): beyond, the chart starts at the oldest one read.
 THROUGHPUT_ROWS = 50_000
+#: Events of the feed read per refresh (the newest).
+FEED_ROWS = 200
 
 
 @dataclass(frozen=True)
@@ -82,8 +88,9 @@ class Snapshot:
     now_from_store: bool
     locks: list[LockRecord] | None
     nodes: list[NodePresence] | None
-    histories: dict[str, list[RunRecord]]
     tasks: list[CodeSummary] | None
+    #: The newest events of the feed (None: not kept by this store, or not readable).
+    feed: list[FeedEvent] | None = None
     #: part -> the store's error (masked), for the parts that failed.
     errors: dict[str, str] = field(default_factory=dict)
     #: part -> why there is nothing to show (no table yet, a store without the feature).
@@ -91,12 +98,32 @@ class Snapshot:
     #: Store calls made for this snapshot and their wall time.
     calls: int = 0
     seconds: float = 0.0
+    #: Every lock's kept runs, newest first (read only for the pages that show them: see ``histories_read``).
+    histories: dict[str, list[RunRecord]] = field(default_factory=dict)
+    histories_read: bool = False
 
     def lock(self, name: str) -> LockRecord | None:
         return next((r for r in self.locks or () if r.name == name), None)
 
     def live(self, node: NodePresence) -> bool:
-        return node.age is not None and node.age <= LIVE_WITHIN
+        return self.node_state(node)[0] == "live"
+
+    def node_state(self, node: NodePresence) -> tuple[str, datetime | None]:
+        """``live``, ``stopped`` (it said so as it stopped) or ``lost`` (it stopped renewing: its
+        presence is older than :data:`LIVE_WITHIN`, a lease it held ran out, or a node took a
+        lock over from it), with the time of that: its last presence, its stop."""
+        last = node.last_seen
+        for event in self.feed or ():
+            if event.node == node.node_id and event.kind == "node_stopped" and _not_before(event.at, last):
+                return "stopped", event.at
+            taken = event.kind == "lock_taken_over" and event.fields.get("previous_holder") == node.node_id
+            if taken and _not_before(event.at, last):
+                return "lost", last
+        if node.age is None or node.age > LIVE_WITHIN:
+            return "lost", last
+        if any(r.holder == node.node_id and r.state == "stale" for r in self.locks or ()):
+            return "lost", last
+        return "live", last
 
     def runs(self, lock: str, job: str | None = None) -> list[RunRecord]:
         return [r for r in self.histories.get(lock, []) if job is None or r.job == job]
@@ -123,6 +150,7 @@ class StoreReader:
         self.samples: dict[str, deque[TaskSample]] = {}
         self._flow_lock = threading.Lock()
         self._flow: tuple[float, Throughput | None] | None = None
+        self._feed: FeedStore | None = None
 
     # -- the stores -------------------------------------------------------------------------
     def lock_store(self) -> LockStore:
@@ -139,23 +167,46 @@ class StoreReader:
                 self._tasks = reading_only(task_store_from_url(url))
             return self._tasks
 
+    def feed_store(self) -> FeedStore | None:
+        """The event feed beside the lock store (read-only, like it), or None for a store without one."""
+        store = self.lock_store()
+        with self._build:
+            if self._feed is None:
+                self._feed = feed_store_for(store)
+            return self._feed
+
     def close(self) -> None:
         with self._build:
+            self._feed = None
             for store in (self._locks, self._tasks):
                 if store is not None:
                     store.close()
             self._locks = self._tasks = None
 
     # -- one refresh ------------------------------------------------------------------------
-    def snapshot(self) -> Snapshot:
-        """The latest snapshot, read again once it is :attr:`min_interval` seconds old."""
+    def snapshot(self, *, histories: bool = False) -> Snapshot:
+        """The latest snapshot, read again once it is :attr:`min_interval` seconds old; with
+        ``histories``, with every lock's kept runs (read once per snapshot, for the pages that need them)."""
         with self._read:
-            if self._last is not None and time.monotonic() - self._last[0] < self.min_interval:
-                return self._last[1]
-            snap = self._snapshot()
-            self._last = (time.monotonic(), snap)
-            self._sample(snap)
+            if self._last is None or time.monotonic() - self._last[0] >= self.min_interval:
+                snap = self._snapshot()
+                self._last = (time.monotonic(), snap)
+                self._sample(snap)
+            snap = self._last[1]
+            if histories and not snap.histories_read:
+                self._read_histories(snap)
             return snap
+
+    def _read_histories(self, snap: Snapshot) -> None:
+        names = [r.name for r in snap.locks or ()]
+        snap.histories_read = True
+        if not names:
+            return
+        started = time.perf_counter()
+        with _caught("history", snap.errors, snap.notes):
+            snap.histories = self.lock_store().history_many(names)
+        snap.calls += 1
+        snap.seconds += time.perf_counter() - started
 
     def invalidate(self) -> None:
         """The next snapshot is read from the store (after an action: show its effect at once)."""
@@ -180,17 +231,22 @@ class StoreReader:
         missing = self._missing_file()
         if missing is not None:
             notes["locks"] = missing
-            locks, nodes, histories, tasks = None, None, {}, None
+            locks, nodes, tasks, events = None, None, None, None
         else:
             locks = part("locks", lambda: self.lock_store().list())
             nodes = part("nodes", lambda: self.lock_store().nodes(prune=False)) if "locks" not in errors else None
-            names = [r.name for r in locks or ()]
-            histories = (part("history", lambda: self.lock_store().history_many(names)) if names else None) or {}
             tasks = part("tasks", lambda: self.task_store().summary()) if self.has_tasks else None
             if not self.has_tasks:
                 notes["tasks"] = "this store has no task pool"
+            feed = self.feed_store()
+            events = part("feed", lambda: feed.recent(FEED_ROWS)) if feed is not None else None
+            if feed is None:
+                notes["feed"] = "this store keeps no event feed"
         now, from_store = _store_now(locks, nodes)
-        return Snapshot(self.masked_url, now, from_store, locks, nodes, histories, tasks, errors, notes, calls,
+        if events and from_store and self._feed is not None and self._feed.ages_on_host:
+            shift = now - datetime.now(timezone.utc)  # the events' ages, on the store's clock as the records
+            events = [dataclasses.replace(e, at=e.at + shift) if e.at is not None else e for e in events]
+        return Snapshot(self.masked_url, now, from_store, locks, nodes, tasks, events, errors, notes, calls,
                         time.perf_counter() - started)  # fmt: skip
 
     def _missing_file(self) -> str | None:
@@ -202,11 +258,27 @@ class StoreReader:
         return None if missing is None else f"{missing}: no node has used this store yet"
 
     def _sample(self, snap: Snapshot) -> None:
-        for summary in snap.tasks or ():
+        if snap.tasks is None:
+            return
+        seen = set()
+        for summary in snap.tasks:
+            seen.add(summary.code)
             samples = self.samples.setdefault(summary.code, deque(maxlen=TASK_SAMPLES))
             samples.append(TaskSample(snap.now, summary.queued, summary.running, summary.failed, summary.oldest_overdue or 0.0))
+        for code, samples in self.samples.items():  # a code with no task left: its backlog is zero, not unknown
+            if code not in seen:
+                samples.append(TaskSample(snap.now, 0, 0, 0, 0.0))
 
     # -- reads for one page -----------------------------------------------------------------
+    def events(self, kinds: tuple[str, ...], subject: str | None, limit: int = FEED_ROWS) -> list[FeedEvent]:
+        """The newest events of ``kinds`` about ``subject`` (a lock, a task code): a job's or a task's page."""
+        feed = self.feed_store() if not self._missing_file() else None
+        if feed is None:
+            return []
+        with _caught_quietly():
+            return feed.recent(limit, kinds=kinds, subject=subject)
+        return []
+
     def history(self, lock: str, job: str | None = None) -> list[RunRecord]:
         if self._missing_file():
             return []
@@ -286,6 +358,11 @@ def _caught_quietly() -> Iterator[None]:
         yield
     except (SchemaMissingError, NotImplementedError):
         pass
+
+
+def _not_before(at: datetime | None, last: datetime | None) -> bool:
+    """``at`` is the last presence's time or later (1 s of slack: two clocks stamp them)."""
+    return at is not None and (last is None or at >= last - timedelta(seconds=1))
 
 
 def _store_now(locks: list[LockRecord] | None, nodes: list[NodePresence] | None) -> tuple[datetime, bool]:

@@ -19,16 +19,17 @@ from urllib.parse import urlencode
 
 from ..formatting import age as _age
 from ..formatting import clip as _clip
-from ..formatting import duration as _duration
 from ..formatting import offset as _offset
 from ..formatting import record_json
 from ..formatting import when as _when
-from ..locks.record import LockRecord, RunRecord
+from ..locks.record import LockRecord, NodePresence, RunRecord
+from ..observability.feed import FEED_KINDS, FeedEvent
 from ..tasks import STATES, CodeSummary, TaskRecord
+from ..tasks.handlers import INTERNAL_PREFIX
 from ..version import __version__
 from .actions import AuditEntry
 from .alarms import Alarm, alarms
-from .charts import Bar, Series, bar_chart, count, line_chart
+from .charts import Bar, Series, bar_chart, count, line_chart, seconds
 from .jobsfile import JobsFile
 from .reads import THROUGHPUT_MINUTES, Snapshot, StoreReader, Throughput
 
@@ -59,12 +60,14 @@ class Context:
 
 @dataclass(frozen=True)
 class PageDef:
-    """A page: its path (``""`` is the Overview), title, whether the navigation shows it, and its sections."""
+    """A page: its path (``""`` is the Overview), title, whether the navigation shows it, its
+    sections, and whether they show every lock's kept runs (:meth:`StoreReader.snapshot`)."""
 
     path: str
     title: str
     nav: bool
     sections: Callable[[Context], dict[str, str]]
+    histories: bool = False
 
 
 # -- small pieces ---------------------------------------------------------------------------------
@@ -72,18 +75,23 @@ def _badge(text: str, kind: str) -> str:
     return f'<span class="badge {escape(kind)}">{escape(text)}</span>'
 
 
-def _button(ctx: Context, label: str, action: str, args: Mapping[str, Any], confirm: str = "", kind: str = "") -> str:
+def _button(ctx: Context, label: str, action: str, args: Mapping[str, Any], confirm: str = "", kind: str = "",
+            prompt: str = "") -> str:  # fmt: skip
+    """An action's button; ``prompt`` asks for its ``value`` first (the page's script)."""
     if not ctx.actions:
         return ""
     data = escape(json.dumps(dict(args)), quote=True)
     ask = f' data-confirm="{escape(confirm, quote=True)}"' if confirm else ""
+    ask += f' data-prompt="{escape(prompt, quote=True)}"' if prompt else ""
     return f'<button class="act {escape(kind)}" data-action="{escape(action)}" data-args="{data}"{ask}>{escape(label)}</button>'
 
 
 def _table(header: Iterable[str], rows: Iterable[Iterable[str]], cls: str = "") -> str:
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
-    return f'<table class="{escape(cls)}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    # In a box of its own that scrolls sideways: a wide table never widens the page (a phone's 390 px).
+    table = f'<table class="{escape(cls)}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    return f'<div class="scroll" tabindex="0">{table}</div>'
 
 
 def _t(value: Any) -> str:
@@ -103,6 +111,11 @@ def _outcome(run: RunRecord | None) -> str:
     return _badge(run.outcome, "ok" if run.outcome == "success" else "err")
 
 
+def _dur(value: float | None) -> str:
+    """A duration in the unit that suits it (µs, ms, s, min), as the charts' axes show it."""
+    return "-" if value is None else seconds(value)
+
+
 def _lag(run: RunRecord) -> float | None:
     if run.started is None or run.fire_time is None:
         return None
@@ -115,9 +128,9 @@ def _notes(snap: Snapshot, *parts: str) -> str:
     return "".join(shown)
 
 
-def _jobs_of(ctx: Context, record: LockRecord) -> list[str]:
-    """The jobs of a lock: claimed in it, in its history, or in the jobs file under it."""
-    names = set(record.fire_times) | {r.job for r in ctx.snap.runs(record.name)}
+def _jobs_of(ctx: Context, record: LockRecord, runs: Iterable[RunRecord] = ()) -> list[str]:
+    """The jobs of a lock: claimed in it, in its kept ``runs``, or in the jobs file under it."""
+    names = set(record.fire_times) | {r.job for r in runs}
     if ctx.jobs is not None:
         names |= {j.job_id for j in ctx.jobs.of_lock(record.name)}
     return sorted(names)
@@ -138,7 +151,7 @@ def known_jobs(snap: Snapshot, jobs: JobsFile | None) -> set[str]:
 
 # -- Overview -------------------------------------------------------------------------------------
 def overview(ctx: Context) -> dict[str, str]:
-    return {"counts": _counts(ctx), "alarms": _alarms(ctx), "nodes": _nodes(ctx), "audit": _audit(ctx)}
+    return {"counts": _counts(ctx), "alarms": _alarms(ctx), "nodes": _nodes(ctx), "events": _events(ctx), "audit": _audit(ctx)}
 
 
 def _counts(ctx: Context) -> str:
@@ -151,7 +164,7 @@ def _counts(ctx: Context) -> str:
     cells = [
         ("locks", len(locks), f"{by_state['active']} held, {by_state['stale']} stale, {sum(r.paused for r in locks)} paused"),
         ("jobs", len(known_jobs(snap, ctx.jobs)), "in the store" + (" and the jobs file" if ctx.jobs else "")),
-        ("nodes", live, f"live; {len(nodes) - live} stale" if snap.nodes is not None else "no presence kept"),
+        ("nodes", live, f"live; {len(nodes) - live} stopped or lost" if snap.nodes is not None else "no presence kept"),
         ("tasks queued", tasks["queued"], f"{sum(c.due_now for c in snap.tasks or ())} due now"),
         ("tasks running", tasks["running"], ""),
         ("tasks failed", tasks["failed"], ""),
@@ -175,8 +188,15 @@ def _alarms(ctx: Context) -> str:
     )
     if not found:
         return f'<p class="ok-line">No alarms.</p>{note}'
-    items = "".join(f'<li class="alarm {escape(a.level)}">{_badge(a.kind, a.level)} {_t(a.text)}</li>' for a in found)
+    items = "".join(f'<li class="alarm {escape(a.level)}">{_badge(a.kind, a.level)} {_alarm_text(ctx, a)}</li>' for a in found)
     return f'<ul class="alarms">{items}</ul>{note}'
+
+
+def _alarm_text(ctx: Context, alarm: Alarm) -> str:
+    if alarm.link is None:
+        return _t(alarm.text)
+    path, query = alarm.link
+    return f'<a href="{ctx.link(path, **query)}">{_t(alarm.text)}</a>'
 
 
 def _nodes(ctx: Context) -> str:
@@ -191,13 +211,97 @@ def _nodes(ctx: Context) -> str:
     for record in snap.locks or ():
         if record.holder is not None and record.state == "active":
             held.setdefault(record.holder, []).append(record.name)
+    chosen = ctx.query.get("node")
     rows = [
-        (_t(n.node_id), _badge("live", "ok") if snap.live(n) else _badge("stale", "warn"), _t(n.ip), _t(n.version),
+        (f'<a href="{ctx.link("", node=n.node_id)}">{_t(n.node_id)}</a>', _node_state(snap, n), _t(n.ip), _t(n.version),
          _ago(snap, n.last_seen), escape(_offset(n.clock_offset)),
          f'<span class="held">{_t(", ".join(held.get(n.node_id, [])) or None)}</span>')
         for n in snap.nodes
+        if chosen in (None, "", n.node_id)
     ]  # fmt: skip
     return _table(("node", "state", "IP", "version", "last seen", "clock offset", "locks held"), rows, "nodes")
+
+
+def _node_state(snap: Snapshot, node: NodePresence) -> str:
+    state, since = snap.node_state(node)
+    when = f" {_ago(snap, since)}" if state != "live" and since is not None else ""
+    return _badge(state, {"live": "ok", "stopped": "muted"}.get(state, "err")) + f'<span class="muted">{when}</span>'
+
+
+#: Events shown on the Overview at most.
+EVENT_ROWS = 50
+#: Events of the same kind and subject from several nodes within this many seconds are one (every
+#: node sees a pause, a missed fire time).
+_SAME_EVENT = 30.0
+
+
+def feed_events(snap: Snapshot) -> list[FeedEvent]:
+    """The feed, newest first, with each node lost since it last renewed (no event of its own:
+    it could not say so), and an event every node saw shown once."""
+    found = list(snap.feed or ())
+    for node in snap.nodes or ():
+        state, since = snap.node_state(node)
+        if state == "lost":
+            age = f"{_age((snap.now - since).total_seconds())} ago" if since is not None else "long ago"
+            found.append(FeedEvent("node_lost", node.node_id, None, f"node {node.node_id} lost: last renewed {age}",
+                                   at=since))  # fmt: skip
+    found.sort(key=lambda e: e.at or snap.now, reverse=True)
+    shown: list[FeedEvent] = []
+    for event in found:
+        if event.kind in ("lock_paused", "lock_resumed", "run_missed") and any(_same(event, s) for s in shown):
+            continue
+        shown.append(event)
+    return shown
+
+
+def _same(a: FeedEvent, b: FeedEvent) -> bool:
+    close = a.at is not None and b.at is not None and abs((a.at - b.at).total_seconds()) < _SAME_EVENT
+    return close and a.kind == b.kind and a.subject == b.subject and a.fields.get("job") == b.fields.get("job")
+
+
+def _events(ctx: Context) -> str:
+    snap = ctx.snap
+    if snap.feed is None:
+        return _notes(snap, "feed") or '<p class="muted">This store keeps no event feed.</p>'
+    kind, node = ctx.query.get("kind") or None, ctx.query.get("node") or None
+    chosen = [e for e in feed_events(snap) if kind in (None, e.kind) and node in (None, e.node)][:EVENT_ROWS]
+    rows = [(escape(_when(e.at)[11:19] if e.at else "-"), _badge(FEED_KINDS.get(e.kind, e.kind), _EVENT_BADGE.get(e.kind, "")),
+             _event_text(ctx, e)) for e in chosen]  # fmt: skip
+    table = _table(("time (UTC)", "what", "event"), rows, "events") if rows else '<p class="muted">No event.</p>'
+    return table
+
+
+_EVENT_BADGE = {"lock_taken_over": "warn", "run_failed": "err", "run_missed": "err", "task_failed": "err",
+                "task_attempt_failed": "warn", "node_lost": "err", "lock_paused": "warn", "lock_acquired": "ok"}  # fmt: skip
+
+
+def _event_text(ctx: Context, event: FeedEvent) -> str:
+    """The event's line, linked to what it is about: a lock, a job's runs, a task, a node."""
+    text = _t(event.text)
+    if event.kind in ("task_failed", "task_attempt_failed"):
+        href = ctx.link("task", code=event.subject, key=event.fields.get("key"))
+    elif event.kind in ("run_failed", "run_missed"):
+        href = ctx.link("history", lock=event.subject, job=event.fields.get("job"))
+    elif event.subject is not None:
+        href = ctx.link("lock", name=event.subject)
+    else:
+        href = ctx.link("", node=event.node)
+    return f'<a href="{href}">{text}</a>'
+
+
+def _event_filters(ctx: Context) -> str:
+    kind, node = ctx.query.get("kind", ""), ctx.query.get("node", "")
+    kinds = '<option value="">every kind</option>' + "".join(
+        f'<option value="{escape(k)}"{" selected" if k == kind else ""}>{escape(text)}</option>' for k, text in FEED_KINDS.items()
+    )
+    nodes = sorted({n.node_id for n in ctx.snap.nodes or ()} | {e.node for e in ctx.snap.feed or () if e.node})
+    node_options = '<option value="">every node</option>' + "".join(
+        f'<option{" selected" if n == node else ""}>{_t(n)}</option>' for n in nodes
+    )
+    return (f'<form class="filters" method="get" action="{ctx.link("")}">'
+            f'<label>event <select name="kind">{kinds}</select></label>'
+            f'<label>node <select name="node">{node_options}</select></label>'
+            '<button type="submit">Filter</button></form>')  # fmt: skip
 
 
 def _audit(ctx: Context) -> str:
@@ -208,45 +312,135 @@ def _audit(ctx: Context) -> str:
 
 
 # -- Locks and jobs -------------------------------------------------------------------------------
+#: The Locks page's columns a click sorts by, and each row's key for it.
+_LOCK_SORTS: dict[str, Callable[[LockRecord], Any]] = {
+    "name": lambda r: r.name,
+    "state": lambda r: (r.state, r.name),
+    "holder": lambda r: (r.holder or "", r.name),
+    "token": lambda r: r.token,
+    "last run": lambda r: r.last_run_finished.timestamp() if r.last_run_finished is not None else 0.0,
+}
+
+
 def locks(ctx: Context) -> dict[str, str]:
+    """Every lock as one row: filtered by name, state and node (holder or last run's), sorted by a column."""
     snap = ctx.snap
     if not snap.locks:
         return {"locks": _notes(snap, "locks", "history") or '<p class="muted">No lock in the store yet.</p>'}
-    return {"locks": _notes(snap, "history") + "".join(_lock_card(ctx, r) for r in snap.locks)}
+    q, state, node = (ctx.query.get(k) or None for k in ("q", "state", "node"))
+    chosen = [r for r in snap.locks if (q is None or q in r.name) and state in (None, r.state, "paused" if r.paused else None)
+              and node in (None, r.holder, r.active_ip)]  # fmt: skip
+    sort = ctx.query.get("sort") or "name"
+    sort = sort if sort in _LOCK_SORTS else "name"
+    chosen.sort(key=_LOCK_SORTS[sort], reverse=ctx.query.get("dir") == "desc")
+    rows = [_lock_row(ctx, r) for r in chosen]
+    what = f'<p class="muted">{len(chosen)} of {len(snap.locks)} locks</p>'
+    return {"locks": _notes(snap, "history") + what + _sortable_table(ctx, rows, "locks")}
 
 
-def _lock_card(ctx: Context, record: LockRecord) -> str:
+def _sortable_table(ctx: Context, rows: list[tuple[str, ...]], cls: str) -> str:
+    """The Locks table; a sortable column's header links to the page sorted by it (again: the other way)."""
+    header = ("name", "state", "holder", "lease left", "token", "jobs", "last run", "")
+    heads = []
+    for name in header:
+        if name not in _LOCK_SORTS:
+            heads.append(f"<th>{escape(name)}</th>")
+            continue
+        now, way = ctx.query.get("sort") == name, ctx.query.get("dir")
+        query = {**ctx.query, "sort": name, "dir": "desc" if now and way != "desc" else "asc"}
+        sorted_as = ' aria-sort="descending"' if now and way == "desc" else ' aria-sort="ascending"' if now else ""
+        heads.append(f'<th{sorted_as}><a href="{ctx.link("locks", **query)}">{escape(name)}</a></th>')
+    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
+    table = f'<table class="{cls}"><thead><tr>{"".join(heads)}</tr></thead><tbody>{body}</tbody></table>'
+    return f'<div class="scroll" tabindex="0">{table}</div>'
+
+
+def _lock_row(ctx: Context, record: LockRecord) -> tuple[str, ...]:
+    """One lock, from its record alone (its last run is in it: no read of the run histories)."""
+    jobs = _jobs_of(ctx, record)
+    ended = record.last_run_finished
+    outcome = _badge("error", "err") if record.last_error else _badge("success", "ok")
+    return (
+        f'<a href="{ctx.link("lock", name=record.name)}">{_t(record.name)}</a>',
+        _lock_state(record),
+        _t(record.holder),
+        escape(_lease_left(record)),
+        str(record.token),
+        ", ".join(f'<a href="{ctx.link("history", lock=record.name, job=j)}">{_t(j)}</a>' for j in jobs[:4])
+        + (f" +{len(jobs) - 4}" if len(jobs) > 4 else ""),
+        f"{outcome} {_ago(ctx.snap, ended)}" if ended is not None else "-",
+        f'<span class="actions">{_pause_buttons(ctx, record)}</span>',
+    )
+
+
+def _lock_state(record: LockRecord) -> str:
     state = _badge(record.state, {"active": "ok", "stale": "warn"}.get(record.state, "muted"))
-    paused = _badge(f"paused by {record.paused_by or '?'}", "warn") if record.paused else ""
-    lease = "-"
-    if record.state == "active" and record.heartbeat_age is not None:
-        lease = f"{max(0.0, record.ttl - record.heartbeat_age):.1f}s of {record.ttl:g}s"
-    buttons = (_button(ctx, "Resume", "resume", {"lock": record.name}, f"Resume lock {record.name}?")
-               + _button(ctx, "Resume + catch up", "resume", {"lock": record.name, "catch_up": True},
-                         f"Resume lock {record.name} and run each of its jobs once now?")
-               if record.paused else
-               _button(ctx, "Pause", "pause", {"lock": record.name}, f"Pause lock {record.name} on every node?",
-                       "warn"))  # fmt: skip
-    head = (f'<div class="card-head"><h3>{_t(record.name)}</h3>{state}{paused}<span class="kv">holder <b>{_t(record.holder)}</b>'
-            f'</span><span class="kv">lease left <b>{escape(lease)}</b></span>'
+    return state + (_badge(f"paused by {record.paused_by or '?'}", "warn") if record.paused else "")
+
+
+def _lease_left(record: LockRecord) -> str:
+    if record.state != "active" or record.heartbeat_age is None:
+        return "-"
+    return f"{max(0.0, record.ttl - record.heartbeat_age):.1f}s of {record.ttl:g}s"
+
+
+def _pause_buttons(ctx: Context, record: LockRecord) -> str:
+    if record.paused:
+        return _button(ctx, "Resume", "resume", {"lock": record.name}, f"Resume lock {record.name}?") + _button(
+            ctx, "Resume + catch up", "resume", {"lock": record.name, "catch_up": True},
+            f"Resume lock {record.name} and run each of its jobs once now?")  # fmt: skip
+    return _button(ctx, "Pause", "pause", {"lock": record.name}, f"Pause lock {record.name} on every node?", "warn")
+
+
+def _locks_filters(ctx: Context) -> str:
+    q, state, node = (ctx.query.get(k, "") for k in ("q", "state", "node"))
+    states = '<option value="">every state</option>' + "".join(
+        f'<option{" selected" if s == state else ""}>{s}</option>' for s in ("active", "stale", "released", "paused")
+    )
+    nodes = sorted({r.holder for r in ctx.snap.locks or () if r.holder} | {n.node_id for n in ctx.snap.nodes or ()})
+    node_options = '<option value="">every node</option>' + "".join(
+        f'<option{" selected" if n == node else ""}>{_t(n)}</option>' for n in nodes
+    )
+    return (f'<form class="filters" method="get" action="{ctx.link("locks")}">'
+            f'<label>name contains <input name="q" value="{escape(q, quote=True)}"></label>'
+            f'<label>state <select name="state">{states}</select></label>'
+            f'<label>holder or node <select name="node">{node_options}</select></label>'
+            '<button type="submit">Filter</button></form>')  # fmt: skip
+
+
+def lock(ctx: Context) -> dict[str, str]:
+    """One lock's page: its state, holder, lease, jobs and their runs' charts."""
+    name = ctx.query.get("name", "")
+    record = ctx.snap.lock(name)
+    if record is None:
+        return {"lock": _notes(ctx.snap, "locks") or f'<p class="muted">No lock {_t(name)} in the store.</p>'}
+    return {"lock": _lock_card(ctx, record, ctx.reader.history(record.name))}
+
+
+def _lock_card(ctx: Context, record: LockRecord, kept: list[RunRecord]) -> str:
+    """The lock's state and actions, its jobs (with ``kept``, its runs, newest first) and their charts."""
+    title = f'<h3><a href="{ctx.link("lock", name=record.name)}">{_t(record.name)}</a></h3>'
+    head = (f'<div class="card-head">{title}{_lock_state(record)}<span class="kv">holder <b>{_t(record.holder)}</b>'
+            f'</span><span class="kv">lease left <b>{escape(_lease_left(record))}</b></span>'
             f'<span class="kv">token <b>{record.token}</b></span>'
-            f'<span class="actions">{buttons}</span></div>')  # fmt: skip
-    runs = list(reversed(ctx.snap.runs(record.name)))  # oldest first
+            f'<span class="actions">{_pause_buttons(ctx, record)}</span></div>')  # fmt: skip
+    runs = list(reversed(kept))  # oldest first
     charts = ""
     if runs:
-        durations = [Bar(f"{r.job} {_when(r.ended)} {r.outcome} {_duration(r.duration)} on {r.node}", r.duration or 0.0,
-                         "ok" if r.outcome == "success" else "err") for r in runs]  # fmt: skip
-        lags = [Bar(f"{r.job} fire {_when(r.fire_time)}: started {_duration(lag)} late", lag, "lag")
+        durations = [Bar(f"{r.job} {_when(r.ended)} {r.outcome} {seconds(r.duration or 0.0)} on {r.node}", r.duration or 0.0,
+                         "ok" if r.outcome == "success" else "err", r.ended) for r in runs]  # fmt: skip
+        lags = [Bar(f"{r.job} fire {_when(r.fire_time)}: started {seconds(lag)} late", lag, "lag", r.ended)
                 for r in runs if (lag := _lag(r)) is not None]  # fmt: skip
         charts = (f'<div class="charts">{bar_chart("run duration", durations, f"{len(runs)} kept runs")}'
                   f'{bar_chart("start lag (fire time to first line)", lags)}</div>')  # fmt: skip
-    return f'<div class="card lock" data-lock="{escape(record.name, quote=True)}">{head}{_jobs_table(ctx, record)}{charts}</div>'
+    jobs = _jobs_table(ctx, record, kept)
+    return f'<div class="card lock" data-lock="{escape(record.name, quote=True)}">{head}{jobs}{charts}</div>'
 
 
-def _jobs_table(ctx: Context, record: LockRecord) -> str:
+def _jobs_table(ctx: Context, record: LockRecord, kept: list[RunRecord]) -> str:
     rows = []
-    for job in _jobs_of(ctx, record):
-        last = next(iter(ctx.snap.runs(record.name, job)), None)
+    for job in _jobs_of(ctx, record, kept):
+        last = next((r for r in kept if r.job == job), None)
         scheduled = ctx.jobs.jobs.get(job) if ctx.jobs is not None else None
         following = scheduled.next_fire_time(ctx.snap.now) if scheduled is not None else None
         trigger = _button(
@@ -258,7 +452,7 @@ def _jobs_table(ctx: Context, record: LockRecord) -> str:
             escape(_when(following)),
             escape(_when(record.fire_times.get(job))),
             _outcome(last),
-            escape(_duration(last.duration)) if last else "-",
+            escape(_dur(last.duration)) if last else "-",
             _t(last.node if last else None),
             _ago(ctx.snap, last.ended) if last else "-",
             _t(_clip(last.error, 60) if last and last.error else None),
@@ -280,12 +474,14 @@ def _jobs_table(ctx: Context, record: LockRecord) -> str:
 
 
 # -- History --------------------------------------------------------------------------------------
+#: Runs listed in the cluster-wide recent-runs table at most.
+RUN_ROWS = 200
+
+
 def history(ctx: Context) -> dict[str, str]:
     lock, job = ctx.query.get("lock") or None, ctx.query.get("job") or None
     if lock is None:
-        locks = [r.name for r in ctx.snap.locks or ()]
-        links = "".join(f'<li><a href="{ctx.link("history", lock=name)}">{_t(name)}</a></li>' for name in locks)
-        return {"runs": f'<p>Choose a lock:</p><ul class="links">{links}</ul>' if links else '<p class="muted">No lock yet.</p>'}
+        return {"runs": _recent_runs(ctx)}
     runs = ctx.reader.history(lock, job)
     if not runs:
         return {
@@ -293,16 +489,77 @@ def history(ctx: Context) -> dict[str, str]:
             "(?history=N on the lock URL keeps the last N runs per job).</p>"
         }
     oldest_first = list(reversed(runs))
-    durations = [Bar(f"{_when(r.ended)} {r.outcome} {_duration(r.duration)}", r.duration or 0.0,
-                     "ok" if r.outcome == "success" else "err") for r in oldest_first]  # fmt: skip
-    lags = [Bar(f"{_when(r.fire_time)}: {_duration(lag)} late", lag, "lag") for r in oldest_first if (lag := _lag(r)) is not None]
+    durations = [Bar(f"{_when(r.ended)} {r.outcome} {seconds(r.duration or 0.0)}", r.duration or 0.0,
+                     "ok" if r.outcome == "success" else "err", r.ended) for r in oldest_first]  # fmt: skip
+    lags = [Bar(f"{_when(r.fire_time)}: {seconds(lag)} late", lag, "lag", r.ended)
+            for r in oldest_first if (lag := _lag(r)) is not None]  # fmt: skip
+    charts = f'<div class="charts">{bar_chart("run duration", durations)}{bar_chart("start lag", lags)}</div>'
+    return {"runs": charts + _runs_table(ctx, runs, _tracebacks(ctx, lock))}
+
+
+def _tracebacks(ctx: Context, lock: str) -> dict[tuple[str, int, str], str]:
+    """The kept tracebacks of ``lock``'s failed runs (the event feed), by job, token and fire time."""
+    found = {}
+    for event in ctx.reader.events(("run_failed",), lock):
+        if event.detail:
+            fields = event.fields
+            found[(str(fields.get("job")), int(fields.get("token") or 0), str(fields.get("fire_time")))] = event.detail
+    return found
+
+
+def _runs_table(ctx: Context, runs: list[RunRecord], tracebacks: Mapping[tuple[str, int, str], str]) -> str:
     rows = [
-        (escape(f"{_when(r.ended)}"), _t(r.job), _outcome(r), escape(_duration(r.duration)), escape(_duration(_lag(r))),
-         _t(r.node), str(r.token), escape(_when(r.fire_time)), _t(r.error))
+        (escape(f"{_when(r.ended)}"), f'<a href="{ctx.link("history", lock=r.lock, job=r.job)}">{_t(r.job)}</a>',
+         f'<a href="{ctx.link("lock", name=r.lock)}">{_t(r.lock)}</a>', _outcome(r), escape(_dur(r.duration)),
+         escape(_dur(_lag(r))), _t(r.node), str(r.token), escape(_when(r.fire_time)),
+         _error_cell(r.error, tracebacks.get((r.job, r.token, str(r.fire_time)))))
         for r in runs
     ]  # fmt: skip
-    table = _table(("ended (UTC)", "job", "outcome", "duration", "start lag", "node", "token", "fire time (UTC)", "error"), rows)
-    return {"runs": f'<div class="charts">{bar_chart("run duration", durations)}{bar_chart("start lag", lags)}</div>{table}'}
+    header = ("ended (UTC)", "job", "lock", "outcome", "duration", "start lag", "node", "token", "fire time (UTC)", "error")
+    return _table(header, rows, "runs")
+
+
+def _error_cell(error: str | None, traceback: str | None) -> str:
+    """An error, folded: its first line, and the whole text (the traceback, if kept) on a click."""
+    if not error and not traceback:
+        return "-"
+    whole = traceback or error or ""
+    head = _clip((error or whole).splitlines()[0] if (error or whole) else "", 80)
+    if whole == head:
+        return _t(head)
+    return f'<details class="error"><summary>{_t(head)}</summary><pre>{escape(whole)}</pre></details>'
+
+
+def _recent_runs(ctx: Context) -> str:
+    """Every kept run of the cluster, newest first, filtered by lock, job, node and outcome."""
+    chosen = {key: ctx.query.get(key) or None for key in ("node", "outcome", "q")}
+    runs = [r for runs in ctx.snap.histories.values() for r in runs]
+    runs = [r for r in runs if (chosen["node"] in (None, r.node)) and (chosen["outcome"] in (None, r.outcome))
+            and (chosen["q"] is None or chosen["q"] in f"{r.lock} {r.job}")]  # fmt: skip
+    runs.sort(key=lambda r: r.ended or ctx.snap.now, reverse=True)
+    if not runs:
+        return '<p class="muted">No kept run matches (?history=N on the lock URL keeps the last N runs per job).</p>'
+    tracebacks = {}
+    for lock in {r.lock for r in runs[:RUN_ROWS] if r.outcome != "success"}:
+        tracebacks.update(_tracebacks(ctx, lock))
+    more = f'<p class="muted">The newest {RUN_ROWS} of {len(runs)} are listed.</p>' if len(runs) > RUN_ROWS else ""
+    return _runs_table(ctx, runs[:RUN_ROWS], tracebacks) + more
+
+
+def _runs_filters(ctx: Context) -> str:
+    query = {key: ctx.query.get(key, "") for key in ("q", "node", "outcome")}
+    nodes = sorted({r.node for runs in ctx.snap.histories.values() for r in runs if r.node})
+    node_options = '<option value="">every node</option>' + "".join(
+        f'<option{" selected" if n == query["node"] else ""}>{_t(n)}</option>' for n in nodes
+    )
+    outcomes = '<option value="">every outcome</option>' + "".join(
+        f'<option{" selected" if o == query["outcome"] else ""}>{o}</option>' for o in ("success", "error")
+    )
+    return (f'<form class="filters" method="get" action="{ctx.link("history")}">'
+            f'<label>lock or job <input name="q" value="{escape(query["q"], quote=True)}"></label>'
+            f'<label>node <select name="node">{node_options}</select></label>'
+            f'<label>outcome <select name="outcome">{outcomes}</select></label>'
+            '<button type="submit">Filter</button></form>')  # fmt: skip
 
 
 # -- Tasks ----------------------------------------------------------------------------------------
@@ -318,6 +575,9 @@ def _codes(ctx: Context) -> str:
     summaries = {c.code: c for c in snap.tasks}
     for code in flow.per_minute if flow is not None else ():  # finished lately, none left: still charted
         summaries.setdefault(code, CodeSummary(code))
+    hidden = [code for code in summaries if code.startswith(INTERNAL_PREFIX)]
+    if not ctx.query.get("internal"):  # mutexcron's own codes (trigger requests): not the user's
+        summaries = {code: c for code, c in summaries.items() if code not in hidden}
     if not summaries:
         return _notes(snap, "tasks") or '<p class="muted">No tasks.</p>'
     rows, charts = [], []
@@ -336,15 +596,19 @@ def _codes(ctx: Context) -> str:
         backlog = line_chart(f"{c.code}: backlog", [Series("queued", "queued", [s.queued for s in samples]),
                                                     Series("running", "running", [s.running for s in samples]),
                                                     Series("failed", "failed", [s.failed for s in samples])],
-                             fmt=count)  # fmt: skip
-        lag = line_chart(f"{c.code}: lag of the oldest due task", [Series("lag", "lag", [s.lag for s in samples])])
+                             fmt=count, times=[s.at for s in samples])  # fmt: skip
+        lag = line_chart(f"{c.code}: lag of the oldest due task", [Series("lag", "lag", [s.lag for s in samples])],
+                         times=[s.at for s in samples])  # fmt: skip
         charts.append(f'<div class="charts">{_throughput_chart(code, flow)}{backlog}{lag}</div>')
     table = _table(("code", "queued", "due now", "running", "failed", "oldest due waiting"), rows)
     span = ""
     if any(ctx.reader.samples.values()):
         first = min(s[0].at for s in ctx.reader.samples.values() if s)
         span = f"backlog and lag sampled by this dashboard at each refresh since {_when(first)} UTC"
-    return f'{table}<p class="muted">{escape(span)}{_throughput_note(flow)}</p>{"".join(charts)}'
+    shown = ctx.query.get("internal")
+    internal = (f' · <a href="{ctx.link("tasks", internal=None if shown else "1")}">{"hide" if shown else "show"} '
+                f'mutexcron\'s own codes ({len(hidden)})</a>' if hidden else "")  # fmt: skip
+    return f'{table}<p class="muted">{escape(span)}{_throughput_note(flow)}{internal}</p>{"".join(charts)}'
 
 
 def _throughput_chart(code: str, flow: Throughput | None) -> str:
@@ -354,7 +618,7 @@ def _throughput_chart(code: str, flow: Throughput | None) -> str:
     counts = flow.per_minute.get(code, [0] * THROUGHPUT_MINUTES)
     last = len(counts) - 1
     bars = [Bar(f"{_when(flow.start + timedelta(minutes=i))[11:16]} UTC: {n} finished{' (so far)' if i == last else ''}",
-                n, "ok") for i, n in enumerate(counts)]  # fmt: skip
+                n, "ok", flow.start + timedelta(minutes=i)) for i, n in enumerate(counts)]  # fmt: skip
     return bar_chart(f"{code}: finished per minute", bars, f"last {THROUGHPUT_MINUTES} min: {sum(counts)}", count, 1.0)
 
 
@@ -435,10 +699,31 @@ def task(ctx: Context) -> dict[str, str]:
     if found is None:
         return {"task": f'<p class="muted">No task {_t(code)}/{_t(key)} (finished tasks leave the store).</p>'}
     fields = record_json(found)
-    payload = json.dumps(fields.pop("payload"), indent=2, ensure_ascii=False)
-    items = "".join(f"<dt>{escape(k)}</dt><dd>{_t(v)}</dd>" for k, v in fields.items())
-    return {"task": f'<div class="actions">{_task_buttons(ctx, found)}</div><dl class="fields">{items}</dl>'
-                    f"<h3>payload</h3><pre>{escape(payload)}</pre>"}  # fmt: skip
+    payload = json.dumps(fields.pop("payload"), indent=2, ensure_ascii=False, sort_keys=True)
+    items = "".join(f"<dt>{escape(k)}</dt><dd>{_t(v)}</dd>" for k, v in fields.items() if k != "last_error")
+    error = f"<h3>last error</h3>{_error_cell(found.last_error, None)}" if found.last_error else ""
+    return {"task": f'<div class="actions">{_task_buttons(ctx, found)}</div><h3>attempts</h3>{_attempts(ctx, found)}'
+                    f'{error}<h3>payload</h3><pre class="payload">{escape(payload)}</pre>'
+                    f'<h3>fields</h3><dl class="fields">{items}</dl>'}  # fmt: skip
+
+
+def _attempts(ctx: Context, found: TaskRecord) -> str:
+    """The task's attempts: the failed ones the event feed kept (with their tracebacks), then the current one."""
+    kinds = ("task_attempt_failed", "task_failed")
+    failed = [e for e in ctx.reader.events(kinds, found.code) if e.fields.get("key") == found.key]
+    rows = []
+    for event in reversed(failed):  # oldest first
+        took = event.fields.get("duration")
+        start = event.at - timedelta(seconds=float(took)) if event.at is not None and took is not None else None
+        rows.append((str(event.fields.get("attempt", "?")), _t(event.node), escape(_when(start)), escape(_when(event.at)),
+                     _badge("failed" if event.kind == "task_failed" else "failed, retried", "err"),
+                     _error_cell(str(event.fields.get("error") or ""), event.detail)))  # fmt: skip
+    if found.state in ("queued", "running") or not rows:
+        state = {"running": "running", "queued": "waiting" if found.attempt else "not run yet"}.get(found.state, found.state)
+        rows.append((str(found.attempt + (found.state == "queued")), _t(found.owner), "-", "-", _badge(state, "muted"), "-"))
+    table = _table(("attempt", "node", "started (UTC)", "ended (UTC)", "outcome", "error"), rows, "attempts")
+    note = "" if ctx.snap.feed is not None else '<p class="muted">No event feed here: only the last error is kept.</p>'
+    return table + note
 
 
 # -- Shared jobs ----------------------------------------------------------------------------------
@@ -480,15 +765,21 @@ def _shared_row(ctx: Context, row: Mapping[str, Any]) -> tuple[str, ...]:
          if paused else
          _button(ctx, "Pause", "job_pause", {"job": job}, f"Pause {what} on every node?", "warn"))
         + _button(ctx, "Run now", "trigger", {"job": job, "lock": lock}, f"Run {what} once now on its holder?")
+        + _button(ctx, "Reschedule", "job_reschedule", {"job": job},
+                  prompt=f"New schedule of {what} on every node: a crontab line (0 6 * * mon) or every N seconds (every 300)")
         + _button(ctx, "Remove", "job_remove", {"job": job}, f"Remove {what} from its store? Every node lets go of it.",
                   "warn")
     )  # fmt: skip
     next_run = row.get("next_run")
+    details = (f'<details class="job-details"><summary>{_t(row.get("trigger"))}</summary><dl class="fields">'
+               f'<dt>function</dt><dd>{_t(row.get("func"))}</dd><dt>args</dt><dd>{_t(row.get("args"))}</dd>'
+               f'<dt>kwargs</dt><dd>{_t(row.get("kwargs"))}</dd><dt>lease</dt><dd>{_t(row.get("lease"))}</dd>'
+               "</dl></details>")  # fmt: skip
     return (
         f'<a href="{ctx.link("history", lock=lock, job=job)}">{_t(job)}</a>',
         _t(row["store"]),
         _badge("paused", "warn") if paused else _badge("scheduled", "ok"),
-        _t(row.get("trigger")),
+        details,
         escape(_when(next_run)) + (f' <span class="muted">{_ago(ctx.snap, next_run)}</span>' if next_run else ""),
         _t(lock),
         _t(holder),
@@ -502,15 +793,18 @@ PAGES: dict[str, PageDef] = {
     for page in (
         PageDef("", "Overview", True, overview),
         PageDef("locks", "Locks and jobs", True, locks),
-        PageDef("shared", "Shared jobs", True, shared),
+        PageDef("shared", "Shared jobs", True, shared, histories=True),
         PageDef("tasks", "Tasks", True, tasks),
-        PageDef("history", "History", True, history),
+        PageDef("history", "History", True, history, histories=True),
         PageDef("task", "Task", False, task),
+        PageDef("lock", "Lock", False, lock),
     )
 }
 
-_SECTION_TITLES = {"counts": "", "alarms": "Alarms", "nodes": "Nodes", "audit": "Recent actions (this dashboard)", "locks": "",
-                   "codes": "Tasks by code", "selection": "Selection", "runs": "", "task": "", "shared": ""}  # fmt: skip
+_SECTION_TITLES = {"counts": "", "alarms": "Alarms", "nodes": "Nodes", "events": "Events",
+                   "audit": "Recent actions (this dashboard)", "locks": "",
+                   "codes": "Tasks by code", "selection": "Selection", "runs": "", "task": "", "shared": "",
+                   "lock": ""}  # fmt: skip
 
 
 _DOCUMENT = """<!doctype html>
@@ -528,16 +822,18 @@ _DOCUMENT = """<!doctype html>
 </body></html>"""
 
 _ACTIONS_FORM = (
-    '<form id="token" class="token" autocomplete="off"><input id="token-name" placeholder="your name" maxlength="64">'
-    '<input id="token-value" type="password" placeholder="action token"><button type="submit">Use for actions</button>'
+    '<form id="token" class="token" autocomplete="off">'
+    '<input id="token-name" placeholder="your name" aria-label="your name" maxlength="64">'
+    '<input id="token-value" type="password" placeholder="action token" aria-label="action token">'
+    '<button type="submit">Use for actions</button>'
     '<span id="token-state"></span></form>'
 )
 
 
-def _section(name: str, html: str) -> str:
+def _section(name: str, html: str, above: str = "") -> str:
     title = _SECTION_TITLES.get(name, "")
     heading = f"<h2>{escape(title)}</h2>" if title else ""
-    return f'<section>{heading}<div id="s-{escape(name)}" class="live">{html}</div></section>'
+    return f'<section>{heading}{above}<div id="s-{escape(name)}" class="live">{html}</div></section>'
 
 
 def render_page(ctx: Context, page: PageDef, csrf: str, refresh: float) -> str:
@@ -560,15 +856,30 @@ def render_page(ctx: Context, page: PageDef, csrf: str, refresh: float) -> str:
         heading=_heading(ctx, page),
         now=escape(_when(ctx.snap.now)),
         filters=_filters(ctx) if page.path == "tasks" else "",
-        body="".join(_section(name, html) for name, html in page.sections(ctx).items()),
+        body="".join(_section(name, html, _above(ctx, page, name)) for name, html in page.sections(ctx).items()),
         version=escape(__version__),
     )
 
 
+def _above(ctx: Context, page: PageDef, section: str) -> str:
+    """A section's filters, outside the part that refreshes (a choice being made stays put)."""
+    if section == "events":
+        return _event_filters(ctx)
+    if section == "locks" and page.path == "locks":
+        return _locks_filters(ctx)
+    if section == "runs" and not ctx.query.get("lock"):
+        return _runs_filters(ctx)
+    return ""
+
+
 def _heading(ctx: Context, page: PageDef) -> str:
+    if page.path == "history" and not ctx.query.get("lock"):
+        return "Recent runs"
     if page.path == "history" and ctx.query.get("lock"):
         job = ctx.query.get("job")
         return escape(f"History of {job} (lock {ctx.query['lock']})" if job else f"History of lock {ctx.query['lock']}")
+    if page.path == "lock":
+        return escape(f"Lock {ctx.query.get('name', '')}")
     if page.path == "task":
         return escape(f"Task {ctx.query.get('code', '')}/{ctx.query.get('key', '')}")
     return escape(page.title)

@@ -167,6 +167,8 @@ class _Run:
     context: contextvars.Token[Lease]
     started: float
     fire_time: datetime
+    #: The job's exception, for RUN_FINISHED's ``exception`` (the event feed keeps its traceback).
+    exception: BaseException | None = None
 
 
 class GuardedJob:
@@ -352,6 +354,7 @@ class GuardedJob:
         """
         duration = manager.clock() - run.started
         if error is not None:
+            run.exception = error
             return self._hand_off(manager, run, None, self._info(run, duration, _describe(error)), _describe(error), wait)
         returned = self._returned_attrs(result)
         try:
@@ -411,7 +414,7 @@ class GuardedJob:
     def _finished(self, manager: LeaseKeeper, run: _Run, duration: float, error: str | None) -> None:
         event = MutexEvent(EVENT_RUN_FINISHED, lock=self.lock, job_id=self.job_id, node=manager.node.node_id,
                            token=run.token, fire_time=run.fire_time, outcome="error" if error else "success",
-                           duration=duration, error=error)  # fmt: skip
+                           duration=duration, error=error, exception=run.exception if error else None)  # fmt: skip
         _report(event)
         manager.emit(event)
         stats = self.context.run_stats

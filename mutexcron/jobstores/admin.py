@@ -18,12 +18,13 @@ from apscheduler.util import ref_to_obj
 
 from ..errors import ConfigurationError
 from ..guard import apscheduler_internals as aps
+from ..urls import mask_values
 from . import is_shared, share
 from .base import SharedJobStore
 from .node import config_of_function
 from .states import load
 
-__all__ = ["CHANGES", "change_shared_job", "shared_stores", "stored_rows"]
+__all__ = ["CHANGES", "change_shared_job", "parse_schedule", "reschedule_shared_job", "shared_stores", "stored_rows"]
 
 #: The changes of a shared job that ``mutexcron jobs`` and the dashboard make.
 CHANGES = ("pause", "resume", "remove")
@@ -55,7 +56,8 @@ def stored_rows(sched: Any, stores: dict[str, SharedJobStore]) -> list[dict[str,
             next_run = fields.get("next_run_time")
             rows.append({"job": job_id, "store": alias, "declared": False, "func": fields.get("func"),
                          "trigger": str(fields.get("trigger")), "next_run": next_run, "lock": lock, "lease": lease,
-                         "guarded": True, "args": repr(fields.get("args")), "kwargs": repr(fields.get("kwargs")),
+                         "guarded": True, "args": repr(mask_values(fields.get("args"))),
+                         "kwargs": repr(mask_values(fields.get("kwargs"))),
                          "state": "paused" if next_run is None else "scheduled"})  # fmt: skip
     return rows
 
@@ -92,6 +94,60 @@ def _changed(current: bytes, how: str) -> dict[str, Any] | None:
         return fields
     fields["next_run_time"] = fields["trigger"].get_next_fire_time(None, datetime.now(timezone.utc))
     return fields if fields["next_run_time"] is not None else None  # its schedule is over: removed
+
+
+def parse_schedule(text: Any, zone: Any) -> Any:
+    """A new schedule for a shared job: a crontab line (``0 6 * * mon``) in ``zone``, or
+    ``every N`` seconds (anchored at the Unix epoch, as every node anchors an interval).
+
+    Raises:
+        ConfigurationError: neither (the message shows both forms).
+    """
+    from apscheduler.triggers.cron import CronTrigger
+    from apscheduler.triggers.interval import IntervalTrigger
+
+    from ..guard.firetimes import anchor_interval
+
+    fix = "give a crontab line ('0 6 * * mon') or 'every N' seconds ('every 300')"
+    words = str(text or "").split()
+    try:
+        if len(words) == 2 and words[0] == "every":
+            seconds = float(words[1])
+            if not seconds > 0 or seconds != seconds:
+                raise ValueError("a positive number of seconds")
+            trigger = IntervalTrigger(seconds=seconds, timezone=zone)
+            anchor_interval(trigger)
+            return trigger
+        return CronTrigger.from_crontab(" ".join(words), timezone=zone)
+    except (ValueError, TypeError) as exc:
+        raise ConfigurationError(f"schedule {str(text or '')!r}: {fix} ({exc})") from None
+
+
+def reschedule_shared_job(stores: dict[str, SharedJobStore], job_id: str, schedule: Any) -> str | None:
+    """A shared job on a new schedule (:func:`parse_schedule`, in its trigger's zone), with the same
+    compare-and-set write and notice as :func:`change_shared_job`; the outcome, or None if no store
+    has the job. A paused job stays paused.
+
+    Raises:
+        ConfigurationError: a schedule that is neither form (nothing is written).
+        StoreUnavailableError: the job kept changing under the write (try again); a store error.
+    """
+    parse_schedule(schedule, "UTC")  # refused before any write
+
+    def rescheduled(current: bytes) -> dict[str, Any]:
+        fields: dict[str, Any] = load(current)
+        trigger = parse_schedule(schedule, getattr(fields["trigger"], "timezone", timezone.utc))
+        fields["trigger"] = trigger
+        if fields.get("next_run_time") is not None:
+            fields["next_run_time"] = trigger.get_next_fire_time(None, datetime.now(timezone.utc))
+        return fields
+
+    for store in stores.values():
+        written = store.compare_and_set(job_id, rescheduled)
+        if written is not None:
+            fields = written[1] or {}
+            return f"{job_id}: rescheduled to {fields.get('trigger')}; next run {_when(fields.get('next_run_time'))}"
+    return None
 
 
 def _when(value: Any) -> str:

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 from ..backends.health import StoreHealth
 from ..errors import ConfigurationError, Defer, FailTask, StaleTaskError, StoreError, StoreUnavailableError
-from ..events import Emit, log_event
+from ..events import EVENT_TASK_FAILED, Emit, MutexEvent, log_event
 from .base import Done, Fail, Outcome, Reschedule, TaskRecord, TaskStore
 from .completions import Completion, CompletionQueue
 from .handlers import Handler, Task, public_codes
@@ -156,6 +156,7 @@ class TaskWorker:
         self.backstop = backstop
         self.stats = WorkerStats()
         self.health = StoreHealth(store.masked_url, node_id, what="task", emit=emit)
+        self._emit = emit
         self._mutex = threading.Lock()
         self._idle = threading.Condition(self._mutex)  # stop() waits here for running tasks to end
         self._work = threading.Condition(self._mutex)  # idle handler threads wait here for a claimed task
@@ -487,12 +488,17 @@ class TaskWorker:
         """The handler's outcome; None if it ended the attempt in its own transaction (:meth:`Task.complete`)
         and returned, or if the fence failed there (whatever it did next)."""
         task = Task(run.record, lambda: self._is_lost(run), lambda tx, outcome: self._complete_in(run, tx, outcome))
+        started = time.monotonic()
         try:
             result = run.handler.call(task)
         except BaseException as exc:  # CancelledError, SystemExit...: a failed attempt too
             if run.self_completed == "refused":
                 return None
             outcome = run.handler.failure(run.record, exc)
+            if not isinstance(exc, Defer):
+                self._emit(MutexEvent(EVENT_TASK_FAILED, node=self.node_id, token=task.token, task_code=task.code, key=task.key,
+                                      attempt=task.attempt, final=isinstance(outcome, Fail), exception=exc,
+                                      duration=time.monotonic() - started))  # fmt: skip
             if isinstance(exc, (Defer, FailTask)):  # the handler's own decision: no traceback
                 log.debug("task %s/%s attempt %d: %s", task.code, task.key, task.attempt, exc)
                 return outcome

@@ -45,13 +45,13 @@ sched.add_job(shared_job, "interval", minutes=30, id="purge_sessions", kwargs={"
               jobstore="shared", replace_existing=True)  # fmt: skip
 
 
-@sched.mutex(lock="billing", unactive_interval=3)
+@sched.mutex(lock="billing", unactive_interval=5)  # a takeover misses fire times, inside their grace (2 x 5 s)
 @sched.interval_schedule(seconds=2, id="close_invoices")
 def close_invoices() -> None:
     time.sleep(random.uniform(0.01, 0.25))
 
 
-@sched.mutex(lock="billing", unactive_interval=3)
+@sched.mutex(lock="billing", unactive_interval=5)
 @sched.interval_schedule(seconds=3, id="send_reminders")
 def send_reminders() -> None:
     time.sleep(random.uniform(0.01, 0.1))

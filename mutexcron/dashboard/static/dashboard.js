@@ -42,13 +42,25 @@
   }
   if (form) {
     document.getElementById("token-name").value = store.getItem("mc-name") || "";
-    form.addEventListener("submit", (event) => {
+    // The token is checked as it is entered (a POST that changes nothing): a wrong one is said at once.
+    form.addEventListener("submit", async (event) => {
       event.preventDefault();
       const value = document.getElementById("token-value").value;
+      const state = document.getElementById("token-state");
       store.setItem("mc-name", document.getElementById("token-name").value);
-      if (value) store.setItem("mc-token", value); else store.removeItem("mc-token");
       document.getElementById("token-value").value = "";
-      showToken();
+      if (!value) { store.removeItem("mc-token"); showToken(); return; }
+      store.setItem("mc-token", value);
+      try {
+        await act("token", {});
+        showToken();
+        state.textContent = `token accepted: ${state.textContent}`;
+        state.className = "ok";
+      } catch (error) {
+        store.removeItem("mc-token");
+        state.textContent = `token refused: ${error.message}`;
+        state.className = "err";
+      }
     });
     showToken();
   }
@@ -63,6 +75,10 @@
     if (!response.ok) throw new Error(data.error || `HTTP ${response.status}`);
     return data;
   }
+
+  // A duration in the unit that suits it, as the server's tables and charts show it (charts.seconds).
+  const seconds = (value) => value < 0.001 ? `${(value * 1e6).toFixed(0)}µs` : value < 1 ? `${(value * 1000).toFixed(0)}ms`
+    : value < 120 ? `${value.toFixed(1)}s` : `${(value / 60).toFixed(0)}m`;
 
   // -- a trigger's outcome: followed until the run is recorded -------------------------------
   const outcomes = {};
@@ -84,7 +100,7 @@
         showOutcome(job, data.state === "running" ? `running on ${data.node}…` : "waiting for the holder…", "");
         continue;
       }
-      if (data.state === "success") showOutcome(job, `ran: success${data.duration != null ? ` in ${(data.duration * 1000).toFixed(0)} ms` : ""} on ${data.node}`, "ok");
+      if (data.state === "success") showOutcome(job, `ran: success${data.duration != null ? ` in ${seconds(data.duration)}` : ""} on ${data.node}`, "ok");
       else if (data.state === "error") showOutcome(job, `ran: error: ${data.error}${data.node ? ` on ${data.node}` : ""}`, "err");
       else showOutcome(job, data.note || data.state, "");
       return;
@@ -96,6 +112,11 @@
     const button = event.target.closest("button[data-action]");
     if (!button) return;
     const args = JSON.parse(button.dataset.args || "{}");
+    if (button.dataset.prompt) {  // an action that takes a value (a new schedule): asked for, checked by the server
+      const value = window.prompt(button.dataset.prompt);
+      if (value === null) return;
+      args.schedule = value;
+    }
     if (button.dataset.confirm && !window.confirm(button.dataset.confirm)) return;
     button.disabled = true;
     try {
