@@ -135,7 +135,7 @@ JOBS_WITH_DEFAULTS = """
     @sched.mutex(lock="tick", unactive_interval=2)
     @sched.cron_schedule(second="*")
     def tick():
-        pass
+        open(os.environ["REPORT"] + ".ran", "w").close()  # the node started: its start-up warnings are out
 """
 
 
@@ -159,6 +159,7 @@ def test_run_warns_when_a_default_object_and_the_scheduler_use_different_stores(
     proc = start_cli("run", str(jobs), cwd=tmp_path, env={"REPORT": str(report)})
     try:
         wait_for("the jobs file's report", lambda: report.exists() and report.read_text().count("\n") == 2)
+        wait_for("a first run of tick", (tmp_path / "report.txt.ran").exists, timeout=60)
     finally:
         out = stop(proc)
     for what in ("Mutex()", "TaskPool()"):
@@ -208,7 +209,7 @@ PLAIN_JOBS = """
     @sched.mutex(lock="tick", unactive_interval=2)
     @sched.cron_schedule(second="*")
     def tick():
-        pass
+        open(os.environ["REPORT"] + ".ran", "w").close()  # the node started: its start-up warnings are out
 """
 
 
