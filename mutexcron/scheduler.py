@@ -29,13 +29,15 @@ from .guard.job import GuardContext, GuardedJob, MutexConfig, MutexThreadPoolExe
 from .guard.triggers import register_triggers
 from .heartbeat import LeaseManager
 from .jobstores.hooks import SharedJobsMixin
-from .locks import DEFAULT_LOCK_URL, LockStore, Node, default_lock_url, lock_store_from_url, store_scope_note
+from .jobstores.lockstore import refuse_local_lock_store, shared_lock_url
+from .locks import DEFAULT_LOCK_URL, URL_ENV, LockStore, Node, default_lock_url, lock_store_from_url, store_scope_note
 from .locks.record import DEFAULT_MAX_ATTRS_BYTES
 from .node import default_node_id, outbound_ip
 from .observability.pings import register as register_pings
 from .tasks.pool import TaskPool
 from .tasks.runner import TaskRunner
 from .tasks.worker import DEFAULT_CONCURRENCY
+from .urls import mask_url
 
 if TYPE_CHECKING:
     from .observability.metrics import Observability
@@ -91,6 +93,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
     ) -> None:
         self.lock_url = lock_url or default_lock_url()
         self._lock_store = lock_store
+        # Given none, a scheduler with a shared job store keeps its locks in that store's database.
+        self._lock_url_given = bool(lock_url or lock_store is not None or os.environ.get(URL_ENV))
         self.node_id = node_id or os.environ.get("MUTEXCRON_NODE_ID") or default_node_id()
         # A default id names this process; a scheduler built before a fork (gunicorn --preload)
         # and started in each worker needs one per worker: start() makes a new one there.
@@ -150,6 +154,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             self.lock_url, self._lock_store, self._own_store = lock_store.url, lock_store, True
         elif lock_url:
             self.lock_url, self._lock_store, self._own_store = lock_url, None, True
+        self._lock_url_given = self._lock_url_given or bool(lock_store is not None or lock_url)
         if node_id:
             self.node_id, self._node_id_for_pid = node_id, None
         interval = _seconds(unactive_interval, "unactive_interval")
@@ -436,6 +441,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
                     aps.replace_executor(self, alias, mutex_executor)
             self._check_guarded_executors()
             self._share_jobstores()
+            self._place_locks()
             # Shared jobs' locks are taken only while the scheduler runs (jobstores/node.py).
             shared = self._shared_jobs
             locks = {g.lock: g.ttl for g in self._guarded.values() if not g.config.callable_lock and not shared.owns(g.job_id)}
@@ -485,6 +491,16 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         self._tasks.start(self.node_id, self._leases, self._emit)
         super().start(paused)  # type: ignore[misc]
 
+
+    def _place_locks(self) -> None:
+        """Given no lock store, keep the locks (and tasks) in the shared job store's database; refuse
+        a lock store only this host reaches beside a job store other hosts share."""
+        stores = aps.jobstores(self)
+        if not self._lock_url_given and (url := shared_lock_url(stores)) is not None:
+            self.lock_url, self._lock_store = url, None
+            self._tasks.rebind(url)
+            log.info("no lock store configured: the locks and tasks go to the shared job store's database, %s", mask_url(url))
+        refuse_local_lock_store(self._lock_store.url if self._lock_store is not None else self.lock_url, stores)
 
     def _size_store_pool(self, store: LockStore) -> None:
         """Tell a SQL store how many threads can call it at once (the executors' threads, the
