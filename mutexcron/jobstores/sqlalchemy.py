@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
-from sqlalchemy import BigInteger, Column, Integer, MetaData, Table, and_, func, inspect, select
+from sqlalchemy import BigInteger, Column, Integer, MetaData, Table, and_, func, inspect, select, text
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.sql.expression import null
 
@@ -97,7 +99,7 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
                 missing = conn.execute(select(t.c.version).where(t.c.id == 1)).first() is None
             if missing:
                 try:
-                    with self.engine.begin() as conn:
+                    with self._begin() as conn:
                         conn.execute(t.insert().values(id=1, version=0))
                 except IntegrityError:  # another node's row
                     pass
@@ -157,7 +159,7 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
     # -- writes --------------------------------------------------------------------------------
     def _insert(self, job_id: str, ts: float | None, state: bytes) -> bool:
         try:
-            with self.engine.begin() as conn:
+            with self._begin() as conn:
                 conn.execute(self.jobs_t.insert().values(id=job_id, next_run_time=ts, job_state=state))
                 self._announce(conn)
         except IntegrityError:
@@ -167,7 +169,7 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
 
     def _replace(self, job_id: str, base: bytes, ts: float | None, state: bytes, announce: bool) -> bool:
         t = self.jobs_t
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             done: bool = conn.execute(
                 t.update().values(next_run_time=ts, job_state=state).where(and_(t.c.id == job_id, t.c.job_state == base))
             ).rowcount == 1
@@ -180,7 +182,7 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
     def _delete(self, job_id: str, base: bytes | None) -> bool:
         t = self.jobs_t
         condition = t.c.id == job_id if base is None else and_(t.c.id == job_id, t.c.job_state == base)
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             done: bool = conn.execute(t.delete().where(condition)).rowcount == 1
             if done:
                 self._announce(conn)
@@ -189,10 +191,26 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
         return done
 
     def _delete_all(self) -> None:
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             conn.execute(self.jobs_t.delete())
             self._announce(conn)
         self._announce_locally()
+
+    @contextmanager
+    def _begin(self) -> Iterator[Connection]:
+        """A write transaction whose waits for a row or database lock end after ``write_timeout``
+        seconds (an error), so a writer frozen inside its transaction elsewhere holds one job, never
+        this node: PostgreSQL's ``lock_timeout`` (this transaction only), MariaDB/MySQL's
+        ``innodb_lock_wait_timeout`` (whole seconds), SQLite's busy timeout."""
+        with self.engine.begin() as conn:
+            seconds = self.write_timeout
+            if self.dialect == "postgresql":
+                conn.execute(select(func.set_config("lock_timeout", f"{int(seconds * 1000)}ms", True)))
+            elif self.dialect in ("mysql", "mariadb"):
+                conn.execute(text("SET SESSION innodb_lock_wait_timeout = :s"), {"s": max(1, math.ceil(seconds))})
+            elif self.dialect == "sqlite":
+                conn.exec_driver_sql(f"PRAGMA busy_timeout = {int(seconds * 1000)}")  # an int of ours: no user input
+            yield conn
 
     def _announce(self, conn: Connection) -> None:
         """The change counter bumped, and a notice to every node (PostgreSQL), with the write's commit."""
