@@ -227,6 +227,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         if shared:
             raw = ref_to_obj(func) if isinstance(func, str) else func
             config: MutexConfig | None = self._shared_jobs.config_for_add(raw, mutex, str(id), jobstore)
+            if (problem := self._shared_jobs.executor_problem(executor, missing_ok=True)) is not None:
+                raise ConfigurationError(f"cannot add shared job {id!r}: {problem}")
             if next_run_time is not undefined:
                 self._shared_jobs.mark_explicit(str(id))
         else:

@@ -29,7 +29,7 @@ from apscheduler.events import (
     EVENT_SCHEDULER_STARTED,
     JobEvent,
 )
-from apscheduler.schedulers.base import STATE_RUNNING
+from apscheduler.schedulers.base import STATE_PAUSED, STATE_RUNNING
 from apscheduler.util import obj_to_ref
 
 from ..errors import ConfigurationError
@@ -122,6 +122,11 @@ class SharedJobs:
     def guard(self, store: SharedJobStore, job: Any) -> bool:
         """Put the job's guard in place of its function; False if it has none on this node."""
         func = job.func
+        # A process started paused (a web app) runs nothing and takes no lock: it may lack the executor.
+        problem = self.executor_problem(job.executor, missing_ok=self.sched.state == STATE_PAUSED)
+        if problem is not None:
+            self._warn(job.id, f"job {job.id!r} in {store.where} is not run on this node: {problem}; it stays in the store")
+            return False
         with self._mutex:
             known = self._guards.get(job.id)
         if known is not None and known[0] is func:
@@ -138,6 +143,25 @@ class SharedJobs:
         job.func = guard
         job.trigger = guard_trigger(job.trigger, job.id, anchor=False)
         return True
+
+    def executor_problem(self, alias: str, *, missing_ok: bool = False) -> str | None:
+        """Why a shared job on executor ``alias`` cannot run under its lock here (None: it can;
+        with ``missing_ok``, also when this node has no such executor: a process adding the job).
+
+        A node without that executor leaves the job to the nodes that have it (APScheduler's loop
+        would delete it from the store). A process pool runs the job in a child, beyond the reach
+        of its fire claim and lease check: refused.
+        """
+        executor = aps.executors(self.sched).get(alias)
+        if executor is None:
+            return None if alias == "default" or missing_ok else f"executor {alias!r} is not configured on this node"
+        if isinstance(executor, type(self.sched._create_default_executor())) or self.sched._mutex_executor(executor) is not None:
+            return None
+        return (
+            f"executor {alias!r} is a {type(executor).__name__}: a shared job runs under its lock in the scheduler's "
+            "own threads (its fire claim and lease are checked there). Drop executor= (or use a ThreadPoolExecutor); a "
+            "job that needs processes can start them itself"
+        )
 
     def func_ref(self, job: Any) -> str:
         """The ``module:function`` text of a guarded shared job's own function."""
