@@ -267,7 +267,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         """APScheduler's ``remove_job`` (also what it calls for a finished date job); a guarded
         job's registration is undone too (:meth:`forget_job`)."""
         super().remove_job(job_id, jobstore)
-        self.forget_job(job_id)
+        if not self._shared_jobs.was_kept(job_id):  # a date job changed during its last pass stays
+            self.forget_job(job_id)
 
     def remove_all_jobs(self, jobstore: str | None = None) -> None:
         """APScheduler's ``remove_all_jobs``; the removed guarded jobs are forgotten (:meth:`forget_job`)."""

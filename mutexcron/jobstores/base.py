@@ -90,6 +90,8 @@ class JobsKeeper(Protocol):
 
     def forget_after_run(self, store: SharedJobStore, job_id: str) -> None: ...
 
+    def keep(self, job_id: str) -> None: ...
+
 
 class SharedJobStore:
     """Mixed in before an APScheduler job store class (see :func:`mutexcron.jobstores.share`)."""
@@ -345,7 +347,7 @@ class SharedJobStore:
             return
         if base is not None:  # the loop's removal of a finished date job that was changed meanwhile: kept
             log.info("job %r was changed in %s after its last run: not removed", job_id, self.where)
-            return
+            self.shared.keep(job_id)  # no EVENT_JOB_REMOVED, and its guard and lock stay
         raise JobLookupError(job_id)
 
     def remove_all_jobs(self) -> None:
@@ -395,11 +397,17 @@ class SharedJobStore:
             states = self._read_states()
             with self._known_lock:
                 if writes == self._writes:
-                    before, self._known = self._known, dict(states)
-                    return before, states
+                    return self._took(states), states
         with self._known_lock:
-            before, self._known = self._known, dict(states)
-        return before, states
+            return self._took(states), states
+
+    def _took(self, states: dict[str, bytes]) -> dict[str, bytes]:
+        """``states`` are what this node knows now (under ``_known_lock``); returns what it knew. A job
+        another writer removed (a one-off job run by another node) is let go of: memory stays bounded."""
+        before, self._known = self._known, dict(states)
+        for job_id in before.keys() - states.keys():
+            self._added.pop(job_id, None)
+        return before
 
 
 def write_timeout(lease: float | None) -> float:

@@ -70,6 +70,7 @@ class SharedJobs:
         self._leased: set[str] = set()  # locks handed to the lease manager
         self._explicit: set[str] = set()  # jobs added with next_run_time= given
         self._warned: dict[str, str] = {}  # job id -> the restore error last warned about
+        self._kept = threading.local()  # the job id whose removal by this thread's loop pass was refused
         self._listening = False
 
     # -- add_job ---------------------------------------------------------------------------------
@@ -234,6 +235,22 @@ class SharedJobs:
         if self.sched._guarded.get(job_id) is known[1]:
             self.sched.forget_job(job_id)
 
+    def keep(self, job_id: str) -> None:
+        """The loop's removal of a finished date job was refused: another writer changed it meanwhile
+        (a reschedule), so it stays, with its guard and its lock."""
+        self._kept.job_id = job_id
+
+    def is_kept(self, job_id: str) -> bool:
+        """True if this thread's last removal of ``job_id`` was refused (:meth:`keep`)."""
+        kept: bool = getattr(self._kept, "job_id", None) == job_id
+        return kept
+
+    def was_kept(self, job_id: str) -> bool:
+        """:meth:`is_kept`, and forgotten: once per removal."""
+        kept = self.is_kept(job_id)
+        self._kept.job_id = None
+        return kept
+
     def _release_if_unused(self, lock: str) -> None:
         if any(g.lock == lock for _f, g in self._guards.values()) or lock not in self._leased:
             return
@@ -275,11 +292,13 @@ class SharedJobs:
         for job_id in before.keys() - now.keys():
             self.forget(store, job_id)
             events.append((EVENT_JOB_REMOVED, job_id))
+        moved = False  # a next run time moved by another writer (``modify_job(next_run_time=...)``): no event, a wake-up
         for job_id in now.keys() & before.keys():
             if now[job_id] != before[job_id] and kind_of_change(before[job_id], now[job_id]) == "modified":
                 store.restore(job_id, now[job_id])  # a new function gets its guard
                 events.append((EVENT_JOB_MODIFIED, job_id))
-        if initial or not events:
+            moved = moved or now[job_id] != before[job_id]
+        if initial or not (events or moved):
             return
         for code, job_id in events:
             aps.dispatch_event(self.sched, JobEvent(code, job_id, store._alias))

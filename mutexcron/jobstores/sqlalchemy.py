@@ -76,6 +76,12 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
     def _local_key(self) -> str:
         return f"jobstore:{self.engine.url.render_as_string(hide_password=True)}:{self.jobs_t.fullname}"
 
+    def start(self, scheduler: Any, alias: str) -> None:
+        # APScheduler's own create (check, then create) fails on the node that loses a race with another
+        # creating the table: nodes starting together on a fresh database. Made here first, it finds it.
+        create_if_missing(self.jobs_t, self.engine)
+        super().start(scheduler, alias)
+
     # -- the change counter ----------------------------------------------------------------------
     def prepare_changes(self, create: bool) -> None:
         """The one-row table ``<job table>_changes`` beside the job table: every announced write bumps
@@ -87,13 +93,9 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
             return  # looking would create the file
         t = changes_table(self.jobs_t)
         try:
-            if create and not inspect(self.engine).has_table(t.name, schema=t.schema):
-                try:
-                    t.create(self.engine, checkfirst=True)
-                except SQLAlchemyError:  # another node made it meanwhile
-                    if not inspect(self.engine).has_table(t.name, schema=t.schema):
-                        raise
-            elif not create and not inspect(self.engine).has_table(t.name, schema=t.schema):
+            if create:
+                create_if_missing(t, self.engine)
+            elif not inspect(self.engine).has_table(t.name, schema=t.schema):
                 return
             with self.engine.connect() as conn:
                 missing = conn.execute(select(t.c.version).where(t.c.id == 1)).first() is None
@@ -240,6 +242,18 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
 
             return SQLiteWaker(path, self._local_key, [CODE], None, self.where, version_poll=SQLITE_POLL)
         return RegisteredPollWaker(self._local_key, [CODE], POLL)
+
+
+def create_if_missing(table: Table, engine: Any) -> None:
+    """Create ``table`` unless it exists; another node creating it at the same moment is no error."""
+    if inspect(engine).has_table(table.name, schema=table.schema):
+        return
+    try:
+        table.create(engine, checkfirst=True)
+    except SQLAlchemyError:  # another node made it meanwhile
+        if not inspect(engine).has_table(table.name, schema=table.schema):
+            raise
+        log.info("table %s was created by another node at the same time", table.fullname)
 
 
 def changes_table(jobs_t: Table) -> Table:
