@@ -242,8 +242,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             func = func if shared else guard
             trigger, trigger_args = self._guarded_trigger(trigger, trigger_args, guard), {}
             self._check_group(guard)  # before anything is added
-            if coalesce is undefined:
-                coalesce = True
+            if coalesce is undefined:  # True, as APScheduler's default, unless job_defaults say otherwise
+                coalesce = aps.job_default(self, "coalesce") is not False
             if misfire_grace_time is undefined and self._leases is not None:
                 misfire_grace_time = self._guard_misfire(guard)
         try:

@@ -114,3 +114,19 @@ def test_a_process_adding_one_off_jobs_lets_go_of_them_once_they_are_gone(tmp_pa
     finally:
         adder.shutdown(wait=False)
         other.shutdown(wait=False)
+
+
+@pytest.mark.sqlite
+def test_job_defaults_coalesce_is_honoured_for_a_guarded_job(tmp_path: Path) -> None:
+    """B2: ``job_defaults={"coalesce": False}`` was silently replaced by coalesce=True."""
+    sched = MutexScheduler(jobstores={"default": SQLAlchemyJobStore(url=f"sqlite:///{tmp_path}/jobs.db")},
+                           lock_store=MemoryLockStore("memory://defaults"), job_defaults={"coalesce": False},
+                           triggers=False)  # fmt: skip
+    sched.start(paused=True)
+    try:
+        sched.add_job(shared_jobs.tick, "interval", seconds=30, id="every-fire-time", kwargs={"job": "x"})
+        assert sched.get_job("every-fire-time").coalesce is False
+        sched.add_job(shared_jobs.tick, "interval", seconds=30, id="coalesced", kwargs={"job": "y"}, coalesce=True)
+        assert sched.get_job("coalesced").coalesce is True
+    finally:
+        sched.shutdown(wait=False)

@@ -40,7 +40,7 @@ from apscheduler.util import datetime_to_utc_timestamp, utc_timestamp_to_datetim
 from ..errors import StoreUnavailableError
 from ..guard.job import GuardedJob
 from .stalls import LoopErrors, PendingAdvance
-from .states import dump, load, merged_state, replacement_state, stored_trigger
+from .states import LOCK_FIELD, dump, load, merged_state, replacement_state, stored_trigger
 
 if TYPE_CHECKING:
     from ..tasks.wakeups.base import Waker
@@ -60,7 +60,7 @@ class SharedJob(Job):  # type: ignore[misc]
     """A job read from a shared store: it remembers the state it was read with (the base of its
     compare-and-set) and whether APScheduler's loop read it (``get_due_jobs``)."""
 
-    __slots__ = ("_mc_base", "_mc_from_loop")
+    __slots__ = ("_mc_base", "_mc_from_loop", "_mc_lock")
 
 
 def timestamp(when: datetime | None) -> float | None:
@@ -91,6 +91,8 @@ class JobsKeeper(Protocol):
     def forget_after_run(self, store: SharedJobStore, job_id: str) -> None: ...
 
     def keep(self, job_id: str) -> None: ...
+
+    def lock_of(self, job: Any) -> str | None: ...
 
 
 class SharedJobStore:
@@ -219,6 +221,7 @@ class SharedJobStore:
             fields = load(state)
             job = SharedJob.__new__(SharedJob)
             job.__setstate__(fields)
+            job._mc_lock = fields.get(LOCK_FIELD)
         except Exception as exc:  # noqa: BLE001 - any failure to unpickle or import: skip, keep the job
             self.shared.unrestorable(self, job_id, exc)
             return None
@@ -367,6 +370,9 @@ class SharedJobStore:
         if isinstance(job.func, GuardedJob):  # a change of args or kwargs made APScheduler look the guard up
             fields["func"] = self.shared.func_ref(job)
         fields["trigger"] = stored_trigger(job.trigger)
+        lock = getattr(job, "_mc_lock", None) or self.shared.lock_of(job)
+        if lock is not None:
+            fields[LOCK_FIELD] = lock
         return fields
 
     def _dump(self, job: Job) -> bytes:

@@ -140,6 +140,9 @@ class SharedJobs:
             except ConfigurationError as exc:
                 self._warn(job.id, f"job {job.id!r} in {store.where} is not run on this node: {exc}")
                 return False
+        if not self._same_lock(store, job, guard.lock):
+            return False  # a new guard is not registered: this node takes no lock for it
+        if known is None or known[1] is not guard:
             self.register(job.id, func, guard)
         job.func = guard
         job.trigger = guard_trigger(job.trigger, job.id, anchor=False)
@@ -163,6 +166,27 @@ class SharedJobs:
             "own threads (its fire claim and lease are checked there). Drop executor= (or use a ThreadPoolExecutor); a "
             "job that needs processes can start them itself"
         )
+
+    def _same_lock(self, store: SharedJobStore, job: Any, lock: str) -> bool:
+        """False (and one warning) if the job was first added under another lock than this node's code names."""
+        stored = getattr(job, "_mc_lock", None)
+        if stored is None or stored == lock:
+            return True
+        self._warn(job.id, f"job {job.id!r} in {store.where} was added under lock {stored!r}, but this node's code "
+                           f"names lock {lock!r}: it is not run on this node (two locks would run its fire times twice). "
+                           "Deploy the same @sched.mutex(lock=...) on every node, or remove the job and add it again "
+                           "to change its lock")  # fmt: skip
+        return False
+
+    def lock_of(self, job: Any) -> str | None:
+        """The lock a shared job is guarded by on this node (None: it has no guard here)."""
+        if isinstance(job.func, GuardedJob):
+            return job.func.lock
+        try:
+            lock = config_of_function(job.func, job.id).lock
+        except ConfigurationError:
+            return None
+        return lock if isinstance(lock, str) else None
 
     def func_ref(self, job: Any) -> str:
         """The ``module:function`` text of a guarded shared job's own function."""
