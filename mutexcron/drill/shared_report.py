@@ -69,6 +69,8 @@ class SharedDrillReport:
     strikes: list[Strike] = field(default_factory=list)
     changes: list[Change] = field(default_factory=list)
     effects: dict[str, str] = field(default_factory=dict)
+    #: After every node was frozen past the lease and resumed: job -> seconds to its first run (None: none).
+    resumed: dict[str, float | None] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     cleanup: str = ""
     logs: str = ""
@@ -80,6 +82,11 @@ class SharedDrillReport:
 
     def limit(self, phase: str) -> float:
         return TERM_LIMIT if phase == "term" else self.lease + 1.0
+
+    @property
+    def resume_limit(self) -> float:
+        """Every node frozen past the lease and resumed: each job runs again within this (seconds)."""
+        return self.lease + 2.0
 
     def to_json(self) -> dict[str, Any]:
         def r(value: float | None) -> float | None:
@@ -106,6 +113,7 @@ class SharedDrillReport:
                 for c in self.changes
             ],
             "effects": self.effects,
+            "freeze_all": {"limit": self.resume_limit, "seconds_to_first_run": {j: r(g) for j, g in self.resumed.items()}},
             "cleanup": self.cleanup,
             "logs": self.logs,
         }
@@ -232,6 +240,10 @@ def format_shared_report(report: SharedDrillReport) -> str:
         seen = f"on every node within {format_gap(worst)}" if not missing else f"not seen on {', '.join(missing)}"
         lines.append(f"{'changes' if i == 0 else '':<10} {change.what} {change.job.rsplit('-', 1)[-1]}: "
                      f"{_EVENT_NAMES.get(change.event, change.event)} {seen}  (limit {PROPAGATION_LIMIT:g}s)")  # fmt: skip
+    if report.resumed:
+        gaps = ", ".join(f"{job.rsplit('-', 1)[-1]} {format_gap(g)}" for job, g in report.resumed.items())
+        lines.append(f"{'freeze all':<10} every node SIGSTOPped past the lease, then resumed; each job ran again "
+                     f"after: {gaps}  (limit {report.resume_limit:.1f}s)")  # fmt: skip
     for i, text in enumerate(report.effects.values()):
         lines.append(f"{'effects' if i == 0 else '':<10} {text}")
     lines += closing_lines(report.cleanup, report.logs, report.failures)

@@ -10,7 +10,9 @@ and the lock store of ``--lock-url``. Then:
 * **changes** from the drill's scheduler: a reschedule (every 2 s), a pause and later a resume, a
   removal; every node must show APScheduler's job event within 2 s, and each change must hold;
 * **kill**, **freeze**, **term** of the node holding the most jobs: each of its jobs must run on
-  another node within the lease + 1 s (1.5 s after SIGTERM).
+  another node within the lease + 1 s (1.5 s after SIGTERM);
+* **freeze all**: every node SIGSTOPped past the lease, then resumed: each job must run again
+  within the lease + 2 s.
 
 Verdict: each (job, fire time) once, failover within the lease, changes propagated and kept. The
 job table (or keys) is dropped at the end; the jobs' lock records stay as released records.
@@ -31,8 +33,10 @@ from apscheduler.events import EVENT_JOB_MODIFIED, EVENT_JOB_REMOVED
 
 from ..errors import ConfigurationError, MutexcronError
 from ..locks import lock_store_from_url
+from ..urls import mask_url, url_scheme
 from .cluster import Cluster
 from .records import read_ops
+from .report import format_gap
 from .scenario import PHASES, Progress, check_drill_url
 from .shared_jobs import TICK_REF, drop_jobstore, jobstore_from_spec, jobstore_spec, ready_nodes
 from .shared_report import PROPAGATION_LIMIT, Change, Run, SharedDrillReport, Strike, analyse, read_shared
@@ -68,6 +72,11 @@ def run_shared_drill(
     """
     if jobstore:
         jobstore_spec(jobstore, "check")  # bad input fails before anything is made
+        if url_scheme(lock_url) == "sqlite" and url_scheme(jobstore) != "sqlite":
+            raise ConfigurationError(
+                f"lock store {mask_url(lock_url)} is a SQLite file only this host reaches, beside a job store on a "
+                "server: use a --lock-url every node reaches (the job store's server is fine)"
+            )
     masked = _preflight(lock_url, nodes, phases)
     tag = secrets.token_hex(4)
     cluster = Cluster(lock_url, nodes=nodes, unactive_interval=lease, lock=f"mutexcron-drill-{tag}", jobs=SHARED_NODE_JOBS,
@@ -91,6 +100,7 @@ def run_shared_drill(
             sqlite_jobs = (spec["options"]["url"],) if str(spec["options"].get("url", "")).startswith("sqlite") else ()
             for phase in phases:
                 _strike(cluster, report, phase, out, job_ids, sqlite_jobs, progress)
+            _freeze_all(cluster, report, out, job_ids, progress)
             _cool_down(max(duration - (time.monotonic() - started), 2.0), progress)
             cluster.check_nodes()
             runs, events = read_shared(out)
@@ -219,6 +229,35 @@ def _strike(cluster: Cluster, report: SharedDrillReport, phase: str, out: Any, j
             time.sleep(remaining)
         cluster.signal(node, signal.SIGCONT)
     progress(f"{phase}: {node}'s jobs ran on other nodes" if moved >= set(held) else f"{phase}: not all of {node}'s jobs moved")
+    time.sleep(2.0)  # settle
+
+
+def _freeze_all(cluster: Cluster, report: SharedDrillReport, out: Any, jobs: list[str], progress: Progress) -> None:
+    """SIGSTOP every node past the lease, then SIGCONT them all: nobody took a lock meanwhile, so each
+    node is handed its locks back (often with the same token), and every job must run again soon."""
+    lease, live = cluster.unactive_interval, cluster.alive()
+    removed = {c.job for c in report.changes if c.what == "remove"}
+    progress(f"freeze all: SIGSTOP every node ({len(live)}) for {2 * lease + 1:.0f}s (the lease is {lease:g}s), then SIGCONT")
+    for node in live:
+        cluster.signal(node, signal.SIGSTOP)
+    time.sleep(2 * lease + 1)
+    resumed = time.monotonic()
+    for node in live:
+        cluster.signal(node, signal.SIGCONT)
+    wanted = [job for job in jobs if job not in removed]
+    deadline = resumed + report.resume_limit + 3
+    while time.monotonic() < deadline and len(report.resumed) < len(wanted):
+        for run in _runs(out):
+            if run.job in wanted and run.mono > resumed and run.job not in report.resumed:
+                report.resumed[run.job] = run.mono - resumed
+        time.sleep(0.05)
+    for job in wanted:
+        gap = report.resumed.setdefault(job, None)
+        if gap is None or gap > report.resume_limit:
+            report.failures.append(f"after every node was frozen and resumed, job {job} ran again after "
+                                   f"{format_gap(gap)} (limit {report.resume_limit:.1f}s)")  # fmt: skip
+    every = all(g is not None for g in report.resumed.values())
+    progress("freeze all: every job ran again" if every else "freeze all: not every job ran again")
     time.sleep(2.0)  # settle
 
 
