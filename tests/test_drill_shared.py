@@ -29,6 +29,8 @@ def assert_shared_drill_passed(report: dict[str, Any]) -> None:
         assert len(change["seen_seconds"]) >= 2 and all(s is not None and s <= 2.0 for s in change["seen_seconds"].values())
     assert "0 run(s) after its removal" in report["effects"]["remove"], summary
     assert "0 run(s) while paused" in report["effects"]["pause"], summary
+    rolling = report["rolling_restart"]["longest_gap_seconds"]
+    assert rolling and all(g is not None for g in rolling.values()), summary
     frozen = report["freeze_all"]
     assert frozen["seconds_to_first_run"] and all(
         g is not None and g <= frozen["limit"] for g in frozen["seconds_to_first_run"].values()
