@@ -240,6 +240,7 @@ def _strike(cluster: Cluster, report: SharedDrillReport, phase: str, out: Any, j
 def _freeze_all(cluster: Cluster, report: SharedDrillReport, out: Any, jobs: list[str], progress: Progress) -> None:
     """SIGSTOP every node past the lease, then SIGCONT them all: nobody took a lock meanwhile, so each
     node is handed its locks back (often with the same token), and every job must run again soon."""
+    _top_up(cluster, out, progress)
     lease, live = cluster.unactive_interval, cluster.alive()
     removed = {c.job for c in report.changes if c.what == "remove"}
     progress(f"freeze all: SIGSTOP every node ({len(live)}) for {2 * lease + 1:.0f}s (the lease is {lease:g}s), then SIGCONT")
@@ -266,6 +267,20 @@ def _freeze_all(cluster: Cluster, report: SharedDrillReport, out: Any, jobs: lis
     time.sleep(2.0)  # settle
 
 
+def _top_up(cluster: Cluster, out: Any, progress: Progress) -> None:
+    """Start new nodes in place of the struck ones, so the whole cluster is frozen together."""
+    missing = cluster.nodes - len(cluster.alive())
+    if missing <= 0:
+        return
+    progress(f"freeze all: {missing} new node(s) in place of the struck ones")
+    started = [cluster.start_node(len(cluster.procs)) for _ in range(missing)]
+    deadline = time.monotonic() + 30
+    while not set(started) <= ready_nodes(out) and time.monotonic() < deadline:
+        cluster.check_nodes()
+        time.sleep(0.1)
+    time.sleep(cluster.unactive_interval)  # let them take some locks over
+
+
 def _rolling_restart(cluster: Cluster, report: SharedDrillReport, out: Any, jobs: list[str], progress: Progress) -> None:
     """Replace each node, one at a time, by one whose jobs file adds ``j0`` again with a change (a new
     argument): start the new node, wait until it is ready, SIGTERM the old one. No fire time runs
@@ -275,8 +290,8 @@ def _rolling_restart(cluster: Cluster, report: SharedDrillReport, out: Any, jobs
     old = cluster.alive()
     progress(f"rolling restart: {len(old)} node(s) replaced by nodes whose jobs file changes {changed}")
     began = time.monotonic()
-    for i, node in enumerate(old):
-        new = cluster.start_node(cluster.nodes + i, env={"MUTEXCRON_DRILL_JOBS_V2": changed})
+    for node in old:
+        new = cluster.start_node(len(cluster.procs), env={"MUTEXCRON_DRILL_JOBS_V2": changed})
         deadline = time.monotonic() + 30
         while new not in ready_nodes(out) and time.monotonic() < deadline:
             cluster.check_nodes()
