@@ -34,6 +34,7 @@ from .locks import DEFAULT_LOCK_URL, URL_ENV, LockStore, Node, default_lock_url,
 from .locks.record import DEFAULT_MAX_ATTRS_BYTES
 from .node import default_node_id, outbound_ip
 from .observability.pings import register as register_pings
+from .readonly import only_reading
 from .tasks.pool import TaskPool
 from .tasks.runner import TaskRunner
 from .tasks.worker import DEFAULT_CONCURRENCY
@@ -435,6 +436,9 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         ``shutdown()`` (a web worker's normal exit, a reload) still stops gracefully and releases
         its leases, so a standby takes over at once instead of after a lease.
         """
+        if only_reading():  # a jobs file imported only to read its jobs (mutexcron jobs): never a node
+            log.info("start() not run: the jobs file is only read here")
+            return
         with self._setup_lock:
             if self._node_id_for_pid is not None and self._node_id_for_pid != os.getpid():
                 self.node_id, self._node_id_for_pid = default_node_id(), os.getpid()

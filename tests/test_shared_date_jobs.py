@@ -130,3 +130,23 @@ def test_job_defaults_coalesce_is_honoured_for_a_guarded_job(tmp_path: Path) -> 
         assert sched.get_job("coalesced").coalesce is True
     finally:
         sched.shutdown(wait=False)
+
+
+@pytest.mark.sqlite
+def test_a_start_up_writer_replacing_another_nodes_trigger_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """B4: nodes starting together with different trigger arguments: the last writer won, silently."""
+    url, locks = f"sqlite:///{tmp_path}/jobs.db", MemoryLockStore("memory://start-up-writers")
+    first = MutexScheduler(jobstores={"default": SQLAlchemyJobStore(url=url)}, lock_store=locks, node_id="a", triggers=False)
+    second = MutexScheduler(jobstores={"default": SQLAlchemyJobStore(url=url)}, lock_store=locks, node_id="b", triggers=False)
+    first.start(paused=True)
+    second.start(paused=True)
+    try:
+        first.add_job(shared_jobs.tick, "interval", seconds=3, id="r", kwargs={"job": "r"}, replace_existing=True)
+        caplog.clear()
+        second.add_job(shared_jobs.tick, "interval", seconds=3, id="r", kwargs={"job": "r"}, replace_existing=True)
+        assert "replaces its trigger" not in caplog.text, "the same trigger: nothing to say"
+        second.add_job(shared_jobs.tick, "interval", seconds=5, id="r", kwargs={"job": "r"}, replace_existing=True)
+        assert "'r'" in caplog.text and "replaces its trigger interval[0:00:03] with interval[0:00:05]" in caplog.text
+    finally:
+        first.shutdown(wait=False)
+        second.shutdown(wait=False)

@@ -33,6 +33,8 @@ from ..jobstores.base import SharedJobStore, timestamp
 from ..jobstores.states import load
 from ..locks import DEFAULT_LOCK_URL, lock_store_from_url
 from ..locks.record import LockRecord
+from ..names import printable
+from ..readonly import reading_jobs
 from ..urls import redact
 from .common import EXIT_FAILURE, _fail, _fail_on, _lock_url_option
 
@@ -40,10 +42,12 @@ __all__ = ["CHANGES", "change_shared_job", "jobs", "shared_stores", "stored_rows
 
 
 def _stores(jobs_file: str) -> tuple[Any, dict[str, SharedJobStore]]:
-    """The jobs file's scheduler (imported, never started) and its shared job stores."""
+    """The jobs file's scheduler (imported, never started: an app's own ``start()`` does nothing) and
+    its shared job stores."""
     from ..jobsfile import load_scheduler
 
-    sched = load_scheduler(jobs_file)
+    with reading_jobs():
+        sched = load_scheduler(jobs_file)
     return sched, shared_stores(sched)
 
 
@@ -176,12 +180,12 @@ def list_jobs(jobs_file: str, lock_url: str | None, as_json: bool) -> None:
         return
     click.echo(f"{'JOB':24} {'STORE':8} {'STATE':9} {'NEXT RUN':23} {'LOCK':20} {'LEASE':6} {'HOLDER':24} "
                f"{'LAST RUN':23} TRIGGER")  # fmt: skip
-    for r in rows:
-        holder, trigger = str(r.get("holder") or "-"), r.get("trigger", r.get("error"))
-        lock = str(r.get("lock") or ("-" if "error" in r else "unguarded"))
+    for r in rows:  # ids, locks, holders and triggers are outside text: shown printable (no escape sequence, no override)
+        holder, trigger = printable(r.get("holder") or "-"), printable(r.get("trigger", r.get("error")))
+        lock = printable(r.get("lock") or ("-" if "error" in r else "unguarded"))
         lease = f"{r['lease']:g}s" if r.get("lease") else "-"
-        click.echo(f"{r['job'][:24]:24} {r['store'][:8]:8} {r['state'][:9]:9} {_when(r.get('next_run')):23} {lock[:20]:20} "
-                   f"{lease:6} {holder[:24]:24} {_when(r.get('last_run')):23} {trigger}")  # fmt: skip
+        click.echo(f"{printable(r['job'])[:24]:24} {r['store'][:8]:8} {r['state'][:9]:9} {_when(r.get('next_run')):23} "
+                   f"{lock[:20]:20} {lease:6} {holder[:24]:24} {_when(r.get('last_run')):23} {trigger}")  # fmt: skip
     if not rows:
         click.echo("(no jobs)")
 
@@ -201,7 +205,7 @@ def show(jobs_file: str, job_id: str, lock_url: str | None) -> None:
 
 
 def _missing(job_id: str) -> NoReturn:
-    _fail(f"no job {job_id!r} in the jobs file nor in its shared job stores (mutexcron jobs list shows them)")
+    _fail(f"no job {printable(job_id)!r} in the jobs file nor in its shared job stores (mutexcron jobs list shows them)")
 
 
 def _change(jobs_file: str, job_id: str, lock_url: str | None, how: str) -> None:
@@ -212,7 +216,7 @@ def _change(jobs_file: str, job_id: str, lock_url: str | None, how: str) -> None
         _fail_on(exc, what=f"jobs {how}")
     if outcome is None:
         _missing(job_id)
-    click.echo(outcome)
+    click.echo(printable(outcome))
 
 
 @jobs.command("pause")

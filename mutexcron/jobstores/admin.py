@@ -18,6 +18,7 @@ from apscheduler.util import ref_to_obj
 
 from ..errors import ConfigurationError
 from ..guard import apscheduler_internals as aps
+from ..names import printable
 from . import is_shared, share
 from .base import SharedJobStore
 from .node import config_of_function
@@ -83,10 +84,21 @@ def change_shared_job(stores: dict[str, SharedJobStore], job_id: str, how: str) 
 
 
 def _changed(current: bytes, how: str) -> dict[str, Any] | None:
-    """The fields of a job's stored state after ``how``; None: remove it."""
+    """The fields of a job's stored state after ``how``; None: remove it.
+
+    Raises:
+        ConfigurationError: the job cannot be read here (one line: its class is not importable...).
+    """
     if how == "remove":
         return None
-    fields: dict[str, Any] = load(current)
+    try:
+        fields: dict[str, Any] = load(current)
+    except Exception as exc:  # noqa: BLE001 - unpickling fails in many ways: one line, never a traceback
+        first = (str(exc).splitlines() or [""])[0]
+        raise ConfigurationError(
+            f"the job cannot be read here to {how} it ({type(exc).__name__}: {printable(first)[:200]}): run the command "
+            "where the job's classes import (its code's environment), or `mutexcron jobs remove` it"
+        ) from None
     if how == "pause":
         fields["next_run_time"] = None
         return fields

@@ -40,7 +40,7 @@ from apscheduler.util import datetime_to_utc_timestamp, utc_timestamp_to_datetim
 from ..errors import StoreUnavailableError
 from ..guard.job import GuardedJob
 from .stalls import LoopErrors, PendingAdvance
-from .states import LOCK_FIELD, dump, load, merged_state, replacement_state, stored_trigger
+from .states import LOCK_FIELD, changed_fields, dump, load, merged_state, replacement_state, stored_trigger
 
 if TYPE_CHECKING:
     from ..tasks.wakeups.base import Waker
@@ -93,6 +93,8 @@ class JobsKeeper(Protocol):
     def keep(self, job_id: str) -> None: ...
 
     def lock_of(self, job: Any) -> str | None: ...
+
+    def other_zone(self, store: SharedJobStore, job_id: str, new: Any, stored: Any) -> bool: ...
 
 
 class SharedJobStore:
@@ -252,7 +254,14 @@ class SharedJobStore:
 
         def fields_for(current: bytes) -> dict[str, Any]:
             if base is None:  # a new Job object for an existing id: add_job(replace_existing=True)
-                return replacement_state(new, load(current), self.shared.explicit_next_run_time(job.id))
+                stored = load(current)
+                if self.shared.other_zone(self, job.id, new.get("trigger"), stored.get("trigger")):
+                    return stored  # computed in another zone here: not rewritten (said once)
+                if "trigger" in changed_fields({"trigger": stored.get("trigger")}, {"trigger": new.get("trigger")}):
+                    # Nodes starting together with different jobs files: the last writer wins; said, not silent.
+                    log.warning("job %r in %s: this node's add_job(replace_existing=True) replaces its trigger %s with %s",
+                                job.id, self.where, stored.get("trigger"), new.get("trigger"))  # fmt: skip
+                return replacement_state(new, stored, self.shared.explicit_next_run_time(job.id))
             if current == base:
                 return new
             return merged_state(load(base), new, load(current))  # changed since this writer read it: merged onto it

@@ -30,12 +30,13 @@ from apscheduler.events import (
     JobEvent,
 )
 from apscheduler.schedulers.base import STATE_PAUSED, STATE_RUNNING
+from apscheduler.triggers.cron import CronTrigger
 from apscheduler.util import obj_to_ref
 
 from ..errors import ConfigurationError
 from ..events import EVENT_LOCK_ACQUIRED, EVENT_LOCK_TAKEN_OVER
 from ..guard import apscheduler_internals as aps
-from ..guard.firetimes import guard_trigger
+from ..guard.firetimes import guard_trigger, zone_of
 from ..guard.job import GuardedJob, MutexConfig
 from .states import kind_of_change
 from .watch import Watcher
@@ -44,6 +45,16 @@ if TYPE_CHECKING:
     from .base import SharedJobStore
 
 log = logging.getLogger(__name__)
+
+
+def zone_of_scheduler(sched: Any) -> str | None:
+    """The zone a node computes its shared jobs' cron fire times in: its scheduler's ``timezone``."""
+    return zone_of(CronTrigger(timezone=sched.timezone)) if getattr(sched, "timezone", None) is not None else None
+
+
+def cron_zone(trigger: Any) -> str | None:
+    """A cron trigger's zone (its fire times depend on it); None for any other trigger."""
+    return zone_of(trigger) if isinstance(getattr(trigger, "inner", trigger), CronTrigger) else None
 
 
 def config_of_function(func: Any, job_id: str) -> MutexConfig:
@@ -128,6 +139,11 @@ class SharedJobs:
         if problem is not None:
             self._warn(job.id, f"job {job.id!r} in {store.where} is not run on this node: {problem}; it stays in the store")
             return False
+        theirs, mine = cron_zone(job.trigger), zone_of_scheduler(self.sched)
+        if theirs is not None and mine is not None and theirs != mine and self.sched.state != STATE_PAUSED:
+            self._warn_zone(store, job.id, theirs, mine)  # the zone rule: a node that disagrees refuses the job
+            self.forget(store, job.id, keep_warning=True)  # and its lock, if its code added it here
+            return False
         with self._mutex:
             known = self._guards.get(job.id)
         if known is not None and known[0] is func:
@@ -177,6 +193,20 @@ class SharedJobs:
                            "Deploy the same @sched.mutex(lock=...) on every node, or remove the job and add it again "
                            "to change its lock")  # fmt: skip
         return False
+
+    def other_zone(self, store: SharedJobStore, job_id: str, new: Any, stored: Any) -> bool:
+        """True (and one warning) if this node would rewrite a stored trigger in another zone (its
+        scheduler's ``timezone``): each restart of nodes in two zones would move the job's fire time."""
+        theirs, mine = cron_zone(stored), cron_zone(new)
+        if theirs is None or mine is None or theirs == mine:
+            return False
+        self._warn_zone(store, job_id, theirs, mine)
+        return True
+
+    def _warn_zone(self, store: SharedJobStore, job_id: str, theirs: str, mine: str) -> None:
+        self._warn(job_id, f"job {job_id!r} in {store.where} is a cron job stored in zone {theirs}, but this node computes "
+                           f"cron jobs in {mine}: it neither rewrites nor runs it. Give every node the same timezone= "
+                           "(or TZ)")  # fmt: skip
 
     def lock_of(self, job: Any) -> str | None:
         """The lock a shared job is guarded by on this node (None: it has no guard here)."""
@@ -243,14 +273,15 @@ class SharedJobs:
             for lock in locks:
                 leases.remove_lock(lock)
 
-    def forget(self, store: SharedJobStore, job_id: str) -> None:
-        """The job is gone from the store (removed anywhere, or its last run submitted): its guard
-        goes by the scheduler's ``forget_job``, as for any removed guarded job (when a run of it
-        still going ends), and with the last job of its lock, the lock."""
+    def forget(self, store: SharedJobStore, job_id: str, *, keep_warning: bool = False) -> None:
+        """The job is gone from the store (removed anywhere, or its last run submitted), or this node
+        refuses it: its guard goes by the scheduler's ``forget_job``, as for any removed guarded job
+        (when a run of it still going ends), and with the last job of its lock, the lock."""
         with self._mutex:
             known = self._guards.pop(job_id, None)
             self._explicit.discard(job_id)
-            self._warned.pop(job_id, None)
+            if not keep_warning:
+                self._warned.pop(job_id, None)
             if known is None:
                 return
             lock = known[1].lock
