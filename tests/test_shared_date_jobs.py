@@ -26,6 +26,16 @@ from tests.backends import backend_params
 from tests.shared_jobs import open_jobstore
 
 
+def _paused_pair(tmp_path: Path, name: str) -> tuple[MutexScheduler, MutexScheduler]:
+    """Two processes' schedulers on one SQLite job store, started paused (as web apps are)."""
+    url, locks = f"sqlite:///{tmp_path}/jobs.db", MemoryLockStore(f"memory://{name}")
+    pair = tuple(MutexScheduler(jobstores={"default": SQLAlchemyJobStore(url=url)}, lock_store=locks, node_id=node,
+                                triggers=False) for node in ("a", "b"))  # fmt: skip
+    for sched in pair:
+        sched.start(paused=True)
+    return pair[0], pair[1]
+
+
 def _wait(predicate: Any, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -97,11 +107,7 @@ def test_a_bare_next_run_time_change_from_another_writer_wakes_the_holder(kind: 
 @pytest.mark.sqlite
 def test_a_process_adding_one_off_jobs_lets_go_of_them_once_they_are_gone(tmp_path: Path) -> None:
     """B5: the store kept every Job it added (``_added``), for ever, even after another node ran and removed it."""
-    url, locks = f"sqlite:///{tmp_path}/jobs.db", MemoryLockStore("memory://bounded")
-    adder = MutexScheduler(jobstores={"default": SQLAlchemyJobStore(url=url)}, lock_store=locks, node_id="web", triggers=False)
-    other = MutexScheduler(jobstores={"default": SQLAlchemyJobStore(url=url)}, lock_store=locks, node_id="other", triggers=False)
-    adder.start(paused=True)
-    other.start(paused=True)
+    adder, other = _paused_pair(tmp_path, "bounded")
     try:
         later = datetime.now(timezone.utc) + timedelta(hours=1)
         for i in range(50):
@@ -135,11 +141,7 @@ def test_job_defaults_coalesce_is_honoured_for_a_guarded_job(tmp_path: Path) -> 
 @pytest.mark.sqlite
 def test_a_start_up_writer_replacing_another_nodes_trigger_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """B4: nodes starting together with different trigger arguments: the last writer won, silently."""
-    url, locks = f"sqlite:///{tmp_path}/jobs.db", MemoryLockStore("memory://start-up-writers")
-    first = MutexScheduler(jobstores={"default": SQLAlchemyJobStore(url=url)}, lock_store=locks, node_id="a", triggers=False)
-    second = MutexScheduler(jobstores={"default": SQLAlchemyJobStore(url=url)}, lock_store=locks, node_id="b", triggers=False)
-    first.start(paused=True)
-    second.start(paused=True)
+    first, second = _paused_pair(tmp_path, "start-up-writers")
     try:
         first.add_job(shared_jobs.tick, "interval", seconds=3, id="r", kwargs={"job": "r"}, replace_existing=True)
         caplog.clear()

@@ -8,19 +8,17 @@ added under is now stored with it; a node whose code names another lock refuses 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from mutexcron import MutexScheduler
 from tests.backends import backend_params
-from tests.shared_jobs import JobStoreCtx, jobstore_from_spec, read_lines
+from tests.shared_jobs import JobStoreCtx, jobstore_from_spec, read_lines, start_node
 from tests.test_shared_cluster import jobstore, lock_url
 
 __all__ = ["jobstore", "lock_url"]  # fixtures
@@ -30,18 +28,9 @@ pytestmark = pytest.mark.cluster
 JOB = "tests.nodes.shared_lock_jobs:send_reports"
 
 
-def _node(name: str, lock: str, lock_url: str, spec: dict[str, object], out: Path, workdir: Path) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MUTEXCRON_")}
-    env.update(
-        MUTEXCRON_TEST_JOBSTORE=json.dumps(spec), MUTEXCRON_TEST_RUNS=str(out), MUTEXCRON_NODE_ID=name,
-        MUTEXCRON_TEST_LOCK=lock, PYTHONPATH=os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")]),
-    )  # fmt: skip
-    with open(workdir / f"{name}.log", "wb") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "mutexcron", "run", "tests.nodes.shared_lock_jobs:sched", "--lock-url", lock_url,
-             "--unactive-interval", "2"],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(), start_new_session=True,
-        )  # fmt: skip
+def _node(name: str, lock: str, lock_url: str, spec: dict[str, object], out: Path, workdir: Path) -> Any:
+    return start_node("tests.nodes.shared_lock_jobs:sched", name, workdir, spec, "--lock-url", lock_url,
+                      "--unactive-interval", "2", MUTEXCRON_TEST_RUNS=str(out), MUTEXCRON_TEST_LOCK=lock)
 
 
 @pytest.mark.parametrize("kind", backend_params("postgresql"))

@@ -8,13 +8,10 @@ neither rewrites nor runs it, and says so once.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,7 +19,7 @@ from mutexcron import MutexScheduler
 from mutexcron.guard.firetimes import zone_of
 from mutexcron.locks import lock_store_from_url
 from tests.backends import backend_params
-from tests.shared_jobs import JobStoreCtx, jobstore_from_spec
+from tests.shared_jobs import JobStoreCtx, jobstore_from_spec, start_node
 from tests.test_shared_cluster import jobstore, lock_url
 
 __all__ = ["jobstore", "lock_url"]  # fixtures
@@ -30,18 +27,9 @@ __all__ = ["jobstore", "lock_url"]  # fixtures
 pytestmark = pytest.mark.cluster
 
 
-def _node(name: str, zone: str, lock_url: str, spec: dict[str, object], workdir: Path) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MUTEXCRON_")}
-    env.update(
-        MUTEXCRON_TEST_JOBSTORE=json.dumps(spec), MUTEXCRON_NODE_ID=name, MUTEXCRON_TEST_ZONE=zone,
-        PYTHONPATH=os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")]),
-    )  # fmt: skip
-    with open(workdir / f"{name}.log", "wb") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "mutexcron", "run", "tests.nodes.shared_zone_jobs:sched", "--lock-url", lock_url,
-             "--unactive-interval", "2"],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(), start_new_session=True,
-        )  # fmt: skip
+def _node(name: str, zone: str, lock_url: str, spec: dict[str, object], workdir: Path) -> Any:
+    return start_node("tests.nodes.shared_zone_jobs:sched", name, workdir, spec, "--lock-url", lock_url,
+                      "--unactive-interval", "2", MUTEXCRON_TEST_ZONE=zone)
 
 
 def _wait(predicate: object, timeout: float, what: str, workdir: Path) -> None:
