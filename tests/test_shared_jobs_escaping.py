@@ -62,3 +62,31 @@ def test_reading_an_apps_jobs_never_starts_its_scheduler(setup: Any, tmp_path: P
     assert listed.exit_code == 0, listed.output
     assert "interval[0:01:00]" in listed.output, listed.output
     assert str(admin.get_job("app-job").trigger) == "interval[0:01:00]", "the reschedule is kept"
+
+
+@pytest.mark.parametrize("kind", [pytest.param("sqlite"), pytest.param("postgresql", marks=pytest.mark.postgresql)])
+def test_jobs_reads_and_changes_a_shared_store_by_url_without_a_jobs_file(kind: str, tmp_path: Path) -> None:
+    """B3: `mutexcron jobs list|pause <job store URL> [JOB]`: no jobs file imported, no app started."""
+    from mutexcron import MutexScheduler
+    from mutexcron.jobstores.lockstore import lock_url_of
+    from tests.backends import drop_store_tables
+    from tests.shared_jobs import open_jobstore
+
+    with open_jobstore(kind, tmp_path) as ctx:
+        store = ctx.make()
+        locks = lock_url_of(store)
+        assert locks is not None
+        sched = MutexScheduler(jobstores={"default": store}, triggers=False)  # its locks in the job store's database
+        sched.start(paused=True)
+        try:
+            sched.add_job(shared_jobs.tick, "interval", seconds=30, id="by-url", kwargs={"job": "u"})
+            url = f"{ctx.spec['options']['url']}?tablename={ctx.spec['options']['tablename']}"
+            listed = cli("jobs", "list", url)
+            assert listed.exit_code == 0 and "by-url" in listed.output, listed.output
+            paused = cli("jobs", "pause", url, "by-url")
+            assert paused.exit_code == 0 and "by-url: paused" in paused.output, paused.output
+            assert sched.get_job("by-url").next_run_time is None
+        finally:
+            sched.shutdown(wait=False)
+            if kind != "sqlite":
+                drop_store_tables(locks)

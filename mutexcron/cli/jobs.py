@@ -28,8 +28,9 @@ from ..errors import ConfigurationError, MutexcronError
 from ..guard import apscheduler_internals as aps
 from ..guard.firetimes import guard_trigger
 from ..jobstores import is_shared
-from ..jobstores.admin import CHANGES, change_shared_job, shared_stores, stored_rows
+from ..jobstores.admin import CHANGES, change_shared_job, is_jobstore_url, jobstore_from_url, shared_stores, stored_rows
 from ..jobstores.base import SharedJobStore, timestamp
+from ..jobstores.lockstore import shared_lock_url
 from ..jobstores.states import load
 from ..locks import DEFAULT_LOCK_URL, lock_store_from_url
 from ..locks.record import LockRecord
@@ -46,6 +47,14 @@ def _stores(jobs_file: str) -> tuple[Any, dict[str, SharedJobStore]]:
     its shared job stores."""
     from ..jobsfile import load_scheduler
 
+    if is_jobstore_url(jobs_file):  # a shared job store's URL: no jobs file imported at all
+        from .. import MutexScheduler
+
+        sched: Any = MutexScheduler(jobstores={"default": jobstore_from_url(jobs_file)}, triggers=False)
+        stores = shared_stores(sched)
+        if not sched._lock_url_given:  # the locks are in the job store's database, as its nodes keep them
+            sched.lock_url = shared_lock_url(stores) or sched.lock_url
+        return sched, stores
     with reading_jobs():
         sched = load_scheduler(jobs_file)
     return sched, shared_stores(sched)
@@ -164,7 +173,11 @@ def _open_shared(jobs_file: str, lock_url: str | None) -> tuple[Any, dict[str, S
 
 @click.group("jobs", context_settings={"help_option_names": ["-h", "--help"]})
 def jobs() -> None:
-    """The jobs of a jobs file: list, show, pause, resume, remove (shared jobs), run (once, unguarded)."""
+    """The jobs of a jobs file: list, show, pause, resume, remove (shared jobs), run (once, unguarded).
+
+    JOBS is a jobs file (imported, its scheduler never started), or a shared job store's URL
+    (postgresql+psycopg://..., redis://...: read without any jobs file).
+    """
 
 
 @jobs.command("list")
