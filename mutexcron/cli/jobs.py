@@ -14,6 +14,7 @@ node (:mod:`mutexcron.jobstores.base`), so every node sees the change as from an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import inspect
 import json
@@ -50,14 +51,16 @@ def _stores(jobs_file: str) -> tuple[Any, dict[str, SharedJobStore]]:
     if is_jobstore_url(jobs_file):  # a shared job store's URL: no jobs file imported at all
         from .. import MutexScheduler
 
-        sched: Any = MutexScheduler(jobstores={"default": jobstore_from_url(jobs_file)}, triggers=False)
-        stores = shared_stores(sched)
-        if not sched._lock_url_given:  # the locks are in the job store's database, as its nodes keep them
+        with reading_jobs():
+            sched: Any = MutexScheduler(jobstores={"default": jobstore_from_url(jobs_file)}, triggers=False)
+    else:
+        with reading_jobs():
+            sched = load_scheduler(jobs_file)
+    stores = shared_stores(sched)
+    if stores and not sched._lock_url_given:  # as its nodes do: the locks in the shared job store's database
+        with contextlib.suppress(ConfigurationError):  # a URL that cannot be told: holders unknown, jobs still listed
             sched.lock_url = shared_lock_url(stores) or sched.lock_url
-        return sched, stores
-    with reading_jobs():
-        sched = load_scheduler(jobs_file)
-    return sched, shared_stores(sched)
+    return sched, stores
 
 
 def _need_shared(jobs_file: str, stores: dict[str, SharedJobStore]) -> None:

@@ -82,6 +82,8 @@ class SharedJobs:
         self._explicit: set[str] = set()  # jobs added with next_run_time= given
         self._warned: dict[str, str] = {}  # job id -> the restore error last warned about
         self._kept = threading.local()  # the job id whose removal by this thread's loop pass was refused
+        self._default_executor: type | None = None  # the scheduler's own executor class
+        self._my_zone: tuple[str | None] | None = None  # (this node's zone,) once read
         self._listening = False
 
     # -- add_job ---------------------------------------------------------------------------------
@@ -139,7 +141,7 @@ class SharedJobs:
         if problem is not None:
             self._warn(job.id, f"job {job.id!r} in {store.where} is not run on this node: {problem}; it stays in the store")
             return False
-        theirs, mine = cron_zone(job.trigger), zone_of_scheduler(self.sched)
+        theirs, mine = cron_zone(job.trigger), self._zone()
         if theirs is not None and mine is not None and theirs != mine and self.sched.state != STATE_PAUSED:
             self._warn_zone(store, job.id, theirs, mine)  # the zone rule: a node that disagrees refuses the job
             self.forget(store, job.id, keep_warning=True)  # and its lock, if its code added it here
@@ -175,7 +177,9 @@ class SharedJobs:
         executor = aps.executors(self.sched).get(alias)
         if executor is None:
             return None if alias == "default" or missing_ok else f"executor {alias!r} is not configured on this node"
-        if isinstance(executor, type(self.sched._create_default_executor())) or self.sched._mutex_executor(executor) is not None:
+        if self._default_executor is None:  # the type only: made once, not at each restore
+            self._default_executor = type(self.sched._create_default_executor())
+        if isinstance(executor, self._default_executor) or self.sched._mutex_executor(executor) is not None:
             return None
         return (
             f"executor {alias!r} is a {type(executor).__name__}: a shared job runs under its lock in the scheduler's "
@@ -202,6 +206,12 @@ class SharedJobs:
             return False
         self._warn_zone(store, job_id, theirs, mine)
         return True
+
+    def _zone(self) -> str | None:
+        """This node's zone for cron jobs (its scheduler's ``timezone``), read once."""
+        if self._my_zone is None:
+            self._my_zone = (zone_of_scheduler(self.sched),)
+        return self._my_zone[0]
 
     def _warn_zone(self, store: SharedJobStore, job_id: str, theirs: str, mine: str) -> None:
         self._warn(job_id, f"job {job_id!r} in {store.where} is a cron job stored in zone {theirs}, but this node computes "

@@ -20,18 +20,17 @@ import hashlib
 import logging
 import math
 import os
-from collections.abc import Collection, Iterator
-from contextlib import contextmanager
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
-from sqlalchemy import BigInteger, Column, Integer, MetaData, Table, and_, func, inspect, select, text
+from sqlalchemy import BigInteger, Column, Integer, MetaData, Table, and_, event, func, inspect, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.sql.expression import null
 
 from ..tasks.wakeups.listen import LOCAL_WAKERS, RegisteredPollWaker
 from ..urls import mask_url, redact
-from .base import SharedJobStore, chunks
+from .base import SharedJobStore, chunks, write_timeout
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -77,6 +76,7 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
         return f"jobstore:{self.engine.url.render_as_string(hide_password=True)}:{self.jobs_t.fullname}"
 
     def start(self, scheduler: Any, alias: str) -> None:
+        bound_lock_waits(self.engine, write_timeout(getattr(scheduler, "unactive_interval", None)))
         # APScheduler's own create (check, then create) fails on the node that loses a race with another
         # creating the table: nodes starting together on a fresh database. Made here first, it finds it.
         create_if_missing(self.jobs_t, self.engine)
@@ -101,7 +101,7 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
                 missing = conn.execute(select(t.c.version).where(t.c.id == 1)).first() is None
             if missing:
                 try:
-                    with self._begin() as conn:
+                    with self.engine.begin() as conn:
                         conn.execute(t.insert().values(id=1, version=0))
                 except IntegrityError:  # another node's row
                     pass
@@ -161,7 +161,7 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
     # -- writes --------------------------------------------------------------------------------
     def _insert(self, job_id: str, ts: float | None, state: bytes) -> bool:
         try:
-            with self._begin() as conn:
+            with self.engine.begin() as conn:
                 conn.execute(self.jobs_t.insert().values(id=job_id, next_run_time=ts, job_state=state))
                 self._announce(conn)
         except IntegrityError:
@@ -171,7 +171,7 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
 
     def _replace(self, job_id: str, base: bytes, ts: float | None, state: bytes, announce: bool) -> bool:
         t = self.jobs_t
-        with self._begin() as conn:
+        with self.engine.begin() as conn:
             done: bool = conn.execute(
                 t.update().values(next_run_time=ts, job_state=state).where(and_(t.c.id == job_id, t.c.job_state == base))
             ).rowcount == 1
@@ -184,7 +184,7 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
     def _delete(self, job_id: str, base: bytes | None) -> bool:
         t = self.jobs_t
         condition = t.c.id == job_id if base is None else and_(t.c.id == job_id, t.c.job_state == base)
-        with self._begin() as conn:
+        with self.engine.begin() as conn:
             done: bool = conn.execute(t.delete().where(condition)).rowcount == 1
             if done:
                 self._announce(conn)
@@ -193,26 +193,10 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
         return done
 
     def _delete_all(self) -> None:
-        with self._begin() as conn:
+        with self.engine.begin() as conn:
             conn.execute(self.jobs_t.delete())
             self._announce(conn)
         self._announce_locally()
-
-    @contextmanager
-    def _begin(self) -> Iterator[Connection]:
-        """A write transaction whose waits for a row or database lock end after ``write_timeout``
-        seconds (an error), so a writer frozen inside its transaction elsewhere holds one job, never
-        this node: PostgreSQL's ``lock_timeout`` (this transaction only), MariaDB/MySQL's
-        ``innodb_lock_wait_timeout`` (whole seconds), SQLite's busy timeout."""
-        with self.engine.begin() as conn:
-            seconds = self.write_timeout
-            if self.dialect == "postgresql":
-                conn.execute(select(func.set_config("lock_timeout", f"{int(seconds * 1000)}ms", True)))
-            elif self.dialect in ("mysql", "mariadb"):
-                conn.execute(text("SET SESSION innodb_lock_wait_timeout = :s"), {"s": max(1, math.ceil(seconds))})
-            elif self.dialect == "sqlite":
-                conn.exec_driver_sql(f"PRAGMA busy_timeout = {int(seconds * 1000)}")  # an int of ours: no user input
-            yield conn
 
     def _announce(self, conn: Connection) -> None:
         """The change counter bumped, and a notice to every node (PostgreSQL), with the write's commit."""
@@ -242,6 +226,35 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
 
             return SQLiteWaker(path, self._local_key, [CODE], None, self.where, version_poll=SQLITE_POLL)
         return RegisteredPollWaker(self._local_key, [CODE], POLL)
+
+
+def bound_lock_waits(engine: Any, seconds: float) -> None:
+    """Every connection of the job store's engine waits at most ``seconds`` for a row or database
+    lock another writer holds (then an error), so a writer frozen inside its transaction elsewhere
+    holds one job, never this node: PostgreSQL's ``lock_timeout``, MariaDB/MySQL's
+    ``innodb_lock_wait_timeout`` (whole seconds), SQLite's busy timeout. Set once per connection,
+    as it is made: no statement more per write. Connections pooled before are let go of."""
+    dialect = engine.dialect.name
+    if dialect == "postgresql":
+        statement = f"SET lock_timeout = {int(seconds * 1000)}"  # an int of ours (ms): no outside input
+    elif dialect in ("mysql", "mariadb"):
+        statement = f"SET SESSION innodb_lock_wait_timeout = {max(1, math.ceil(seconds))}"
+    elif dialect == "sqlite":
+        statement = f"PRAGMA busy_timeout = {int(seconds * 1000)}"
+    else:
+        return
+
+    def on_connect(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(statement)
+        finally:
+            cursor.close()
+        if dialect == "postgresql" and not getattr(dbapi_connection, "autocommit", True):
+            dbapi_connection.commit()  # psycopg opened a transaction for the SET: end it, the setting stays
+
+    event.listen(engine, "connect", on_connect)
+    engine.dispose()  # connections made before (APScheduler's own) get the bound when they are made again
 
 
 def create_if_missing(table: Table, engine: Any) -> None:
