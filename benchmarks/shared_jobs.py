@@ -266,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         if spec is None:
             print(f"{kind}: no server configured, skipped", file=sys.stderr)
             continue
-        lock_url = f"sqlite:///{workdir}/locks-{tag}.db"
+        # Each process's own locks (the figures leave the fire claim out): a SQLite lock file beside a
+        # server job store is refused, and a server lock store would leave records behind.
+        lock_url = f"sqlite:///{workdir}/locks-{tag}.db" if kind == "sqlite" else f"memory://bench-{tag}"
         try:
             polled = poll_cost(spec, lock_url, args.poll_jobs, args.polls)
             for name, samples in polled.items():

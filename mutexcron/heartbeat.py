@@ -206,9 +206,14 @@ class LeaseManager:
             if guarded_only and (name not in self._locks or name in self._retiring):
                 return None
             old = self._held.get(name)
+            lapsed = old is not None and self.clock() >= old.deadline
             self._held[name] = _Held(token, sent_at + ttl)
-        if old is not None and old.token == token:
+        if old is not None and old.token == token and not lapsed:
             return False
+        if old is not None and lapsed:
+            # Held again after its lease ran out (a freeze, an outage), perhaps with the same token:
+            # the loop may have looked meanwhile and found nothing held, so this wakes it like a new lock.
+            self._emit(EVENT_LOCK_LOST, name, old.token, reason="no renewal within the lease; held again now")
         self.node_id_check.took(name, sent_at)
         if previous is not None and previous.holder and previous.holder != self.node.node_id:
             self._emit(

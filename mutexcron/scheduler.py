@@ -29,16 +29,19 @@ from .guard.job import GuardContext, GuardedJob, MutexConfig, MutexThreadPoolExe
 from .guard.triggers import register_triggers
 from .heartbeat import LeaseManager
 from .jobstores.hooks import SharedJobsMixin
-from .locks import DEFAULT_LOCK_URL, LockStore, Node, default_lock_url, lock_store_from_url, store_scope_note
+from .jobstores.lockstore import refuse_local_lock_store, shared_lock_url
+from .locks import DEFAULT_LOCK_URL, URL_ENV, LockStore, Node, default_lock_url, lock_store_from_url, store_scope_note
 from .locks.record import DEFAULT_MAX_ATTRS_BYTES
 from .mutex.lock import Mutex
 from .node import default_node_id, outbound_ip
 from .observability.feed.writer import start_feed
 from .observability.pings import register as register_pings
+from .readonly import only_reading
 from .tasks.pool import TaskPool
 from .tasks.retention import DEFAULT_RETENTION, PRUNE_LEASE, PRUNE_LOCK, Pruner, check_retention, retention_from_env
 from .tasks.runner import TaskRunner
 from .tasks.worker import DEFAULT_CONCURRENCY
+from .urls import mask_url
 
 if TYPE_CHECKING:
     from .observability.metrics import Observability
@@ -99,6 +102,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
     ) -> None:
         self.lock_url = lock_url or default_lock_url()
         self._lock_store = lock_store
+        # Given none, a scheduler with a shared job store keeps its locks in that store's database.
+        self._lock_url_given = bool(lock_url or lock_store is not None or os.environ.get(URL_ENV))
         self.node_id = node_id or os.environ.get("MUTEXCRON_NODE_ID") or default_node_id()
         # A default id names this process; a scheduler built before a fork (gunicorn --preload)
         # and started in each worker needs one per worker: start() makes a new one there.
@@ -162,6 +167,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             self.lock_url, self._lock_store, self._own_store = lock_store.url, lock_store, True
         elif lock_url:
             self.lock_url, self._lock_store, self._own_store = lock_url, None, True
+        self._lock_url_given = self._lock_url_given or bool(lock_store is not None or lock_url)
         if node_id:
             self.node_id, self._node_id_for_pid = node_id, None
         interval = _seconds(unactive_interval, "unactive_interval")
@@ -236,6 +242,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         if shared:
             raw = ref_to_obj(func) if isinstance(func, str) else func
             config: MutexConfig | None = self._shared_jobs.config_for_add(raw, mutex, str(id), jobstore)
+            if (problem := self._shared_jobs.executor_problem(executor, missing_ok=True)) is not None:
+                raise ConfigurationError(f"cannot add shared job {id!r}: {problem}")
             if next_run_time is not undefined:
                 self._shared_jobs.mark_explicit(str(id))
         else:
@@ -249,8 +257,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             func = func if shared else guard
             trigger, trigger_args = self._guarded_trigger(trigger, trigger_args, guard), {}
             self._check_group(guard)  # before anything is added
-            if coalesce is undefined:
-                coalesce = True
+            if coalesce is undefined:  # True, as APScheduler's default, unless job_defaults say otherwise
+                coalesce = aps.job_default(self, "coalesce") is not False
             if misfire_grace_time is undefined and self._leases is not None:
                 misfire_grace_time = self._guard_misfire(guard)
         try:
@@ -274,7 +282,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         """APScheduler's ``remove_job`` (also what it calls for a finished date job); a guarded
         job's registration is undone too (:meth:`forget_job`)."""
         super().remove_job(job_id, jobstore)
-        self.forget_job(job_id)
+        if not self._shared_jobs.was_kept(job_id):  # a date job changed during its last pass stays
+            self.forget_job(job_id)
 
     def remove_all_jobs(self, jobstore: str | None = None) -> None:
         """APScheduler's ``remove_all_jobs``; the removed guarded jobs are forgotten (:meth:`forget_job`)."""
@@ -441,6 +450,9 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         ``shutdown()`` (a web worker's normal exit, a reload) still stops gracefully and releases
         its leases, so a standby takes over at once instead of after a lease.
         """
+        if only_reading():  # a jobs file imported only to read its jobs (mutexcron jobs): never a node
+            log.info("start() not run: the jobs file is only read here")
+            return
         with self._setup_lock:
             if self._node_id_for_pid is not None and self._node_id_for_pid != os.getpid():
                 self.node_id, self._node_id_for_pid = default_node_id(), os.getpid()
@@ -450,6 +462,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
                     aps.replace_executor(self, alias, mutex_executor)
             self._check_guarded_executors()
             self._share_jobstores()
+            self._place_locks()
             # Shared jobs' locks are taken only while the scheduler runs (jobstores/node.py).
             shared = self._shared_jobs
             locks = {g.lock: g.ttl for g in self._guarded.values() if not g.config.callable_lock and not shared.owns(g.job_id)}
@@ -517,6 +530,16 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             on_stop=mutex.close,
         )
         self._pruner.start()
+
+    def _place_locks(self) -> None:
+        """Given no lock store, keep the locks (and tasks) in the shared job store's database; refuse
+        a lock store only this host reaches beside a job store other hosts share."""
+        stores = aps.jobstores(self)
+        if not self._lock_url_given and (url := shared_lock_url(stores)) is not None:
+            self.lock_url, self._lock_store = url, None
+            self._tasks.rebind(url)
+            log.info("no lock store configured: the locks and tasks go to the shared job store's database, %s", mask_url(url))
+        refuse_local_lock_store(self._lock_store.url if self._lock_store is not None else self.lock_url, stores)
 
     def _size_store_pool(self, store: LockStore) -> None:
         """Tell a SQL store how many threads can call it at once (the executors' threads, the

@@ -180,3 +180,17 @@ def open_jobstore(kind: str, tmp_path: Path) -> Iterator[JobStoreCtx]:
     finally:
         if cleanup is not None:
             cleanup()
+
+
+def start_node(jobs: str, name: str, workdir: Path, spec: dict[str, Any], *args: str, **env: str) -> Any:
+    """A ``mutexcron run <jobs>`` node on the job store of ``spec`` (``$MUTEXCRON_TEST_JOBSTORE``), its
+    output in ``<workdir>/<name>.log``; ``args`` are more ``run`` options, ``env`` more variables."""
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MUTEXCRON_")}
+    environ.update(MUTEXCRON_TEST_JOBSTORE=json.dumps(spec), MUTEXCRON_NODE_ID=name,
+                   PYTHONPATH=os.pathsep.join([os.getcwd(), environ.get("PYTHONPATH", "")]), **env)  # fmt: skip
+    with open(workdir / f"{name}.log", "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "mutexcron", "run", jobs, *args], stdout=log,
+                                stderr=subprocess.STDOUT, env=environ, cwd=os.getcwd(), start_new_session=True)  # fmt: skip

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from mutexcron.cli.main import main
 from mutexcron.drill.shared_report import Change, Run, SharedDrillReport, Strike, analyse
-from tests.backends import require_server
+from tests.backends import cleanup_redis, require_server
 from tests.test_drill import assert_cleaned_up, drill_summary, run_drill_cli
 
 
@@ -29,6 +29,12 @@ def assert_shared_drill_passed(report: dict[str, Any]) -> None:
         assert len(change["seen_seconds"]) >= 2 and all(s is not None and s <= 2.0 for s in change["seen_seconds"].values())
     assert "0 run(s) after its removal" in report["effects"]["remove"], summary
     assert "0 run(s) while paused" in report["effects"]["pause"], summary
+    rolling = report["rolling_restart"]["longest_gap_seconds"]
+    assert rolling and all(g is not None for g in rolling.values()), summary
+    frozen = report["freeze_all"]
+    assert frozen["seconds_to_first_run"] and all(
+        g is not None and g <= frozen["limit"] for g in frozen["seconds_to_first_run"].values()
+    ), summary
     assert "released record" in report["cleanup"], summary
 
 
@@ -48,7 +54,12 @@ def test_shared_jobs_drill_passes_on_a_redis_job_store(tmp_path: Path) -> None:
     import redis
 
     url = require_server("redis")
-    report, stderr = run_drill_cli(f"sqlite:///{tmp_path}/locks.db", "--shared-jobs", "--jobstore", url, cwd=tmp_path)
+    # The locks on the same server: a SQLite lock store beside a job store on a server is refused.
+    locks = f"{url}{'&' if '?' in url else '?'}namespace=drill-{tmp_path.name[-12:]}"
+    try:
+        report, stderr = run_drill_cli(locks, "--shared-jobs", "--jobstore", url, cwd=tmp_path)
+    finally:
+        cleanup_redis(locks)
     assert_shared_drill_passed(report)
     assert "keys deleted" in report["cleanup"]
     tag = report["jobs"][0].rsplit("-", 1)[0]
@@ -68,8 +79,9 @@ def test_shared_jobs_drill_passes_on_a_redis_job_store(tmp_path: Path) -> None:
         (["--jobstore", "redis://localhost"], "--jobstore is for the shared-jobs drill: add --shared-jobs"),
         (["--shared-jobs", "--tasks"], "--shared-jobs is a drill of its own"),
         (["--shared-jobs", "--lock-url", "memory://"], "memory:// is private to one process"),
+        (["--shared-jobs", "--jobstore", "redis://localhost"], "a SQLite file only this host reaches"),
     ],
-    ids=["mongodb-jobstore", "jobstore-alone", "with-tasks", "memory-locks"],
+    ids=["mongodb-jobstore", "jobstore-alone", "with-tasks", "memory-locks", "sqlite-locks-beside-a-server"],
 )
 def test_the_shared_jobs_drill_refuses_what_it_cannot_run(args: list[str], message: str, tmp_path: Path) -> None:
     lock = [] if "--lock-url" in args else ["--lock-url", f"sqlite:///{tmp_path}/locks.db"]

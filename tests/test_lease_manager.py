@@ -30,7 +30,8 @@ def redis_proxy() -> Any:
     host, _, port = host_port.rpartition("@")[2].partition(":")
     proxy = DelayProxy(host, int(port or 6379))
     namespace = f"lm-{secrets.token_hex(4)}"
-    yield proxy, f"redis://127.0.0.1:{proxy.port}/0?namespace={namespace}", f"{url}?namespace={namespace}"
+    db = url.split("://", 1)[1].partition("/")[2].partition("?")[0] or "0"  # the server URL's db, not always 0
+    yield proxy, f"redis://127.0.0.1:{proxy.port}/{db}?namespace={namespace}", f"{url}?namespace={namespace}"
     proxy.close()
     cleanup_redis(f"{url}?namespace={namespace}")
 

@@ -292,3 +292,29 @@ def test_a_job_that_never_ran_is_found_in_its_holders_record(monkeypatch: pytest
     assert requests.added and requests.added[0][1] == "weekly" and requests.added[0][3]["lock"] == "reports"
     typo = trigger(url, "weekyl", monkeypatch=monkeypatch, requests=Requests())
     assert typo.exit_code == 2 and "Did you mean 'weekly'?" in typo.output
+
+
+def test_a_failed_earlier_request_never_answers_a_new_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32, C2: a failed catch-up request of the job (its lock was paused then) was kept by the new
+    request's add, and every later `mutexcron trigger` answered with that old failure."""
+    url = seeded()
+    old = SimpleNamespace(state="failed", last_error=f"{PAUSED}lock 'reports' is paused", owner="n1", due=DUE)
+    tasks: dict[str, Any] = {"report": old}
+
+    def add(_code: str, key: str, *_a: Any, **_k: Any) -> str:
+        if key in tasks:
+            return "kept"
+        tasks[key] = SimpleNamespace(state="pending", last_error=None, owner=None, due=DUE)
+        return "added"
+
+    def get(_code: str, key: str) -> Any:
+        task = tasks.get(key)
+        if task is not None and task is not old:
+            del tasks[key]  # the holder ran the new request at once
+        return task
+
+    store = SimpleNamespace(add=add, get=get, cancel=lambda _c, key: tasks.pop(key, None) is not None,
+                            close=lambda: None, masked_url=url)  # fmt: skip
+    monkeypatch.setattr("mutexcron.cli.trigger.task_store_from_url", lambda _url: store)
+    result = CliRunner().invoke(main, ["trigger", "report", "--lock-url", url])
+    assert result.exit_code == 0 and "success" in result.output, result.output

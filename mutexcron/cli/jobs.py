@@ -14,6 +14,7 @@ node (:mod:`mutexcron.jobstores.base`), so every node sees the change as from an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import inspect
 import json
@@ -30,11 +31,14 @@ from ..errors import ConfigurationError, MutexcronError
 from ..guard import apscheduler_internals as aps
 from ..guard.firetimes import guard_trigger
 from ..jobstores import is_shared
-from ..jobstores.admin import CHANGES, change_shared_job, shared_stores, stored_rows
+from ..jobstores.admin import CHANGES, change_shared_job, is_jobstore_url, jobstore_from_url, shared_stores, stored_rows
 from ..jobstores.base import SharedJobStore, timestamp
+from ..jobstores.lockstore import shared_lock_url
 from ..jobstores.states import load
 from ..locks import DEFAULT_LOCK_URL, lock_store_from_url
 from ..locks.record import LockRecord
+from ..names import printable
+from ..readonly import reading_jobs
 from ..urls import mask_values, redact
 from .common import EXIT_FAILURE, _did_you_mean, _fail, _fail_on, _lock_url_option
 
@@ -42,11 +46,23 @@ __all__ = ["CHANGES", "change_shared_job", "jobs", "shared_stores", "stored_rows
 
 
 def _stores(jobs_file: str) -> tuple[Any, dict[str, SharedJobStore]]:
-    """The jobs file's scheduler (imported, never started) and its shared job stores."""
+    """The jobs file's scheduler (imported, never started: an app's own ``start()`` does nothing) and
+    its shared job stores."""
     from ..jobsfile import load_scheduler
 
-    sched = load_scheduler(jobs_file)
-    return sched, shared_stores(sched)
+    if is_jobstore_url(jobs_file):  # a shared job store's URL: no jobs file imported at all
+        from .. import MutexScheduler
+
+        with reading_jobs():
+            sched: Any = MutexScheduler(jobstores={"default": jobstore_from_url(jobs_file)}, triggers=False)
+    else:
+        with reading_jobs():
+            sched = load_scheduler(jobs_file)
+    stores = shared_stores(sched)
+    if stores and not sched._lock_url_given:  # as its nodes do: the locks in the shared job store's database
+        with contextlib.suppress(ConfigurationError):  # a URL that cannot be told: holders unknown, jobs still listed
+            sched.lock_url = shared_lock_url(stores) or sched.lock_url
+    return sched, stores
 
 
 def _need_shared(jobs_file: str, stores: dict[str, SharedJobStore]) -> None:
@@ -174,7 +190,11 @@ class _JobsGroup(click.Group):
 
 @click.group("jobs", cls=_JobsGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def jobs() -> None:
-    """The jobs of a jobs file: list, show, pause, resume, remove (shared jobs), run (once, unguarded)."""
+    """The jobs of a jobs file: list, show, pause, resume, remove (shared jobs), run (once, unguarded).
+
+    JOBS is a jobs file (imported, its scheduler never started), or a shared job store's URL
+    (postgresql+psycopg://..., redis://...: read without any jobs file).
+    """
 
 
 @jobs.command("list")
@@ -190,12 +210,12 @@ def list_jobs(jobs_file: str, lock_url: str | None, as_json: bool) -> None:
         return
     click.echo(f"{'JOB':24} {'STORE':8} {'STATE':9} {'NEXT RUN':23} {'LOCK':20} {'LEASE':6} {'HOLDER':24} "
                f"{'LAST RUN':23} TRIGGER")  # fmt: skip
-    for r in rows:
-        holder, trigger = str(r.get("holder") or "-"), r.get("trigger", r.get("error"))
-        lock = str(r.get("lock") or ("-" if "error" in r else "unguarded"))
+    for r in rows:  # ids, locks, holders and triggers are outside text: shown printable (no escape sequence, no override)
+        holder, trigger = printable(r.get("holder") or "-"), printable(r.get("trigger", r.get("error")))
+        lock = printable(r.get("lock") or ("-" if "error" in r else "unguarded"))
         lease = f"{r['lease']:g}s" if r.get("lease") else "-"
-        click.echo(f"{r['job'][:24]:24} {r['store'][:8]:8} {r['state'][:9]:9} {_when(r.get('next_run')):23} {lock[:20]:20} "
-                   f"{lease:6} {holder[:24]:24} {_when(r.get('last_run')):23} {trigger}")  # fmt: skip
+        click.echo(f"{printable(r['job'])[:24]:24} {r['store'][:8]:8} {r['state'][:9]:9} {_when(r.get('next_run')):23} "
+                   f"{lock[:20]:20} {lease:6} {holder[:24]:24} {_when(r.get('last_run')):23} {trigger}")  # fmt: skip
     if not rows:
         click.echo("(no jobs)")
 
@@ -217,7 +237,7 @@ def show(jobs_file: str, job_id: str, lock_url: str | None) -> None:
 
 def _missing(job_id: str, names: list[str]) -> NoReturn:
     hint = _did_you_mean(job_id, names)
-    _fail(f"no job {job_id!r} in the jobs file nor in its shared job stores{hint} (mutexcron jobs list shows them)")
+    _fail(f"no job {printable(job_id)!r} in the jobs file nor in its shared job stores{hint} (mutexcron jobs list shows them)")
 
 
 def _job_ids(sched: Any, stores: dict[str, SharedJobStore]) -> list[str]:
@@ -238,7 +258,7 @@ def _change(jobs_file: str, job_id: str, lock_url: str | None, how: str) -> None
         _fail_on(exc, what=f"jobs {how}")
     if outcome is None:
         _missing(job_id, _job_ids(sched, stores))
-    click.echo(outcome)
+    click.echo(printable(outcome))
 
 
 @jobs.command("pause")

@@ -79,6 +79,8 @@ def _lock_of(store: LockStore, job: str, force: bool) -> str | None:
         if named or unsure or time.monotonic() >= deadline:
             break
         time.sleep(0.5)  # a job added a moment ago: its lock is taken and its record written within a second
+    if not named:
+        _refuse_a_lock_name(records, job)
     if named and named[-1].paused:
         name = printable(named[-1].name)
         click.echo(f"{printable(job)}: not run: lock {name!r} is paused: run `mutexcron resume {name}` first", err=True)
@@ -99,6 +101,19 @@ def _lock_of(store: LockStore, job: str, force: bool) -> str | None:
         )
         raise SystemExit(EXIT_TIMEOUT)
     return named[-1].name if named else None
+
+
+def _refuse_a_lock_name(records: list[LockRecord], job: str) -> None:
+    """Exit at once when ``job`` is the name of a lock whose record names its jobs (``pause`` and
+    ``history`` take lock names; ``trigger`` takes a job id)."""
+    record = next((r for r in records if r.name == job), None)
+    jobs = sorted({*(record.triggers or {}), *record.fire_times} - {job}) if record is not None else []
+    if not jobs:
+        return
+    named = ", ".join(repr(printable(j)) for j in jobs)
+    click.echo(f"{printable(job)}: not requested: {printable(job)!r} is a lock, not a job id; its job(s): {named}. "
+               f"Run `mutexcron trigger {printable(jobs[0])}`", err=True)  # fmt: skip
+    raise SystemExit(EXIT_BAD_INPUT)
 
 
 def _naming(records: list[LockRecord], job: str) -> tuple[list[LockRecord], bool]:
@@ -125,6 +140,9 @@ def _unknown_job(records: list[LockRecord], job: str, shown: str) -> str:
 def _request_and_wait(store: TaskStore, job: str, timeout: float, lock: str | None = None) -> None:
     # The lock lets its holder fail a request for a job it no longer defines at once.
     payload = {"requested_by": "mutexcron trigger", **({"lock": lock} if lock is not None else {})}
+    stale = store.get(TRIGGER_CODE, job)
+    if stale is not None and stale.state == "failed":  # an earlier request's failure (a catch-up) never answers this one
+        store.cancel(TRIGGER_CODE, job)
     result = store.add(TRIGGER_CODE, job, timedelta(0), payload, on_conflict="keep")
     request = store.get(TRIGGER_CODE, job)
     fire_time = request.due.isoformat() if request is not None else "?"

@@ -23,6 +23,7 @@ from ..formatting import offset as _offset
 from ..formatting import record_json
 from ..formatting import when as _when
 from ..locks.record import LockRecord, NodePresence, RunRecord
+from ..names import printable
 from ..observability.feed import FEED_KINDS, FeedEvent
 from ..tasks import STATES, CodeSummary, TaskRecord
 from ..tasks.handlers import INTERNAL_PREFIX
@@ -95,7 +96,8 @@ def _table(header: Iterable[str], rows: Iterable[Iterable[str]], cls: str = "") 
 
 
 def _t(value: Any) -> str:
-    return escape("-" if value is None or value == "" else str(value))
+    """Text for a page: HTML-escaped, and a control or direction-override character shown as its escape."""
+    return escape("-" if value is None or value == "" else printable(value))
 
 
 def _ago(snap: Snapshot, when: datetime | None) -> str:

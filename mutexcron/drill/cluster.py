@@ -96,19 +96,24 @@ class Cluster:
         """Start the nodes; with ``skew``, node i's wall clock is shifted by i x ``skew`` (libfaketime)."""
         faketime = libfaketime() if self.skew else None
         for i in range(self.nodes):
-            node_id = f"drill-{i}-{secrets.token_hex(2)}"
-            log_file = open(self.workdir / f"{node_id}.log", "wb")  # closed just below: Popen keeps its own copy
-            cmd = [
-                sys.executable, "-m", "mutexcron", "run", self.jobs, "--node-id", node_id,
-                "--unactive-interval", str(self.unactive_interval), "--shutdown-timeout", "5",
-            ]
-            # Own session: a Ctrl-C in the terminal reaches the drill only, which then stops the
-            # nodes in order (SIGCONT, SIGTERM, release) instead of racing them.
-            self.procs[node_id] = subprocess.Popen(
-                cmd, stdout=log_file, stderr=subprocess.STDOUT, env=self._node_env(i, node_id, faketime),
-                cwd=self.workdir, start_new_session=True,
-            )
-            log_file.close()
+            self.start_node(i, faketime=faketime)
+
+    def start_node(self, index: int, env: dict[str, str] | None = None, faketime: str | None = None) -> str:
+        """Start one node (``env`` on top of the cluster's: a changed jobs file); returns its id."""
+        node_id = f"drill-{index}-{secrets.token_hex(2)}"
+        log_file = open(self.workdir / f"{node_id}.log", "wb")  # closed just below: Popen keeps its own copy
+        cmd = [
+            sys.executable, "-m", "mutexcron", "run", self.jobs, "--node-id", node_id,
+            "--unactive-interval", str(self.unactive_interval), "--shutdown-timeout", "5",
+        ]
+        # Own session: a Ctrl-C in the terminal reaches the drill only, which then stops the
+        # nodes in order (SIGCONT, SIGTERM, release) instead of racing them.
+        self.procs[node_id] = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, env={**self._node_env(index, node_id, faketime), **(env or {})},
+            cwd=self.workdir, start_new_session=True,
+        )
+        log_file.close()
+        return node_id
 
     def _node_env(self, index: int, node_id: str, faketime: str | None) -> dict[str, str]:
         base = {k: v for k, v in os.environ.items() if not k.startswith("MUTEXCRON_")}

@@ -85,13 +85,14 @@ def drop_jobstore(spec: dict[str, Any]) -> str:
         store.shutdown()
 
 
-def shared_tick(job: str) -> None:
-    """One run of a drill job: a line in the shared runs file (the fire time the lease names)."""
+def shared_tick(job: str, version: str = "v1") -> None:
+    """One run of a drill job: a line in the shared runs file (the fire time the lease names, and the
+    version of the jobs file that last added the job)."""
     from mutexcron import current_lease
 
     lease = current_lease()
     line = json.dumps({"job": job, "node": lease.node_id, "fire": lease.fire_time.timestamp(), "token": lease.token,
-                       "mono": time.monotonic(), "wall": time.time()})  # fmt: skip
+                       "mono": time.monotonic(), "wall": time.time(), "version": version})  # fmt: skip
     _append(line)
 
 

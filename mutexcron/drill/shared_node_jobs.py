@@ -12,13 +12,14 @@ Importing it starts nothing, but it opens the stores: it is meant for the node p
 from __future__ import annotations
 
 import json
+import os
 
 from apscheduler.events import EVENT_JOB_ADDED, EVENT_JOB_MODIFIED, EVENT_JOB_REMOVED, EVENT_SCHEDULER_STARTED
 
 from mutexcron import MutexScheduler  # the public API, as in any user's jobs file
 
 from .node_side import die_with_parent, drill_env, timed_store_from_env
-from .shared_jobs import jobstore_from_spec, record_event, record_ready
+from .shared_jobs import TICK_REF, jobstore_from_spec, record_event, record_ready
 
 die_with_parent()
 sched = MutexScheduler(
@@ -27,3 +28,8 @@ sched = MutexScheduler(
 )
 sched.add_listener(record_event, EVENT_JOB_ADDED | EVENT_JOB_MODIFIED | EVENT_JOB_REMOVED)
 sched.add_listener(record_ready, EVENT_SCHEDULER_STARTED)  # after its job stores were read and are watched
+
+# The rolling restart's new jobs file: it adds one of the drill's jobs again, with a change.
+_CHANGED = os.environ.get("MUTEXCRON_DRILL_JOBS_V2")
+if _CHANGED:
+    sched.add_job(TICK_REF, "interval", seconds=1, id=_CHANGED, kwargs={"job": _CHANGED, "version": "v2"}, replace_existing=True)

@@ -30,7 +30,11 @@ class Run:
     token: int
     mono: float
     wall: float = 0.0
+    version: str = "v1"  # the jobs file that last added the job (the rolling restart's is v2)
 
+
+#: A rolling restart hands each lock over (SIGTERM): a job waits at most its interval plus this between two runs.
+ROLLING_LIMIT = 1.5
 
 @dataclass
 class Change:
@@ -69,6 +73,10 @@ class SharedDrillReport:
     strikes: list[Strike] = field(default_factory=list)
     changes: list[Change] = field(default_factory=list)
     effects: dict[str, str] = field(default_factory=dict)
+    #: After every node was frozen past the lease and resumed: job -> seconds to its first run (None: none).
+    resumed: dict[str, float | None] = field(default_factory=dict)
+    #: The rolling restart to a changed jobs file: job -> the longest wait between two of its runs.
+    rolling: dict[str, float | None] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     cleanup: str = ""
     logs: str = ""
@@ -80,6 +88,11 @@ class SharedDrillReport:
 
     def limit(self, phase: str) -> float:
         return TERM_LIMIT if phase == "term" else self.lease + 1.0
+
+    @property
+    def resume_limit(self) -> float:
+        """Every node frozen past the lease and resumed: each job runs again within this (seconds)."""
+        return self.lease + 2.0
 
     def to_json(self) -> dict[str, Any]:
         def r(value: float | None) -> float | None:
@@ -106,6 +119,9 @@ class SharedDrillReport:
                 for c in self.changes
             ],
             "effects": self.effects,
+            "freeze_all": {"limit": self.resume_limit, "seconds_to_first_run": {j: r(g) for j, g in self.resumed.items()}},
+            "rolling_restart": {"limit_over_interval": ROLLING_LIMIT,
+                                "longest_gap_seconds": {j: r(g) for j, g in self.rolling.items()}},
             "cleanup": self.cleanup,
             "logs": self.logs,
         }
@@ -126,7 +142,7 @@ def read_shared(path: Path) -> tuple[list[Run], list[dict[str, Any]]]:
             events.append(row)
         elif "fire" in row:
             runs.append(Run(row["job"], row["node"], float(row["fire"]), int(row["token"]), float(row["mono"]),
-                            float(row.get("wall", 0.0))))  # fmt: skip
+                            float(row.get("wall", 0.0)), str(row.get("version", "v1"))))  # fmt: skip
     return runs, events
 
 
@@ -232,6 +248,14 @@ def format_shared_report(report: SharedDrillReport) -> str:
         seen = f"on every node within {format_gap(worst)}" if not missing else f"not seen on {', '.join(missing)}"
         lines.append(f"{'changes' if i == 0 else '':<10} {change.what} {change.job.rsplit('-', 1)[-1]}: "
                      f"{_EVENT_NAMES.get(change.event, change.event)} {seen}  (limit {PROPAGATION_LIMIT:g}s)")  # fmt: skip
+    if report.resumed:
+        gaps = ", ".join(f"{job.rsplit('-', 1)[-1]} {format_gap(g)}" for job, g in report.resumed.items())
+        lines.append(f"{'freeze all':<10} every node SIGSTOPped past the lease, then resumed; each job ran again "
+                     f"after: {gaps}  (limit {report.resume_limit:.1f}s)")  # fmt: skip
+    if report.rolling:
+        gaps = ", ".join(f"{job.rsplit('-', 1)[-1]} {format_gap(g)}" for job, g in report.rolling.items())
+        lines.append(f"{'rolling':<10} each node replaced by one with a changed jobs file; longest wait between two runs: "
+                     f"{gaps}  (limit: the job's interval + {ROLLING_LIMIT:g}s)")  # fmt: skip
     for i, text in enumerate(report.effects.values()):
         lines.append(f"{'effects' if i == 0 else '':<10} {text}")
     lines += closing_lines(report.cleanup, report.logs, report.failures)

@@ -10,7 +10,12 @@ and the lock store of ``--lock-url``. Then:
 * **changes** from the drill's scheduler: a reschedule (every 2 s), a pause and later a resume, a
   removal; every node must show APScheduler's job event within 2 s, and each change must hold;
 * **kill**, **freeze**, **term** of the node holding the most jobs: each of its jobs must run on
-  another node within the lease + 1 s (1.5 s after SIGTERM).
+  another node within the lease + 1 s (1.5 s after SIGTERM);
+* **freeze all**: every node SIGSTOPped past the lease, then resumed: each job must run again
+  within the lease + 2 s;
+* **rolling restart** to a changed jobs file (it adds ``j0`` again with a new argument): each node
+  replaced by a new one, which starts before the old one gets SIGTERM; no job waits more than its
+  interval + 1.5 s between two runs, and the change holds.
 
 Verdict: each (job, fire time) once, failover within the lease, changes propagated and kept. The
 job table (or keys) is dropped at the end; the jobs' lock records stay as released records.
@@ -18,6 +23,7 @@ job table (or keys) is dropped at the end; the jobs' lock records stay as releas
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import secrets
@@ -31,11 +37,13 @@ from apscheduler.events import EVENT_JOB_MODIFIED, EVENT_JOB_REMOVED
 
 from ..errors import ConfigurationError, MutexcronError
 from ..locks import lock_store_from_url
+from ..urls import mask_url, url_scheme
 from .cluster import Cluster
 from .records import read_ops
+from .report import format_gap
 from .scenario import PHASES, Progress, check_drill_url
 from .shared_jobs import TICK_REF, drop_jobstore, jobstore_from_spec, jobstore_spec, ready_nodes
-from .shared_report import PROPAGATION_LIMIT, Change, Run, SharedDrillReport, Strike, analyse, read_shared
+from .shared_report import PROPAGATION_LIMIT, ROLLING_LIMIT, Change, Run, SharedDrillReport, Strike, analyse, read_shared
 
 __all__ = ["SHARED_NODE_JOBS", "run_shared_drill"]
 
@@ -68,6 +76,11 @@ def run_shared_drill(
     """
     if jobstore:
         jobstore_spec(jobstore, "check")  # bad input fails before anything is made
+        if url_scheme(lock_url) == "sqlite" and url_scheme(jobstore) != "sqlite":
+            raise ConfigurationError(
+                f"lock store {mask_url(lock_url)} is a SQLite file only this host reaches, beside a job store on a "
+                "server: use a --lock-url every node reaches (the job store's server is fine)"
+            )
     masked = _preflight(lock_url, nodes, phases)
     tag = secrets.token_hex(4)
     cluster = Cluster(lock_url, nodes=nodes, unactive_interval=lease, lock=f"mutexcron-drill-{tag}", jobs=SHARED_NODE_JOBS,
@@ -91,6 +104,8 @@ def run_shared_drill(
             sqlite_jobs = (spec["options"]["url"],) if str(spec["options"].get("url", "")).startswith("sqlite") else ()
             for phase in phases:
                 _strike(cluster, report, phase, out, job_ids, sqlite_jobs, progress)
+            _freeze_all(cluster, report, out, job_ids, progress)
+            _rolling_restart(cluster, report, out, job_ids, progress)
             _cool_down(max(duration - (time.monotonic() - started), 2.0), progress)
             cluster.check_nodes()
             runs, events = read_shared(out)
@@ -220,6 +235,85 @@ def _strike(cluster: Cluster, report: SharedDrillReport, phase: str, out: Any, j
         cluster.signal(node, signal.SIGCONT)
     progress(f"{phase}: {node}'s jobs ran on other nodes" if moved >= set(held) else f"{phase}: not all of {node}'s jobs moved")
     time.sleep(2.0)  # settle
+
+
+def _freeze_all(cluster: Cluster, report: SharedDrillReport, out: Any, jobs: list[str], progress: Progress) -> None:
+    """SIGSTOP every node past the lease, then SIGCONT them all: nobody took a lock meanwhile, so each
+    node is handed its locks back (often with the same token), and every job must run again soon."""
+    _top_up(cluster, out, progress)
+    lease, live = cluster.unactive_interval, cluster.alive()
+    removed = {c.job for c in report.changes if c.what == "remove"}
+    progress(f"freeze all: SIGSTOP every node ({len(live)}) for {2 * lease + 1:.0f}s (the lease is {lease:g}s), then SIGCONT")
+    for node in live:
+        cluster.signal(node, signal.SIGSTOP)
+    time.sleep(2 * lease + 1)
+    resumed = time.monotonic()
+    for node in live:
+        cluster.signal(node, signal.SIGCONT)
+    wanted = [job for job in jobs if job not in removed]
+    deadline = resumed + report.resume_limit + 3
+    while time.monotonic() < deadline and len(report.resumed) < len(wanted):
+        for run in _runs(out):
+            if run.job in wanted and run.mono > resumed and run.job not in report.resumed:
+                report.resumed[run.job] = run.mono - resumed
+        time.sleep(0.05)
+    for job in wanted:
+        gap = report.resumed.setdefault(job, None)
+        if gap is None or gap > report.resume_limit:
+            report.failures.append(f"after every node was frozen and resumed, job {job} ran again after "
+                                   f"{format_gap(gap)} (limit {report.resume_limit:.1f}s)")  # fmt: skip
+    every = all(g is not None for g in report.resumed.values())
+    progress("freeze all: every job ran again" if every else "freeze all: not every job ran again")
+    time.sleep(2.0)  # settle
+
+
+def _top_up(cluster: Cluster, out: Any, progress: Progress) -> None:
+    """Start new nodes in place of the struck ones, so the whole cluster is frozen together."""
+    missing = cluster.nodes - len(cluster.alive())
+    if missing <= 0:
+        return
+    progress(f"freeze all: {missing} new node(s) in place of the struck ones")
+    started = [cluster.start_node(len(cluster.procs)) for _ in range(missing)]
+    deadline = time.monotonic() + 30
+    while not set(started) <= ready_nodes(out) and time.monotonic() < deadline:
+        cluster.check_nodes()
+        time.sleep(0.1)
+    time.sleep(cluster.unactive_interval)  # let them take some locks over
+
+
+def _rolling_restart(cluster: Cluster, report: SharedDrillReport, out: Any, jobs: list[str], progress: Progress) -> None:
+    """Replace each node, one at a time, by one whose jobs file adds ``j0`` again with a change (a new
+    argument): start the new node, wait until it is ready, SIGTERM the old one. No fire time runs
+    twice, none is lost to a hand-over, and the change holds."""
+    removed = {c.job for c in report.changes if c.what == "remove"}
+    wanted, changed = [job for job in jobs if job not in removed], jobs[0]
+    old = cluster.alive()
+    progress(f"rolling restart: {len(old)} node(s) replaced by nodes whose jobs file changes {changed}")
+    began = time.monotonic()
+    for node in old:
+        new = cluster.start_node(len(cluster.procs), env={"MUTEXCRON_DRILL_JOBS_V2": changed})
+        deadline = time.monotonic() + 30
+        while new not in ready_nodes(out) and time.monotonic() < deadline:
+            cluster.check_nodes()
+            time.sleep(0.1)
+        cluster.signal(node, signal.SIGTERM)
+        cluster.procs[node].wait(15)
+    time.sleep(3.0)
+    ended = time.monotonic()
+    runs = [r for r in _runs(out) if began <= r.mono <= ended]
+    intervals = {job: 2.0 if any(c.what == "reschedule" and c.job == job for c in report.changes) else 1.0 for job in wanted}
+    for job in wanted:
+        monos = sorted([began] + [r.mono for r in runs if r.job == job] + [ended])
+        gap = max(b - a for a, b in itertools.pairwise(monos))
+        report.rolling[job] = gap
+        if gap > intervals[job] + ROLLING_LIMIT:
+            report.failures.append(f"rolling restart: job {job} waited {format_gap(gap)} between two runs "
+                                   f"(limit {intervals[job] + ROLLING_LIMIT:.1f}s)")  # fmt: skip
+    late = [r for r in runs if r.job == changed and r.mono > ended - 2.0]
+    if not late or any(r.version != "v2" for r in late):
+        report.failures.append(f"rolling restart: the changed jobs file's {changed} did not hold: versions "
+                               f"{sorted({r.version for r in late})} after the restart")  # fmt: skip
+    progress("rolling restart: done")
 
 
 def _cool_down(rest: float, progress: Progress) -> None:

@@ -303,8 +303,9 @@ class GuardedJob:
         reported, fired = _REPORT.set(report), _FIRE_TIME.set(fire_time)
         try:
             self(*args, **kwargs)
-        except Exception:  # noqa: BLE001, S110 - the job's error is in the RUN_FINISHED event
-            pass
+        except Exception:
+            # Logged as APScheduler's executor logs a scheduled run's error: with its traceback.
+            log.exception('Job "%s" (run now, fire time %s) raised an exception', self.job_id, fire_time.isoformat())
         finally:
             _FIRE_TIME.reset(fired)
             _REPORT.reset(reported)

@@ -18,16 +18,59 @@ from apscheduler.util import ref_to_obj
 
 from ..errors import ConfigurationError
 from ..guard import apscheduler_internals as aps
-from ..urls import mask_values
+from ..names import printable
+from ..urls import mask_url, mask_values, pop_query
 from . import is_shared, share
 from .base import SharedJobStore
 from .node import config_of_function
 from .states import load
 
-__all__ = ["CHANGES", "change_shared_job", "parse_schedule", "reschedule_shared_job", "shared_stores", "stored_rows"]
+__all__ = [
+    "CHANGES", "change_shared_job", "is_jobstore_url", "jobstore_from_url", "parse_schedule", "reschedule_shared_job",
+    "shared_stores", "stored_rows",
+]  # fmt: skip
 
 #: The changes of a shared job that ``mutexcron jobs`` and the dashboard make.
 CHANGES = ("pause", "resume", "remove")
+
+
+def is_jobstore_url(text: str) -> bool:
+    """True if ``text`` (where a jobs file is expected) is a job store URL: ``scheme://...``."""
+    return "://" in text
+
+
+def jobstore_from_url(url: str) -> Any:
+    """APScheduler's job store at ``url``, read without any jobs file: a SQLAlchemy URL (its table
+    ``?tablename=``, default ``apscheduler_jobs``), ``redis://`` (APScheduler's default keys) or
+    ``mongodb://`` (database ``apscheduler``, collection ``jobs``).
+
+    Raises:
+        ConfigurationError: a URL no APScheduler job store reads (the forms named).
+    """
+    scheme = url.partition("://")[0].lower()
+    if scheme in ("redis", "rediss", "unix"):
+        import redis
+        from apscheduler.jobstores.redis import RedisJobStore
+
+        store = RedisJobStore()
+        store.redis = redis.Redis.from_url(url)
+        return store
+    if scheme.startswith("mongodb"):
+        from apscheduler.jobstores.mongodb import MongoDBJobStore
+        from pymongo import MongoClient
+
+        return MongoDBJobStore(client=MongoClient(url))
+    from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    rest, options = pop_query(url, "tablename")
+    try:
+        return SQLAlchemyJobStore(url=rest, tablename=options.get("tablename", "apscheduler_jobs"))
+    except (ArgumentError, NoSuchModuleError) as exc:
+        raise ConfigurationError(
+            f"{mask_url(url)} is not a job store URL: give a SQLAlchemy URL (postgresql+psycopg://..., "
+            f"mysql+pymysql://..., sqlite:///...; ?tablename= for another table), redis://... or mongodb://... ({exc})"
+        ) from None
 
 
 def shared_stores(sched: Any) -> dict[str, SharedJobStore]:
@@ -85,10 +128,21 @@ def change_shared_job(stores: dict[str, SharedJobStore], job_id: str, how: str) 
 
 
 def _changed(current: bytes, how: str) -> dict[str, Any] | None:
-    """The fields of a job's stored state after ``how``; None: remove it."""
+    """The fields of a job's stored state after ``how``; None: remove it.
+
+    Raises:
+        ConfigurationError: the job cannot be read here (one line: its class is not importable...).
+    """
     if how == "remove":
         return None
-    fields: dict[str, Any] = load(current)
+    try:
+        fields: dict[str, Any] = load(current)
+    except Exception as exc:  # noqa: BLE001 - unpickling fails in many ways: one line, never a traceback
+        first = (str(exc).splitlines() or [""])[0]
+        raise ConfigurationError(
+            f"the job cannot be read here to {how} it ({type(exc).__name__}: {printable(first)[:200]}): run the command "
+            "where the job's classes import (its code's environment), or `mutexcron jobs remove` it"
+        ) from None
     if how == "pause":
         fields["next_run_time"] = None
         return fields

@@ -30,7 +30,7 @@ import logging
 import threading
 from abc import abstractmethod
 from collections.abc import Callable, Collection, Iterable, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Protocol
 
 from apscheduler.job import Job
@@ -39,7 +39,8 @@ from apscheduler.util import datetime_to_utc_timestamp, utc_timestamp_to_datetim
 
 from ..errors import StoreUnavailableError
 from ..guard.job import GuardedJob
-from .states import dump, load, merged_state, replacement_state, stored_trigger
+from .stalls import LoopErrors, PendingAdvance
+from .states import LOCK_FIELD, changed_fields, dump, load, merged_state, replacement_state, stored_trigger
 
 if TYPE_CHECKING:
     from ..tasks.wakeups.base import Waker
@@ -48,13 +49,18 @@ log = logging.getLogger(__name__)
 
 #: How often an API write re-reads and re-merges a job that keeps changing under it before giving up.
 MERGE_ATTEMPTS = 20
+#: The longest a write waits for a lock another writer holds (a row, a database): a writer frozen
+#: in its transaction holds one job, never the loop. A node's own bound is lower with a short lease.
+WRITE_TIMEOUT = 5.0
+#: Seconds before APScheduler's loop looks again after a store error in its pass.
+LOOP_RETRY = 1.0
 
 
 class SharedJob(Job):  # type: ignore[misc]
     """A job read from a shared store: it remembers the state it was read with (the base of its
     compare-and-set) and whether APScheduler's loop read it (``get_due_jobs``)."""
 
-    __slots__ = ("_mc_base", "_mc_from_loop")
+    __slots__ = ("_mc_base", "_mc_from_loop", "_mc_lock")
 
 
 def timestamp(when: datetime | None) -> float | None:
@@ -84,12 +90,20 @@ class JobsKeeper(Protocol):
 
     def forget_after_run(self, store: SharedJobStore, job_id: str) -> None: ...
 
+    def keep(self, job_id: str) -> None: ...
+
+    def lock_of(self, job: Any) -> str | None: ...
+
+    def other_zone(self, store: SharedJobStore, job_id: str, new: Any, stored: Any) -> bool: ...
+
 
 class SharedJobStore:
     """Mixed in before an APScheduler job store class (see :func:`mutexcron.jobstores.share`)."""
 
     #: Set by :meth:`start`: the scheduler's shared-jobs bookkeeping.
     shared: JobsKeeper
+    #: Seconds a write may wait for another writer's lock (a third of the node's lease, at most :data:`WRITE_TIMEOUT`).
+    write_timeout: float = WRITE_TIMEOUT
     pickle_protocol: int
     _alias: str | None
     _scheduler: Any
@@ -153,6 +167,8 @@ class SharedJobStore:
         # the same object changes that state (a new object for the id is a replacement).
         self._added: dict[str, tuple[Job, bytes]] = {}
         self.shared = scheduler._shared_jobs
+        self.write_timeout = write_timeout(getattr(scheduler, "unactive_interval", None))
+        self._loop_errors = LoopErrors(lambda: self.where)
         self.shared.attach(self)
 
     def shutdown(self) -> None:
@@ -180,6 +196,8 @@ class SharedJobStore:
             return []
         jobs = []
         for job_id, state in self._read_due(float(timestamp(now) or 0.0), held):
+            if job_id in self._loop_errors.pending and self._advance_again(job_id, state):
+                continue  # its fire time ran: held back until its advance is written
             job = self.restore(job_id, state, from_loop=True)
             if job is not None:
                 due[job_id] = state
@@ -189,7 +207,12 @@ class SharedJobStore:
     def get_next_run_time(self) -> datetime | None:
         self._loop_reads.due = {}  # the loop pass over this store is over
         held = self.shared.held_jobs(self)
-        earliest = self._earliest(held) if held else None
+        try:
+            earliest = self._earliest(held) if held else None
+        except Exception as exc:  # noqa: BLE001 - APScheduler's loop dies of any error here: look again soon
+            self._loop_errors.failed("the next run time", "could not read the next run time", exc)
+            return datetime.now(timezone.utc) + timedelta(seconds=LOOP_RETRY)
+        self._loop_errors.ok("the next run time")
         when: datetime | None = utc_timestamp_to_datetime(earliest)
         return when
 
@@ -200,6 +223,7 @@ class SharedJobStore:
             fields = load(state)
             job = SharedJob.__new__(SharedJob)
             job.__setstate__(fields)
+            job._mc_lock = fields.get(LOCK_FIELD)
         except Exception as exc:  # noqa: BLE001 - any failure to unpickle or import: skip, keep the job
             self.shared.unrestorable(self, job_id, exc)
             return None
@@ -230,7 +254,14 @@ class SharedJobStore:
 
         def fields_for(current: bytes) -> dict[str, Any]:
             if base is None:  # a new Job object for an existing id: add_job(replace_existing=True)
-                return replacement_state(new, load(current), self.shared.explicit_next_run_time(job.id))
+                stored = load(current)
+                if self.shared.other_zone(self, job.id, new.get("trigger"), stored.get("trigger")):
+                    return stored  # computed in another zone here: not rewritten (said once)
+                if "trigger" in changed_fields({"trigger": stored.get("trigger")}, {"trigger": new.get("trigger")}):
+                    # Nodes starting together with different jobs files: the last writer wins; said, not silent.
+                    log.warning("job %r in %s: this node's add_job(replace_existing=True) replaces its trigger %s with %s",
+                                job.id, self.where, stored.get("trigger"), new.get("trigger"))  # fmt: skip
+                return replacement_state(new, stored, self.shared.explicit_next_run_time(job.id))
             if current == base:
                 return new
             return merged_state(load(base), new, load(current))  # changed since this writer read it: merged onto it
@@ -277,10 +308,18 @@ class SharedJobStore:
         raise StoreUnavailableError(f"job {job_id!r} in {self.where} kept changing while it was written; try again")
 
     def _advance(self, job: Job) -> None:
-        """The loop's write of a job it read: only over the state it read, else the other change wins."""
+        """The loop's write of a job it read: only over the state it read, else the other change wins.
+        A store error (a lock wait timed out) leaves the job due: its fire time stays claimed, so it
+        is not run again, and the next pass writes the advance again. The loop carries on."""
         base = job._mc_base
         state = self._dump(job)
-        if self._replace(job.id, base, timestamp(job.next_run_time), state, False):
+        try:
+            done = self._replace(job.id, base, timestamp(job.next_run_time), state, False)
+        except Exception as exc:  # noqa: BLE001 - APScheduler's loop dies of any error here
+            self._loop_errors.pending[job.id] = PendingAdvance(base, state, timestamp(job.next_run_time))
+            self._loop_errors.failed(f"job {job.id!r}", f"could not write the next run time of job {job.id!r}", exc)
+            return
+        if done:
             job._mc_base = state
             # Another writer's change that the loop read before this node's watcher did is still
             # reported (and its events sent) by the watcher: then its base is not what the watcher knows.
@@ -288,14 +327,39 @@ class SharedJobStore:
         else:
             log.info("job %r changed or was removed in %s while this node ran it: that change is kept", job.id, self.where)
 
+    def _advance_again(self, job_id: str, state: bytes) -> bool:
+        """Write again an advance the store refused with an error; False if the job changed since
+        (that change wins, and the job is the loop's again)."""
+        pending = self._loop_errors.pending[job_id]
+        if state != pending.base:
+            del self._loop_errors.pending[job_id]
+            return False
+        try:
+            done = self._replace(job_id, pending.base, pending.ts, pending.state, False)
+        except Exception as exc:  # noqa: BLE001 - still failing: said once already
+            self._loop_errors.failed(f"job {job_id!r}", f"could not write the next run time of job {job_id!r}", exc)
+            return True
+        del self._loop_errors.pending[job_id]
+        self._loop_errors.ok(f"job {job_id!r}")
+        if done:
+            self._wrote(job_id, pending.state, announce=False, if_known=pending.base)
+        return True
+
     def remove_job(self, job_id: str) -> None:
         base = getattr(self._loop_reads, "due", {}).pop(job_id, None)
-        if self._delete(job_id, base):
+        try:
+            deleted = self._delete(job_id, base)
+        except Exception as exc:
+            if base is None:
+                raise  # an API call: its caller sees the error
+            self._loop_errors.failed(f"job {job_id!r}", f"could not remove finished job {job_id!r}", exc)  # kept for now
+            return
+        if deleted:
             self._wrote(job_id, None)
             return
         if base is not None:  # the loop's removal of a finished date job that was changed meanwhile: kept
             log.info("job %r was changed in %s after its last run: not removed", job_id, self.where)
-            return
+            self.shared.keep(job_id)  # no EVENT_JOB_REMOVED, and its guard and lock stay
         raise JobLookupError(job_id)
 
     def remove_all_jobs(self) -> None:
@@ -315,6 +379,9 @@ class SharedJobStore:
         if isinstance(job.func, GuardedJob):  # a change of args or kwargs made APScheduler look the guard up
             fields["func"] = self.shared.func_ref(job)
         fields["trigger"] = stored_trigger(job.trigger)
+        lock = getattr(job, "_mc_lock", None) or self.shared.lock_of(job)
+        if lock is not None:
+            fields[LOCK_FIELD] = lock
         return fields
 
     def _dump(self, job: Job) -> bytes:
@@ -345,11 +412,24 @@ class SharedJobStore:
             states = self._read_states()
             with self._known_lock:
                 if writes == self._writes:
-                    before, self._known = self._known, dict(states)
-                    return before, states
+                    return self._took(states), states
         with self._known_lock:
-            before, self._known = self._known, dict(states)
-        return before, states
+            return self._took(states), states
+
+    def _took(self, states: dict[str, bytes]) -> dict[str, bytes]:
+        """``states`` are what this node knows now (under ``_known_lock``); returns what it knew. A job
+        another writer removed (a one-off job run by another node) is let go of: memory stays bounded."""
+        before, self._known = self._known, dict(states)
+        for job_id in before.keys() - states.keys():
+            self._added.pop(job_id, None)
+        return before
+
+
+def write_timeout(lease: float | None) -> float:
+    """How long a node's job store write waits for another writer's lock: well below its lease."""
+    if not lease:
+        return WRITE_TIMEOUT
+    return max(0.5, min(WRITE_TIMEOUT, lease / 3))
 
 
 def ids_in(rows: Iterable[tuple[str, Any]], wanted: Collection[str]) -> list[tuple[str, Any]]:

@@ -53,6 +53,8 @@ class SharedJobsMixin:
         try:
             super().remove_job(job_id, jobstore)  # type: ignore[misc]
         except JobLookupError:
+            if self._shared_jobs.is_kept(job_id):
+                return  # changed by another writer during the loop's pass: not removed (no event)
             stores = aps.jobstores(self)
             shared = [a for a, s in stores.items() if is_shared(s) and jobstore in (None, a)]
             if getattr(self, "state", STATE_STOPPED) == STATE_STOPPED or not shared:

@@ -29,13 +29,14 @@ from apscheduler.events import (
     EVENT_SCHEDULER_STARTED,
     JobEvent,
 )
-from apscheduler.schedulers.base import STATE_RUNNING
+from apscheduler.schedulers.base import STATE_PAUSED, STATE_RUNNING
+from apscheduler.triggers.cron import CronTrigger
 from apscheduler.util import obj_to_ref
 
 from ..errors import ConfigurationError
 from ..events import EVENT_LOCK_ACQUIRED, EVENT_LOCK_TAKEN_OVER
 from ..guard import apscheduler_internals as aps
-from ..guard.firetimes import guard_trigger
+from ..guard.firetimes import guard_trigger, zone_of
 from ..guard.job import GuardedJob, MutexConfig
 from .states import kind_of_change
 from .watch import Watcher
@@ -44,6 +45,16 @@ if TYPE_CHECKING:
     from .base import SharedJobStore
 
 log = logging.getLogger(__name__)
+
+
+def zone_of_scheduler(sched: Any) -> str | None:
+    """The zone a node computes its shared jobs' cron fire times in: its scheduler's ``timezone``."""
+    return zone_of(CronTrigger(timezone=sched.timezone)) if getattr(sched, "timezone", None) is not None else None
+
+
+def cron_zone(trigger: Any) -> str | None:
+    """A cron trigger's zone (its fire times depend on it); None for any other trigger."""
+    return zone_of(trigger) if isinstance(getattr(trigger, "inner", trigger), CronTrigger) else None
 
 
 def config_of_function(func: Any, job_id: str) -> MutexConfig:
@@ -70,6 +81,9 @@ class SharedJobs:
         self._leased: set[str] = set()  # locks handed to the lease manager
         self._explicit: set[str] = set()  # jobs added with next_run_time= given
         self._warned: dict[str, str] = {}  # job id -> the restore error last warned about
+        self._kept = threading.local()  # the job id whose removal by this thread's loop pass was refused
+        self._default_executor: type | None = None  # the scheduler's own executor class
+        self._my_zone: tuple[str | None] | None = None  # (this node's zone,) once read
         self._listening = False
 
     # -- add_job ---------------------------------------------------------------------------------
@@ -122,6 +136,16 @@ class SharedJobs:
     def guard(self, store: SharedJobStore, job: Any) -> bool:
         """Put the job's guard in place of its function; False if it has none on this node."""
         func = job.func
+        # A process started paused (a web app) runs nothing and takes no lock: it may lack the executor.
+        problem = self.executor_problem(job.executor, missing_ok=self.sched.state == STATE_PAUSED)
+        if problem is not None:
+            self._warn(job.id, f"job {job.id!r} in {store.where} is not run on this node: {problem}; it stays in the store")
+            return False
+        theirs, mine = cron_zone(job.trigger), self._zone()
+        if theirs is not None and mine is not None and theirs != mine and self.sched.state != STATE_PAUSED:
+            self._warn_zone(store, job.id, theirs, mine)  # the zone rule: a node that disagrees refuses the job
+            self.forget(store, job.id, keep_warning=True)  # and its lock, if its code added it here
+            return False
         with self._mutex:
             known = self._guards.get(job.id)
         if known is not None and known[0] is func:
@@ -134,10 +158,75 @@ class SharedJobs:
             except ConfigurationError as exc:
                 self._warn(job.id, f"job {job.id!r} in {store.where} is not run on this node: {exc}")
                 return False
+        if not self._same_lock(store, job, guard.lock):
+            return False  # a new guard is not registered: this node takes no lock for it
+        if known is None or known[1] is not guard:
             self.register(job.id, func, guard)
         job.func = guard
         job.trigger = guard_trigger(job.trigger, job.id, anchor=False)
         return True
+
+    def executor_problem(self, alias: str, *, missing_ok: bool = False) -> str | None:
+        """Why a shared job on executor ``alias`` cannot run under its lock here (None: it can;
+        with ``missing_ok``, also when this node has no such executor: a process adding the job).
+
+        A node without that executor leaves the job to the nodes that have it (APScheduler's loop
+        would delete it from the store). A process pool runs the job in a child, beyond the reach
+        of its fire claim and lease check: refused.
+        """
+        executor = aps.executors(self.sched).get(alias)
+        if executor is None:
+            return None if alias == "default" or missing_ok else f"executor {alias!r} is not configured on this node"
+        if self._default_executor is None:  # the type only: made once, not at each restore
+            self._default_executor = type(self.sched._create_default_executor())
+        if isinstance(executor, self._default_executor) or self.sched._mutex_executor(executor) is not None:
+            return None
+        return (
+            f"executor {alias!r} is a {type(executor).__name__}: a shared job runs under its lock in the scheduler's "
+            "own threads (its fire claim and lease are checked there). Drop executor= (or use a ThreadPoolExecutor); a "
+            "job that needs processes can start them itself"
+        )
+
+    def _same_lock(self, store: SharedJobStore, job: Any, lock: str) -> bool:
+        """False (and one warning) if the job was first added under another lock than this node's code names."""
+        stored = getattr(job, "_mc_lock", None)
+        if stored is None or stored == lock:
+            return True
+        self._warn(job.id, f"job {job.id!r} in {store.where} was added under lock {stored!r}, but this node's code "
+                           f"names lock {lock!r}: it is not run on this node (two locks would run its fire times twice). "
+                           "Deploy the same @sched.mutex(lock=...) on every node, or remove the job and add it again "
+                           "to change its lock")  # fmt: skip
+        return False
+
+    def other_zone(self, store: SharedJobStore, job_id: str, new: Any, stored: Any) -> bool:
+        """True (and one warning) if this node would rewrite a stored trigger in another zone (its
+        scheduler's ``timezone``): each restart of nodes in two zones would move the job's fire time."""
+        theirs, mine = cron_zone(stored), cron_zone(new)
+        if theirs is None or mine is None or theirs == mine:
+            return False
+        self._warn_zone(store, job_id, theirs, mine)
+        return True
+
+    def _zone(self) -> str | None:
+        """This node's zone for cron jobs (its scheduler's ``timezone``), read once."""
+        if self._my_zone is None:
+            self._my_zone = (zone_of_scheduler(self.sched),)
+        return self._my_zone[0]
+
+    def _warn_zone(self, store: SharedJobStore, job_id: str, theirs: str, mine: str) -> None:
+        self._warn(job_id, f"job {job_id!r} in {store.where} is a cron job stored in zone {theirs}, but this node computes "
+                           f"cron jobs in {mine}: it neither rewrites nor runs it. Give every node the same timezone= "
+                           "(or TZ)")  # fmt: skip
+
+    def lock_of(self, job: Any) -> str | None:
+        """The lock a shared job is guarded by on this node (None: it has no guard here)."""
+        if isinstance(job.func, GuardedJob):
+            return job.func.lock
+        try:
+            lock = config_of_function(job.func, job.id).lock
+        except ConfigurationError:
+            return None
+        return lock if isinstance(lock, str) else None
 
     def func_ref(self, job: Any) -> str:
         """The ``module:function`` text of a guarded shared job's own function."""
@@ -194,14 +283,15 @@ class SharedJobs:
             for lock in locks:
                 leases.remove_lock(lock)
 
-    def forget(self, store: SharedJobStore, job_id: str) -> None:
-        """The job is gone from the store (removed anywhere, or its last run submitted): its guard
-        goes by the scheduler's ``forget_job``, as for any removed guarded job (when a run of it
-        still going ends), and with the last job of its lock, the lock."""
+    def forget(self, store: SharedJobStore, job_id: str, *, keep_warning: bool = False) -> None:
+        """The job is gone from the store (removed anywhere, or its last run submitted), or this node
+        refuses it: its guard goes by the scheduler's ``forget_job``, as for any removed guarded job
+        (when a run of it still going ends), and with the last job of its lock, the lock."""
         with self._mutex:
             known = self._guards.pop(job_id, None)
             self._explicit.discard(job_id)
-            self._warned.pop(job_id, None)
+            if not keep_warning:
+                self._warned.pop(job_id, None)
             if known is None:
                 return
             lock = known[1].lock
@@ -209,6 +299,22 @@ class SharedJobs:
                 self._leased.discard(lock)  # forget_job lets go of it; a new job of it leases it again
         if self.sched._guarded.get(job_id) is known[1]:
             self.sched.forget_job(job_id)
+
+    def keep(self, job_id: str) -> None:
+        """The loop's removal of a finished date job was refused: another writer changed it meanwhile
+        (a reschedule), so it stays, with its guard and its lock."""
+        self._kept.job_id = job_id
+
+    def is_kept(self, job_id: str) -> bool:
+        """True if this thread's last removal of ``job_id`` was refused (:meth:`keep`)."""
+        kept: bool = getattr(self._kept, "job_id", None) == job_id
+        return kept
+
+    def was_kept(self, job_id: str) -> bool:
+        """:meth:`is_kept`, and forgotten: once per removal."""
+        kept = self.is_kept(job_id)
+        self._kept.job_id = None
+        return kept
 
     def _release_if_unused(self, lock: str) -> None:
         if any(g.lock == lock for _f, g in self._guards.values()) or lock not in self._leased:
@@ -251,11 +357,13 @@ class SharedJobs:
         for job_id in before.keys() - now.keys():
             self.forget(store, job_id)
             events.append((EVENT_JOB_REMOVED, job_id))
+        moved = False  # a next run time moved by another writer (``modify_job(next_run_time=...)``): no event, a wake-up
         for job_id in now.keys() & before.keys():
             if now[job_id] != before[job_id] and kind_of_change(before[job_id], now[job_id]) == "modified":
                 store.restore(job_id, now[job_id])  # a new function gets its guard
                 events.append((EVENT_JOB_MODIFIED, job_id))
-        if initial or not events:
+            moved = moved or now[job_id] != before[job_id]
+        if initial or not (events or moved):
             return
         for code, job_id in events:
             aps.dispatch_event(self.sched, JobEvent(code, job_id, store._alias))

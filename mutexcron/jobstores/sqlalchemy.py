@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
-from sqlalchemy import BigInteger, Column, Integer, MetaData, Table, and_, func, inspect, select
+from sqlalchemy import BigInteger, Column, Integer, MetaData, Table, and_, event, func, inspect, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.sql.expression import null
 
 from ..tasks.wakeups.listen import LOCAL_WAKERS, RegisteredPollWaker
 from ..urls import mask_url, redact
-from .base import SharedJobStore, chunks
+from .base import SharedJobStore, chunks, write_timeout
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -74,6 +75,13 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
     def _local_key(self) -> str:
         return f"jobstore:{self.engine.url.render_as_string(hide_password=True)}:{self.jobs_t.fullname}"
 
+    def start(self, scheduler: Any, alias: str) -> None:
+        bound_lock_waits(self.engine, write_timeout(getattr(scheduler, "unactive_interval", None)))
+        # APScheduler's own create (check, then create) fails on the node that loses a race with another
+        # creating the table: nodes starting together on a fresh database. Made here first, it finds it.
+        create_if_missing(self.jobs_t, self.engine)
+        super().start(scheduler, alias)
+
     # -- the change counter ----------------------------------------------------------------------
     def prepare_changes(self, create: bool) -> None:
         """The one-row table ``<job table>_changes`` beside the job table: every announced write bumps
@@ -85,13 +93,9 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
             return  # looking would create the file
         t = changes_table(self.jobs_t)
         try:
-            if create and not inspect(self.engine).has_table(t.name, schema=t.schema):
-                try:
-                    t.create(self.engine, checkfirst=True)
-                except SQLAlchemyError:  # another node made it meanwhile
-                    if not inspect(self.engine).has_table(t.name, schema=t.schema):
-                        raise
-            elif not create and not inspect(self.engine).has_table(t.name, schema=t.schema):
+            if create:
+                create_if_missing(t, self.engine)
+            elif not inspect(self.engine).has_table(t.name, schema=t.schema):
                 return
             with self.engine.connect() as conn:
                 missing = conn.execute(select(t.c.version).where(t.c.id == 1)).first() is None
@@ -222,6 +226,47 @@ class SharedSQLAlchemyJobStore(SharedJobStore, SQLAlchemyJobStore):  # type: ign
 
             return SQLiteWaker(path, self._local_key, [CODE], None, self.where, version_poll=SQLITE_POLL)
         return RegisteredPollWaker(self._local_key, [CODE], POLL)
+
+
+def bound_lock_waits(engine: Any, seconds: float) -> None:
+    """Every connection of the job store's engine waits at most ``seconds`` for a row or database
+    lock another writer holds (then an error), so a writer frozen inside its transaction elsewhere
+    holds one job, never this node: PostgreSQL's ``lock_timeout``, MariaDB/MySQL's
+    ``innodb_lock_wait_timeout`` (whole seconds), SQLite's busy timeout. Set once per connection,
+    as it is made: no statement more per write. Connections pooled before are let go of."""
+    dialect = engine.dialect.name
+    if dialect == "postgresql":
+        statement = f"SET lock_timeout = {int(seconds * 1000)}"  # an int of ours (ms): no outside input
+    elif dialect in ("mysql", "mariadb"):
+        statement = f"SET SESSION innodb_lock_wait_timeout = {max(1, math.ceil(seconds))}"
+    elif dialect == "sqlite":
+        statement = f"PRAGMA busy_timeout = {int(seconds * 1000)}"
+    else:
+        return
+
+    def on_connect(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(statement)
+        finally:
+            cursor.close()
+        if dialect == "postgresql" and not getattr(dbapi_connection, "autocommit", True):
+            dbapi_connection.commit()  # psycopg opened a transaction for the SET: end it, the setting stays
+
+    event.listen(engine, "connect", on_connect)
+    engine.dispose()  # connections made before (APScheduler's own) get the bound when they are made again
+
+
+def create_if_missing(table: Table, engine: Any) -> None:
+    """Create ``table`` unless it exists; another node creating it at the same moment is no error."""
+    if inspect(engine).has_table(table.name, schema=table.schema):
+        return
+    try:
+        table.create(engine, checkfirst=True)
+    except SQLAlchemyError:  # another node made it meanwhile
+        if not inspect(engine).has_table(table.name, schema=table.schema):
+            raise
+        log.info("table %s was created by another node at the same time", table.fullname)
 
 
 def changes_table(jobs_t: Table) -> Table:

@@ -16,6 +16,9 @@ from ..guard.firetimes import SlotTrigger
 
 #: Fields are compared by their pickles with this protocol (any fixed one works).
 _COMPARE_PROTOCOL = 4
+#: The lock a shared job was first added under, stored with it (APScheduler ignores the extra key):
+#: a node whose code names another lock refuses the job, so a deploy cannot split it over two locks.
+LOCK_FIELD = "mutexcron_lock"
 
 
 def stored_trigger(trigger: Any) -> Any:
@@ -69,6 +72,8 @@ def replacement_state(new: dict[str, Any], current: dict[str, Any], explicit_nex
     paused), unless the caller gave ``next_run_time`` itself: every node adding its jobs at start-up
     then changes nothing, and a rolling restart neither skips nor doubles a fire time.
     """
+    if current.get(LOCK_FIELD) is not None:
+        new = {**new, LOCK_FIELD: current[LOCK_FIELD]}  # the lock stays the one the job was first added under
     if explicit_next_run_time or not _same(new.get("trigger"), current.get("trigger")):
         return new
     return {**new, "next_run_time": current.get("next_run_time")}
