@@ -74,8 +74,8 @@ def test_lock_store_comes_from_the_apps_config(tmp_path: Path, no_lock_url_env: 
     from mutexcron.contrib.flask import APScheduler, lock_url_from_config, sqlalchemy_lock_url
     from mutexcron.errors import ConfigurationError
 
-    assert sqlalchemy_lock_url(make_url("postgresql+psycopg2://u:pw@db/app?sslmode=require")) == "postgresql://u:pw@db/app"
-    assert sqlalchemy_lock_url(make_url("mysql+mysqldb://u@db/app?charset=utf8mb4")) == "mysql+pymysql://u@db/app"
+    assert sqlalchemy_lock_url(make_url("postgresql+psycopg2://u:pw@db/app?sslmode=require")) == "postgresql://u:pw@db/app?sslmode=require"
+    assert sqlalchemy_lock_url(make_url("mysql+mysqldb://u@db/app?charset=utf8mb4")) == "mysql://u@db/app?charset=utf8mb4"
     assert lock_url_from_config({"SQLALCHEMY_DATABASE_URI": f"sqlite:///{tmp_path}/a.db"}, {}) == f"sqlite:///{tmp_path}/a.db"
     assert lock_url_from_config({"SCHEDULER_LOCK_URL": "redis://h/1", "SQLALCHEMY_DATABASE_URI": "sqlite://"}, {}) == "redis://h/1"
 

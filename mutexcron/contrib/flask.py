@@ -36,6 +36,7 @@ except ImportError as exc:  # pragma: no cover - the extra not installed
 from ..guard import apscheduler_internals as aps
 from ..guard.triggers import TRIGGER_CODE
 from ..jobstores import is_shared
+from ..jobstores.lockstore import sql_lock_url
 from ..locks import URL_ENV
 from ..scheduler import MutexScheduler
 from ..urls import mask_url
@@ -48,9 +49,6 @@ log = logging.getLogger(__name__)
 LOCK_URL_KEY = "SCHEDULER_LOCK_URL"
 #: Who the REST API's run requests say asked for them.
 REQUESTED_BY = "Flask-APScheduler API"
-
-_DIALECT_SCHEMES = {"sqlite": "sqlite", "postgresql": "postgresql", "mysql": "mysql+pymysql", "mariadb": "mysql+pymysql"}
-
 
 class FlaskMutexScheduler(MutexScheduler):
     """The ``MutexScheduler`` behind :class:`APScheduler`: a job added without ``mutex=`` is guarded
@@ -193,12 +191,10 @@ def lock_url_from_config(config: Any, jobstores: dict[str, Any]) -> str | None:
 
 def sqlalchemy_lock_url(url: Any) -> str:
     """A lock store URL on the database of a SQLAlchemy URL (its driver swapped for mutexcron's)."""
-    backend = str(url.get_backend_name())
-    scheme = _DIALECT_SCHEMES.get(backend)
-    if scheme is None:
+    lock_url = sql_lock_url(url)
+    if lock_url is None:
         raise ConfigurationError(
-            f"no lock store on a {backend} database: set {LOCK_URL_KEY} to a store URL "
-            "(sqlite, mysql, postgresql, redis, mongodb)"
+            f"no lock store on a {url.get_backend_name()} database in {mask_url(str(url))}: set {LOCK_URL_KEY} to "
+            "a store URL every process reaches (sqlite file, mysql, postgresql, redis, mongodb)"
         )
-    rendered: str = url.set(drivername=scheme, query={}).render_as_string(hide_password=False)
-    return rendered
+    return lock_url

@@ -17,11 +17,13 @@ from ..errors import ConfigurationError
 from ..urls import mask_url, url_scheme
 from . import is_shared
 
-__all__ = ["lock_url_of", "refuse_local_lock_store", "shared_lock_url"]
+__all__ = ["lock_url_of", "refuse_local_lock_store", "shared_lock_url", "sql_lock_url"]
 
 
-def _sql_lock_url(store: Any) -> str | None:
-    url = store.engine.url
+def sql_lock_url(url: Any) -> str | None:
+    """The lock store URL on the database of the SQLAlchemy URL ``url``: mutexcron's scheme for its
+    dialect, the rest (credentials, driver options such as ``sslmode``) kept. None for a database in
+    one process's memory or a dialect mutexcron has no store for."""
     backend = url.get_backend_name()
     if backend == "sqlite":
         if url.database in (None, "", ":memory:"):
@@ -47,7 +49,7 @@ def _redis_lock_url(store: Any) -> str | None:
 def lock_url_of(store: Any) -> str | None:
     """The lock store URL on the database of the shared job store ``store`` (None: it cannot be told)."""
     if hasattr(store, "engine") and hasattr(store, "jobs_t"):
-        return _sql_lock_url(store)
+        return sql_lock_url(store.engine.url)
     if hasattr(store, "redis") and hasattr(store, "jobs_key"):
         return _redis_lock_url(store)
     return None  # MongoDB: its client does not give back the URL it was built from
