@@ -35,12 +35,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from ..backends.health import StoreHealth
 from ..errors import ConfigurationError, Defer, FailTask, StaleTaskError, StoreError, StoreUnavailableError
 from ..events import Emit, log_event
-from .base import Done, Fail, Outcome, Reschedule, TaskRecord, TaskStore
+from .base import Fail, Outcome, Retry, TaskRecord, TaskStore
 from .completions import Completion, CompletionQueue
 from .handlers import Handler, Task, public_codes
 from .wakeups.base import BACKSTOP_POLL, Waker
@@ -56,6 +57,10 @@ DEFAULT_CONCURRENCY = 8
 #: The most tasks a node claims beyond its free handler threads unless configured
 #: (``$MUTEXCRON_TASK_CLAIM_AHEAD``; 0: claim only for free threads).
 DEFAULT_CLAIM_AHEAD = 96
+#: Runs of one task on one node that outlive their lease (handed back, not counted) before the next
+#: one counts as a failed attempt: a handler that always overruns ends instead of looping.
+OVERRUN_LIMIT = 3
+_OVERRUNS_KEPT = 10_000  # tasks whose overruns a node remembers (the oldest forgotten first)
 
 
 @dataclass
@@ -174,6 +179,7 @@ class TaskWorker:
         self.completions = CompletionQueue(store, node_id, self._settled, linger=lambda: self._busy > 0)
         self.lags: dict[str, LagStats] = {}  # code -> due-to-start lags (metrics read them)
         self.clock_offset: Callable[[], float | None] = lambda: None  # node wall clock minus the store's
+        self._overruns: dict[tuple[str, str], int] = {}  # (code, key) -> runs here that outlived their lease
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -434,14 +440,14 @@ class TaskWorker:
             if not self._begin(run):
                 return
             self._record_lag(run.record)
-            outcome = run.handler.exhausted(run.record) or self._call(run)
+            outcome = self._overrun_outcome(run) or run.handler.exhausted(run.record) or self._call(run)
             if outcome is None:
-                self._settled_by_handler(run)
+                ended = self._settled_by_handler(run)
                 return
             with self._mutex:
                 run.ending = True
-            if isinstance(outcome, (Done, Reschedule)) and self._is_lost(run):
-                self._give_back_lost(run, outcome)
+            if self._is_lost(run):
+                ended = self._give_back_lost(run, type(outcome).__name__)
             else:
                 self._complete(run, outcome)
                 ended = False
@@ -523,6 +529,13 @@ class TaskWorker:
         record = run.record
         if run.self_completed is not None:
             raise ConfigurationError(f"task {record.code}/{record.key}: task.complete() was called already in this attempt")
+        if self._is_lost(run):  # the store may still take it (nobody took the task over), but this run is over
+            with self._mutex:
+                run.self_completed, run.ending = "refused", True
+            raise StaleTaskError(
+                f"task {record.code}/{record.key} (token {record.token}): this node's lease ran out before the "
+                "completion; let this error roll your transaction back: the task is handed back and runs again"
+            )
         try:
             complete_in(self.store, transaction, self.node_id, record.code, record.key, record.token, outcome)
         except StaleTaskError:
@@ -532,9 +545,12 @@ class TaskWorker:
         with self._mutex:
             run.self_completed, run.ending = type(outcome).__name__, True
 
-    def _settled_by_handler(self, run: _Run) -> None:
-        """Count (and for a refusal, log) an attempt the handler ended in its own transaction."""
+    def _settled_by_handler(self, run: _Run) -> bool:
+        """Count (and for a refusal, log) an attempt the handler ended in its own transaction; False
+        if its end went to the completion thread."""
         record = run.record
+        if run.self_completed == "refused" and run.lost:  # refused by this node: the lease had run out
+            return self._give_back_lost(run, "task.complete()")
         if run.self_completed == "refused":
             self._bump("refused")
             log.warning(
@@ -544,12 +560,31 @@ class TaskWorker:
                 record.key,
                 record.token,
             )
-            return
+            return True
         self._bump("rescheduled" if run.self_completed == "Reschedule" else "done")
+        return True
 
     def _is_lost(self, run: _Run) -> bool:
+        """True once the run's lease ran out by this node's monotonic clock or a renewal was refused:
+        for good (a renewal that lands later never brings the run back). Sticky, so what the
+        handler saw when it stopped is what the worker acts on when it returns."""
         with self._mutex:
-            return run.lost or self.clock() >= run.deadline
+            return self._lost_now(run)
+
+    def _lost_now(self, run: _Run) -> bool:
+        """:meth:`_is_lost`, under the mutex."""
+        if not run.lost and self.clock() >= run.deadline:
+            run.lost = True
+            if run.started and not run.ending:
+                self.stats.lost += 1
+                log.warning(
+                    "task %s/%s (token %d): the lease ran out by this node's clock before a renewal got through; "
+                    "task.lost is now True for good",
+                    run.record.code,
+                    run.record.key,
+                    run.record.token,
+                )
+        return run.lost
 
     def _end(self, run: _Run) -> None:
         with self._mutex:
@@ -579,37 +614,86 @@ class TaskWorker:
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    def _give_back_lost(self, run: _Run, outcome: Outcome) -> None:
-        """The handler ended with a result (Done, Reschedule) after this node lost the lease (a renewal
-        refused, or none got through within the lease): it may have stopped half-way because
+    def _give_back_lost(self, run: _Run, outcome: str) -> bool:
+        """The handler ended (with ``outcome``, an outcome's name) after this node lost the lease (it
+        ran out by the node's clock, or a renewal was refused): it may have stopped half-way because
         ``task.lost`` said so. Never record that as the task's end: hand it back, fenced (claimable
         at once, the attempt not counted). If nobody took it over, it runs again; if somebody did,
-        the hand-back is refused and the newer attempt is kept."""
+        the hand-back is refused and the newer attempt is kept.
+
+        The :data:`OVERRUN_LIMIT`-th such end of the same task on this node counts as a failed
+        attempt instead (:meth:`_overran`), so a handler that always outlives its lease ends.
+        Returns False if the run's end went to the completion thread (which ends the run).
+        """
         record = run.record
+        if self._count_overrun(run) >= OVERRUN_LIMIT:
+            self._complete(run, self._overran(run))
+            return False
         count = self._patiently(
             run, lambda: self.store.release(self.node_id, [(record.code, record.key, record.token)]), "its hand-back"
         )
         if count is None:
-            return
+            return True
         if count:
             self._bump("released", count)
             log.warning(
-                "task %s/%s (token %d): the handler returned %s after this node lost the lease: handed back, not "
+                "task %s/%s (token %d): the handler ended (%s) after this node lost the lease: handed back, not "
                 "recorded (it runs again)",
                 record.code,
                 record.key,
                 record.token,
-                type(outcome).__name__,
+                outcome,
             )
         else:
             self._bump("refused")
             log.warning(
-                "task %s/%s (token %d): completion refused: this node lost the lease and the task was taken over or "
-                "cancelled; the store keeps the newer state",
+                "task %s/%s (token %d): hand-back refused: this node lost the lease and %s; the store keeps the newer state",
                 record.code,
                 record.key,
                 record.token,
+                self._superseded(run),
             )
+        return True
+
+    def _count_overrun(self, run: _Run) -> int:
+        """One more run of this task on this node that outlived its lease; how many so far."""
+        with self._mutex:
+            count = self._overruns.pop(run.task_key, 0) + 1
+            self._overruns[run.task_key] = count
+            while len(self._overruns) > _OVERRUNS_KEPT:
+                del self._overruns[next(iter(self._overruns))]
+            return count
+
+    def _overrun_outcome(self, run: _Run) -> Outcome | None:
+        """A claim of a task this node saw outlive its lease :data:`OVERRUN_LIMIT` times (its last
+        hand-back refused: this node had claimed it again): the failed attempt, without running it."""
+        with self._mutex:
+            if self._overruns.get(run.task_key, 0) < OVERRUN_LIMIT:
+                return None
+        return self._overran(run)
+
+    def _overran(self, run: _Run) -> Outcome:
+        """The failed attempt of a task whose handler outlived its lease :data:`OVERRUN_LIMIT` times on
+        this node: a retry after the handler's back-off, or failed when no attempt is left."""
+        record, handler = run.record, run.handler
+        with self._mutex:
+            count = self._overruns.pop(run.task_key, OVERRUN_LIMIT)
+        error = (
+            f"the handler outlived its {handler.lease:g} s lease {count} times on node {self.node_id}: raise the "
+            "handler's lease, or let its renewals run (a handler that holds the GIL blocks them)"
+        )
+        log.error("task %s/%s (token %d): %s", record.code, record.key, record.token, error)
+        if record.attempt >= handler.max_attempts:
+            return Fail(f"attempt {record.attempt} of {handler.max_attempts}: {error}")
+        return Retry(timedelta(seconds=handler.retry_delay(record.attempt)), error)
+
+    def _superseded(self, run: _Run) -> str:
+        """Who holds the task now, as far as this node knows: itself (a newer claim), or another node."""
+        with self._mutex:
+            newer = self._runs.get(run.task_key)
+        if newer is not None and newer is not run and newer.record.token > run.record.token:
+            return f"this node claimed it again (token {newer.record.token}) after its lease ran out"
+        return "the task was taken over by a newer attempt or cancelled"
 
     def _complete(self, run: _Run, outcome: Outcome) -> None:
         """One fenced write, queued for the completion thread (which ends the run): tried even if this
@@ -650,13 +734,16 @@ class TaskWorker:
         if not result:
             self._bump("refused")
             log.warning(
-                "task %s/%s (token %d): completion refused: the task was taken over by a newer attempt (this node's "
-                "lease ran out) or cancelled; the store keeps the newer state",
+                "task %s/%s (token %d): completion refused: %s; the store keeps the newer state",
                 record.code,
                 record.key,
                 record.token,
+                self._superseded(run),
             )
             return
+        if not run.lost:
+            with self._mutex:
+                self._overruns.pop(run.task_key, None)
         self._bump({"Done": "done", "Reschedule": "rescheduled", "Retry": "retried", "Fail": "failed"}[type(outcome).__name__])
 
     def _bump(self, name: str, count: int = 1) -> None:
@@ -697,8 +784,10 @@ class TaskWorker:
         self.health.report(True)
         with self._mutex:
             for run in runs:
-                if run.task_key in renewed:
+                if run.task_key in renewed and not self._lost_now(run):  # a late renewal never revives a run
                     run.deadline, run.renew_at = sent_at + lease, sent_at + lease / 3
+                elif run.task_key in renewed:
+                    continue
                 elif not run.lost and not run.ending:  # an ending run's completion may have landed first
                     run.lost = True
                     self.stats.lost += 1

@@ -2,7 +2,9 @@
 
 Each start and end is one JSON line in ``$TASK_NODE_LOG`` (node, key, token, attempt, wall
 time). The payload steers the handler: ``sleep`` seconds, and ``reschedule_hours_per_token``
-returns ``timedelta(hours=token * n)`` (so the store's final due shows which attempt counted).
+returns ``timedelta(hours=token * n)`` (so the store's final due shows which attempt counted);
+``steps`` runs that many steps of ``step`` seconds, checking ``task.lost`` before each, and on
+lost logs ``lost`` and returns after ``cleanup`` seconds (the documented pattern).
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ def record(event: str, task: Task) -> None:
 def work(task: Task) -> Any:
     record("start", task)
     payload = task.payload or {}
+    for _ in range(int(payload.get("steps", 0))):
+        if task.lost:
+            record("lost", task)
+            time.sleep(float(payload.get("cleanup", 0)))
+            return None
+        time.sleep(float(payload.get("step", 0.1)))
     time.sleep(float(payload.get("sleep", 0)))
     record("end", task)
     hours = payload.get("reschedule_hours_per_token")
