@@ -126,3 +126,88 @@ def test_a_node_frozen_mid_handler_never_records_the_half_done_run(kind: str, cl
     assert wait_for(lambda: c.pool.get("work", "steps") is None, 30), c.output("n0")[-3000:]
     ends = [e for e in c.events() if e["key"] == "steps" and e["event"] == "end"]
     assert ends and all(e["token"] > first["token"] for e in ends), c.events()  # done only by a run that finished
+
+
+# -- M3: a free thread wakes the claim thread -------------------------------------------------------
+def test_without_claim_ahead_a_freed_thread_wakes_the_claim_thread() -> None:
+    """``claim_ahead=0``: each thread that frees asks for its next task at once, not at the backstop."""
+    from mutexcron.tasks.stores.memory import MemoryTaskStore
+
+    store = MemoryTaskStore("memory://faults-m3")
+    for i in range(40):
+        store.add("c", f"k{i}", SOON)
+    ran: list[str] = []
+    worker = TaskWorker(
+        store, {"c": Handler("c", lambda task: (ran.append(task.key), time.sleep(0.02))[0], poll=60)}, NODE,
+        concurrency=2, claim_ahead=0, backstop=60,
+    )  # fmt: skip
+    worker.start()
+    try:
+        assert wait_for(lambda: len(ran) == 40, 10), f"{len(ran)} of 40 ran: the claim thread waited for its backstop"
+        assert worker.stats.claimed == 40
+    finally:
+        worker.stop(2)
+        store.close()
+
+
+# -- M4: a hand-back goes to an idle node ------------------------------------------------------------
+def test_a_busy_node_does_not_claim_again_what_it_handed_back_until_a_thread_frees() -> None:
+    from mutexcron.tasks.stores.memory import MemoryTaskStore
+
+    clock, store = FakeClock(), MemoryTaskStore("memory://faults-m4")
+    long_one, ran = threading.Event(), []  # type: threading.Event, list[tuple[str, str]]
+
+    def handle(node: str) -> Callable[[Task], None]:
+        def run(task: Task) -> None:
+            ran.append((node, task.key))
+            if task.key == "long":
+                long_one.wait(10)
+
+        return run
+
+    store.add("c", "long", timedelta(seconds=-2))
+    store.add("c", "short", SOON)
+    busy = TaskWorker(
+        store, {"c": Handler("c", handle("busy"), lease=3)}, "busy", clock=clock, concurrency=1, claim_ahead=1, backstop=0.05
+    )
+    busy.start()
+    idle: TaskWorker | None = None
+    try:
+        assert wait_for(lambda: ("busy", "long") in ran and busy.stats.claimed == 2)  # short claimed ahead, waiting
+        clock.advance(1.1)  # a third of the lease: the waiting claim is handed back
+        busy.renew_round()
+        assert busy.stats.released == 1
+        time.sleep(0.5)  # ten looks of the busy node's claim thread
+        short = store.get("c", "short")
+        assert short is not None and short.state == "queued", short  # not claimed again by the busy node
+        idle = TaskWorker(store, {"c": Handler("c", handle("idle"), lease=3)}, "idle", clock=clock, backstop=0.05)
+        idle.start()
+        assert wait_for(lambda: ("idle", "short") in ran)
+        assert ("busy", "short") not in ran
+    finally:
+        long_one.set()
+        busy.stop(2)
+        if idle is not None:
+            idle.stop(2)
+        store.close()
+
+
+# -- M5: endless overruns end --------------------------------------------------------------------------
+@every_backend
+def test_a_handler_that_always_outlives_its_lease_fails_naming_the_lease(
+    workers: Workers, caplog: pytest.LogCaptureFixture
+) -> None:
+    runs: list[int] = []
+
+    def overrun(task: Task) -> None:
+        runs.append(task.token)
+        workers.clock.advance(4)  # the handler held the node past its 3 s lease (no renewal could run)
+
+    workers.store.add("c", "k", SOON)
+    worker = workers.start(Handler("c", overrun, lease=3, max_attempts=1))
+    assert wait_for(lambda: getattr(workers.store.get("c", "k"), "state", None) == "failed")
+    task = workers.store.get("c", "k")
+    assert task is not None and task.last_error is not None
+    assert "outlived its 3 s lease 3 times" in task.last_error and "raise the handler's lease" in task.last_error
+    assert len(runs) == 3 and worker.stats.released == 2 and worker.stats.failed == 1
+    assert "taken over" not in caplog.text

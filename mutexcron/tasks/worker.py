@@ -6,14 +6,16 @@ clock: :meth:`~mutexcron.tasks.TaskStore.next_due`), woken early by the store's 
 ``claim_ahead`` more (as many as the node finished in the last second, at least one per thread,
 at most ``claim_ahead``), in one round trip per lease length. Claimed tasks wait in one queue the
 handler threads take from in turn (a thread that ends a task takes the next one without being
-woken); the claim thread claims again when the queue is down to half of what it claims ahead.
+woken); the claim thread claims again when the queue is down to half of what it claims ahead, or
+when a thread frees and nothing waits for it.
 Every claimed task
 
 1. runs only if its lease is still ours by this node's monotonic clock, checked right before the
    handler's first line (a claim whose reply came later than its lease, or that waited in the
    queue until its lease ran out, is never run);
 2. if it is still waiting for a thread when its lease is a third gone, is handed back (fenced:
-   token + 1, claimable at once by any node) instead of being renewed;
+   token + 1, claimable at once by any node) instead of being renewed, and the node claims
+   nothing ahead until one of its threads frees (the task goes to an idle node, not back here);
 3. once started, is renewed by the scheduler's heartbeat thread, every lease/3, one round trip
    for all of the node's running tasks (:meth:`TaskWorker.renew_round`); ``task.lost`` turns
    True when a renewal is refused or none succeeded within the lease;
@@ -169,6 +171,7 @@ class TaskWorker:
         self._busy = 0  # handler threads running a task
         self._idle_threads = 0
         self._refill_asked = False  # a handler thread woke the claim thread for more since its last look
+        self._handed_back_busy = False  # claims waited too long for a thread: none ahead until one frees
         self._ended: deque[float] = deque()  # clock() of the handlers ended in the last second
         self._unstarted: list[_Run] = []  # claims a stop caught before their handler started
         self._stopping = False
@@ -204,8 +207,8 @@ class TaskWorker:
 
     def _ahead(self) -> int:
         """Tasks to claim beyond the free threads: as many as ended in the last second (at least one
-        per thread), at most ``claim_ahead``. Under the mutex."""
-        if not self.claim_ahead:
+        per thread), at most ``claim_ahead``; none after a hand-back until a thread frees. Under the mutex."""
+        if not self.claim_ahead or self._handed_back_busy:
             return 0
         now = self.clock()
         while self._ended and self._ended[0] <= now - 1.0:
@@ -297,6 +300,8 @@ class TaskWorker:
             stale, self._unstarted = self._unstarted, []
             soonest = min((r.renew_at for r in self._waiting), default=None)
         if stale:
+            with self._mutex:  # they go to an idle node: claim nothing ahead until a thread of ours frees
+                self._handed_back_busy = True
             log.info("handing back %d claimed task(s) that waited a third of their lease for a thread", len(stale))
             self._hand_back(stale)
         return self.backstop if soonest is None else max(0.0, soonest - now)
@@ -428,9 +433,19 @@ class TaskWorker:
             try:
                 self._run(run)
             finally:
-                with self._mutex:
-                    self._busy -= 1
-                    self._ended.append(self.clock())
+                self._thread_freed()
+
+    def _thread_freed(self) -> None:
+        """A handler thread ended its task: wake the claim thread if nothing waits for it (whatever
+        claim-ahead is: with none, the claim thread has nothing to claim for until a thread frees)."""
+        with self._mutex:
+            self._busy -= 1
+            self._ended.append(self.clock())
+            self._handed_back_busy = False
+            wake = not self._waiting and not self._refill_asked
+            self._refill_asked |= wake
+        if wake and self._waker is not None:
+            self._waker.notify()
 
     # -- running -----------------------------------------------------------------------------
     def _run(self, run: _Run) -> None:
