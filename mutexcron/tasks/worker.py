@@ -118,6 +118,8 @@ class _Run:
     lost: bool = False
     #: the handler returned: its outcome is being recorded (a renewal refused now is no loss)
     ending: bool = False
+    #: counted as outliving its lease (:meth:`TaskWorker._count_overrun`)
+    overrun_counted: bool = False
     #: the handler ended the attempt in its own transaction (Task.complete): the outcome's name,
     #: or "refused" if the fence failed there. The worker records nothing more for this attempt.
     self_completed: str | None = None
@@ -383,12 +385,31 @@ class TaskWorker:
             return
         with self._mutex:
             for run in runs:
+                self._supersede_locked(run)
                 self._runs[run.task_key] = run
             self._waiting.extend(runs)
             self.stats.claimed += len(runs)
             self._work.notify(min(len(runs), self._idle_threads))
         if self.on_renew_needed is not None:
             self.on_renew_needed()
+
+    def _supersede_locked(self, run: _Run) -> None:
+        """This node claimed again a task it still runs (its run outlived the lease, and the store gave
+        the task to the next claim, ours): the older run is lost for good and counted as an overrun."""
+        older = self._runs.get(run.task_key)
+        if older is None or older is run or not older.started:
+            return
+        older.lost = True
+        count = self._overrun_locked(older)
+        log.warning(
+            "task %s/%s: this node's run (token %d) outlived its %g s lease (%d time(s)); this node claimed it again (token %d)",
+            run.record.code,
+            run.record.key,
+            older.record.token,
+            older.handler.lease,
+            count,
+            run.record.token,
+        )
 
     def _no_handler(self, record: TaskRecord) -> str:
         return (
@@ -455,7 +476,7 @@ class TaskWorker:
             if not self._begin(run):
                 return
             self._record_lag(run.record)
-            outcome = self._overrun_outcome(run) or run.handler.exhausted(run.record) or self._call(run)
+            outcome = self._overrun_outcome(run) or self._exhausted(run) or self._call(run)
             if outcome is None:
                 ended = self._settled_by_handler(run)
                 return
@@ -671,13 +692,40 @@ class TaskWorker:
         return True
 
     def _count_overrun(self, run: _Run) -> int:
-        """One more run of this task on this node that outlived its lease; how many so far."""
+        """One more run of this task on this node that outlived its lease (once per run); how many so far."""
         with self._mutex:
-            count = self._overruns.pop(run.task_key, 0) + 1
-            self._overruns[run.task_key] = count
-            while len(self._overruns) > _OVERRUNS_KEPT:
-                del self._overruns[next(iter(self._overruns))]
-            return count
+            return self._overrun_locked(run)
+
+    def _overrun_locked(self, run: _Run) -> int:
+        """:meth:`_count_overrun`, under the mutex."""
+        if run.overrun_counted:
+            return self._overruns.get(run.task_key, 1)
+        run.overrun_counted = True
+        count = self._overruns.pop(run.task_key, 0) + 1
+        self._overruns[run.task_key] = count
+        while len(self._overruns) > _OVERRUNS_KEPT:
+            del self._overruns[next(iter(self._overruns))]
+        return count
+
+    def _exhausted(self, run: _Run) -> Outcome | None:
+        """:meth:`Handler.exhausted`, saying so when this node saw the task's runs outlive their lease."""
+        outcome = run.handler.exhausted(run.record)
+        if outcome is None:
+            return None
+        with self._mutex:
+            count = self._overruns.get(run.task_key, 0)
+        if not count:
+            return outcome
+        return Fail(
+            f"attempt {run.record.attempt} is beyond max_attempts={run.handler.max_attempts}: {self._overrun_error(run, count)}"
+        )
+
+    def _overrun_error(self, run: _Run, count: int) -> str:
+        times = "once" if count == 1 else f"{count} times"
+        return (
+            f"the handler outlived its {run.handler.lease:g} s lease {times} on node {self.node_id}: raise the "
+            "handler's lease, or let its renewals run (a handler that holds the GIL blocks them)"
+        )
 
     def _overrun_outcome(self, run: _Run) -> Outcome | None:
         """A claim of a task this node saw outlive its lease :data:`OVERRUN_LIMIT` times (its last
@@ -691,12 +739,9 @@ class TaskWorker:
         """The failed attempt of a task whose handler outlived its lease :data:`OVERRUN_LIMIT` times on
         this node: a retry after the handler's back-off, or failed when no attempt is left."""
         record, handler = run.record, run.handler
-        with self._mutex:
-            count = self._overruns.pop(run.task_key, OVERRUN_LIMIT)
-        error = (
-            f"the handler outlived its {handler.lease:g} s lease {count} times on node {self.node_id}: raise the "
-            "handler's lease, or let its renewals run (a handler that holds the GIL blocks them)"
-        )
+        with self._mutex:  # forgotten once an outcome is recorded (_count_completion)
+            count = self._overruns.get(run.task_key, OVERRUN_LIMIT)
+        error = self._overrun_error(run, count)
         log.error("task %s/%s (token %d): %s", record.code, record.key, record.token, error)
         if record.attempt >= handler.max_attempts:
             return Fail(f"attempt {record.attempt} of {handler.max_attempts}: {error}")
@@ -756,9 +801,8 @@ class TaskWorker:
                 self._superseded(run),
             )
             return
-        if not run.lost:
-            with self._mutex:
-                self._overruns.pop(run.task_key, None)
+        with self._mutex:
+            self._overruns.pop(run.task_key, None)
         self._bump({"Done": "done", "Reschedule": "rescheduled", "Retry": "retried", "Fail": "failed"}[type(outcome).__name__])
 
     def _bump(self, name: str, count: int = 1) -> None:
