@@ -194,6 +194,10 @@ class RecordingTaskStore(TaskStore):
             )  # fmt: skip
         return count
 
+    def start(self, node: str, tasks: Iterable[tuple[str, str, int]]) -> int:
+        with self._timed("start"):
+            return self.inner.start(node, tasks)
+
     def renew(self, node: str, tokens: Mapping[tuple[str, str], int], lease: float) -> set[tuple[str, str]]:
         with self._timed("renew"):
             return self.inner.renew(node, tokens, lease)

@@ -24,9 +24,13 @@ object ("end_promotion", "sku-123"). Rules every implementation follows (the con
   one.
 * Claims: a task is claimable when ``run_at <= store now``: queued and due (or its retry's time
   has come), or running with an expired lease (its worker died: no separate rescuer, the same
-  claim takes it). A claim sets ``running``, the owner, ``token + 1``, ``attempt + 1`` (the count
-  is kept across a rescue, so a task that kills its worker still reaches its handler's
-  ``max_attempts``), ``lease_until`` and ``run_at`` (the lease's end).
+  claim takes it). A claim sets ``running``, the owner, ``token + 1``, ``attempt + 1``,
+  ``lease_until`` and ``run_at`` (the lease's end).
+* Attempts count handlers that started: a worker marks each claim whose handler starts
+  (:meth:`TaskStore.start`, batched). A claim that rescues a running task whose claim never
+  started keeps its attempt number (decided in the claim's own operation), so claims lost with a
+  node that never ran them cost no attempt; a started one counts (kept across a rescue, so a task
+  that kills its worker still reaches its handler's ``max_attempts``).
 * Tokens only go up, across every occurrence of a ``(code, key)``: a task added again after it
   finished or was cancelled starts from the highest token its earlier occurrences reached (the SQL
   and MongoDB stores keep a *tombstone*, the row in state ``done`` holding only its token; Redis
@@ -346,8 +350,16 @@ class TaskStore(ABC):
         with an expired lease), earliest ``run_at`` first. Each claimed task is returned as left:
         running, owned by ``node``, token and attempt + 1, ``lease_until = run_at = store now +
         lease``. Concurrent claims never return one task twice while its lease runs. A rescued task
-        that was cancelled is dropped, not returned.
+        that was cancelled is dropped, not returned. A rescued task whose last claim was never
+        marked started (:meth:`start`) keeps its attempt number: that claim did not count.
         """
+
+    @abstractmethod
+    def start(self, node: str, tasks: Iterable[tuple[str, str, int]]) -> int:
+        """Mark that the handlers of ``(code, key, token)`` started, in one round trip: each fenced
+        like :meth:`complete` (running, owned by ``node``, with its token). A later claim that
+        rescues a task whose lease ran out counts a new attempt only if the claim it takes over
+        was marked started. Returns how many were marked."""
 
     @abstractmethod
     def renew(self, node: str, tokens: Mapping[tuple[str, str], int], lease: float) -> set[tuple[str, str]]:

@@ -475,6 +475,7 @@ class TaskWorker:
         try:
             if not self._begin(run):
                 return
+            self.completions.mark_started(*run.task_key, run.record.token)  # batched: a rescue now counts the attempt
             self._record_lag(run.record)
             outcome = self._overrun_outcome(run) or self._exhausted(run) or self._call(run)
             if outcome is None:
@@ -683,7 +684,7 @@ class TaskWorker:
         else:
             self._bump("refused")
             log.warning(
-                "task %s/%s (token %d): hand-back refused: this node lost the lease and %s; the store keeps the newer state",
+                "task %s/%s (token %d): completion refused: this node lost the lease and %s; the store keeps the newer state",
                 record.code,
                 record.key,
                 record.token,

@@ -58,6 +58,8 @@ class _Row:
     pending_payload: str | None = None
     cancel_requested: bool = False
     occurrence: int = 0
+    #: the running claim's handler started (:meth:`MemoryTaskStore.start`): a rescue counts a new attempt
+    started: bool = False
 
     def fenced(self, node: str, token: int) -> bool:
         return self.state == "running" and self.owner == node and self.token == token
@@ -237,7 +239,9 @@ class MemoryTaskStore(TaskStore):
                 if row.state == "running" and row.cancel_requested:
                     self._drop(key)  # its worker died after a cancel: nothing is left to finish
                     continue
-                row.state, row.owner, row.token, row.attempt = "running", node, row.token + 1, row.attempt + 1
+                counted = row.state != "running" or row.started  # a rescued claim that never started is not counted twice
+                row.attempt += int(counted)
+                row.state, row.owner, row.token, row.started = "running", node, row.token + 1, False
                 row.lease_until, row.updated = now + timedelta(seconds=lease), now
                 row.run_at = row.lease_until
                 try:
@@ -258,6 +262,15 @@ class MemoryTaskStore(TaskStore):
                     row.lease_until = row.run_at = until
                     renewed.add(key)
         return renewed
+
+    def start(self, node: str, tasks: Iterable[tuple[str, str, int]]) -> int:
+        started = 0
+        with self.backend.mutex:
+            for code, key, token in tasks:
+                row = self._rows.get((code, key))
+                if row is not None and row.fenced(node, token):
+                    row.started, started = True, started + 1
+        return started
 
     def complete(self, node: str, code: str, key: str, token: int, outcome: Outcome) -> bool:
         check_outcome(outcome)

@@ -93,6 +93,7 @@ from .mongodb_pipelines import (
     pending_pipeline,
     release_pipeline,
     retry_pipeline,
+    start_pipeline,
     summary_pipeline,
     tombstone_pipeline,
 )
@@ -483,6 +484,14 @@ class MongoDBTaskStore(TaskStore):
         # Renewed: still running with our token (a token never comes back, and completing one's own
         # task meanwhile only makes it look lost).
         return {(code, key) for code, key, _ in self._still_fenced(node, items, "renew")}
+
+    def start(self, node: str, tasks: Iterable[tuple[str, str, int]]) -> int:
+        """One ``bulk_write`` of fenced marks."""
+        node = _check_node(node)
+        items = [(*check_task(code, key), int(token)) for code, key, token in tasks]
+        if not items:
+            return 0
+        return self._bulk([UpdateOne(fence(code, key, node, token), start_pipeline()) for code, key, token in items], "start")
 
     def complete(self, node: str, code: str, key: str, token: int, outcome: Outcome) -> bool:
         check_outcome(outcome)

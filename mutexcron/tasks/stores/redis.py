@@ -59,6 +59,7 @@ from .redis_scripts import (
     RELEASE_LUA,
     RENEW_LUA,
     RETRY_LUA,
+    START_LUA,
     SUMMARY_LUA,
 )
 
@@ -196,6 +197,7 @@ class RedisTaskStore(TaskStore):
                 ("index_dues", INDEX_DUES_LUA),
                 ("claim", CLAIM_LUA),
                 ("renew", RENEW_LUA),
+                ("start", START_LUA),
                 ("complete", COMPLETE_LUA),
                 ("release", RELEASE_LUA),
                 ("next_due", NEXT_DUE_LUA),
@@ -326,6 +328,11 @@ class RedisTaskStore(TaskStore):
         args = [part for (code, key), token in items for part in (code, key, int(token))]
         renewed = self._run("renew", node, round(lease * 1_000_000), *args)
         return {items[int(i) - 1][0] for i in renewed}
+
+    def start(self, node: str, tasks: Iterable[tuple[str, str, int]]) -> int:
+        """One script call marks every claim of ``tasks`` started (each fenced)."""
+        args = [part for code, key, token in tasks for part in (code, key, int(token))]
+        return int(self._run("start", node, *args)) if args else 0
 
     def complete(self, node: str, code: str, key: str, token: int, outcome: Outcome) -> bool:
         return self.complete_many(node, [(code, key, token, outcome)])[0]

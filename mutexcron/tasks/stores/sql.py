@@ -426,6 +426,16 @@ class SQLTaskStore(TaskStore):
         sql, listed = shape(self._sql.renew_read, items)
         return {(r[0], r[1]) for r in self._read(sql, {"me": node, **listed}, "renew")}
 
+    def start(self, node: str, tasks: Iterable[tuple[str, str, int]]) -> int:
+        """One fenced statement marks every claim of ``tasks`` started."""
+        items = [(code, key, int(token)) for code, key, token in tasks]
+        shape = self._sql.leases_shape
+        assert shape is not None
+        if not items:
+            return 0
+        sql, listed = shape(self._sql.start, items)
+        return self._write(sql, {"me": node, **listed}, "start")[1]
+
     def complete(self, node: str, code: str, key: str, token: int, outcome: Outcome) -> bool:
         steps = self._outcome_steps(check_outcome(outcome), reschedule_payload(outcome, code, key))
         return self._finish(steps, {"code": code, "key": key, "me": node, "token": token}, "complete")
