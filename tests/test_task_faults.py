@@ -272,3 +272,56 @@ def test_sigkill_with_claims_ahead_fails_no_task_that_never_ran(kind: str, clust
     assert set(failed) <= started, sorted(set(failed) - started)  # 0 failed without running
     ran_on_n1 = {e["key"] for e in c.events() if e["event"] == "start" and e["node"] == "n1"}
     assert set(held) - started <= ran_on_n1
+
+
+# -- M2: a row the pool cannot read fails alone ------------------------------------------------------
+def corrupt_due(ctx: TaskCtx, store: TaskStore, code: str, key: str) -> None:
+    """Give the task a due time its store's driver (or record) cannot read, as a hand edit would:
+    PostgreSQL ``-infinity``, text on SQLite, Redis and MongoDB; a payload no JSON reader takes
+    where the column's type allows no such time (MySQL's DATETIME, the memory store)."""
+    from tests.test_task_hardening import corrupt_payload
+
+    if ctx.kind in ("redis", "redis-cluster"):
+        backend = store.backend  # type: ignore[attr-defined]
+        backend.client.hset(backend.key(f"task:{code}:{key}"), "due", "not a time")
+    elif ctx.kind in ("mongomock", "mongodb"):
+        store.collection.update_one({"code": code, "key": key}, {"$set": {"due": "not a time"}})  # type: ignore[attr-defined]
+    elif ctx.kind in ("postgresql", "sqlite"):
+        value = "-infinity" if ctx.kind == "postgresql" else "not a time"
+        sql = f"UPDATE {store.table} SET due = :d WHERE code = :c AND task_key = :k"  # type: ignore[attr-defined]
+        store.backend.execute(sql, {"d": value, "c": code, "k": key}, "test", write=True)  # type: ignore[attr-defined]
+    else:
+        corrupt_payload(ctx, store, code, key)
+
+
+@every_backend
+def test_a_claimed_row_whose_time_cannot_be_read_fails_alone(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    for i in range(4):
+        store.add("c", f"ok{i}", SOON)
+    store.add("c", "bad", timedelta(seconds=-5))
+    corrupt_due(tasks_ctx, store, "c", "bad")
+    claimed = store.claim(NODE, ["c"], 10, 30)
+    assert sorted(t.key for t in claimed) == ["ok0", "ok1", "ok2", "ok3"]  # the batch runs
+    counts = [(s.running, s.failed) for s in store.summary(["c"])]
+    assert counts == [(4, 1)], counts  # the bad one kept as failed, never claimed again
+    assert store.claim(NODE, ["c"], 10, 30) == []
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("kind", backend_params("sqlite", "postgresql"))
+def test_a_row_the_node_cannot_read_fails_alone_on_a_real_node(kind: str, cluster: Callable[..., TaskCluster]) -> None:
+    """M2: lease 1 s, one row with an unreadable due among 20 healthy ones: the 20 run once each, the
+    bad one is kept as failed (never claimed again), and the node never reports the store down."""
+    c = cluster(kind, lease=1.0, concurrency=4)
+    c.pool.add_many([("work", f"ok{i:02d}", NOW, None) for i in range(20)] + [("work", "bad", NOW, None)])
+    corrupt_due(TaskCtx(kind, c.url, lambda: c.pool.store), c.pool.store, "work", "bad")
+    c.start("n0")
+    ends = lambda: len([e for e in c.events() if e["event"] == "end"])  # noqa: E731
+    assert wait_for(lambda: ends() == 20, 30), (ends(), c.output("n0")[-3000:])
+    counts = lambda: [(s.queued, s.running, s.failed) for s in c.pool.store.summary(["work"])]  # noqa: E731
+    assert wait_for(lambda: counts() == [(0, 0, 1)], 10), counts()
+    time.sleep(2.5)  # two more leases: the bad row is not claimed again
+    starts = [e["key"] for e in c.events() if e["event"] == "start"]
+    assert sorted(starts) == [f"ok{i:02d}" for i in range(20)]
+    assert counts() == [(0, 0, 1)] and "unreachable" not in c.output("n0")

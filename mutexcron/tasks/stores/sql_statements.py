@@ -76,6 +76,13 @@ COUNTS = (
     "{oldest}"
 )
 FENCE = "code = :code AND task_key = :key AND owner = :me AND token = :token AND state = 'running'"
+#: PostgreSQL claim's RETURNING: a time a hand edit put beyond what the driver reads ('-infinity',
+#: year 10000) comes back NULL, so the record of that one row fails to decode (the row is failed
+#: alone) instead of the driver's error taking the committed claim of the whole batch down.
+PG_READABLE_TIMES = ("due", "pending_due", "created")
+_PG_READABLE = (
+    "CASE WHEN x.{c} BETWEEN timestamptz '0001-01-02 00:00+00' AND timestamptz '9999-12-30 00:00+00' THEN x.{c} END"
+)
 
 #: (statement, parameters) for a list of task keys ``(code, key)`` or leases ``(code, key, token)``.
 ListShape = Callable[[str, Sequence[Any]], tuple[str, dict[str, Any]]]
@@ -278,6 +285,9 @@ class TaskStatements:
             "{count_attempt}": COUNT_ATTEMPT,
             "{cols}": COLUMNS,
             "{x_cols}": ", ".join(f"x.{c}" for c in COLUMNS.split(", ")),
+            "{x_readable}": ", ".join(
+                _PG_READABLE.replace("{c}", c) if c in PG_READABLE_TIMES else f"x.{c}" for c in COLUMNS.split(", ")
+            ),
             "{due}": due,
             "{lease_end}": self.plus.replace("{p}", "lease"),
             "{until_min}": self.until.replace("{m}", "MIN(m.run_at)"),
@@ -376,7 +386,7 @@ WITH c AS (
 UPDATE {t} AS x SET {count_attempt}, state = 'running', owner = :me, token = x.token + 1,
     lease_until = {lease_end}, run_at = {lease_end}, updated = {now}
 FROM c WHERE x.code = c.code AND x.task_key = c.task_key
-RETURNING {x_cols}""",
+RETURNING {x_readable}""",
     renew="""
 UPDATE {t} AS x SET lease_until = {lease_end}, run_at = {lease_end}
 FROM jsonb_to_recordset(CAST(:leases AS jsonb)) AS v(vc text, vk text, vt bigint)
