@@ -844,3 +844,18 @@ def test_a_rescued_claim_counts_an_attempt_only_if_its_handler_started(tasks_ctx
     assert store.release(B, [("c", "started", 2)]) == 1  # a hand-back: the claim is not counted
     [again] = store.claim(B, ["c"], 1, 30)
     assert (again.key, again.attempt) == ("started", 2)
+
+
+# -- names a store cannot encode (issue 31, m1) ----------------------------------------------------------
+@every_backend
+def test_a_name_with_a_lone_surrogate_is_refused_before_anything_is_written(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    for code, key in (("c", "k\ud800"), ("c\udfff", "k")):
+        with pytest.raises(ConfigurationError, match="lone surrogate"):
+            store.add(code, key, SOON)
+    batch = [("c", f"ok{i:04d}", SOON) for i in range(1500)] + [("c", "bad\ud800", SOON)]  # past Redis's 1,000 per script
+    with pytest.raises(ConfigurationError, match="task 1500 of add_many.*lone surrogate"):
+        store.add_many(batch)
+    assert store.list(limit=10) == [] and store.summary() == []  # nothing written
+    with pytest.raises(ConfigurationError, match="lone surrogate"):
+        store.cancel("c", "k\ud800")
