@@ -15,7 +15,8 @@ def check_name(name: object, what: str) -> str:
     """Return ``name`` if it is a valid lock name or job id, else raise ConfigurationError.
 
     Valid: a non-empty string of at most 191 characters with no control characters (NUL, newline,
-    tab...) and no lone surrogates (no store can encode them). ``what`` says whose name it is, e.g. ``"lock name of job 'report'"``.
+    tab...) and no lone surrogates (no store can encode them). ``what`` says whose name it is, e.g.
+    ``"lock name of job 'report'"``.
     """
     rule = f"a non-empty string of at most {MAX_NAME_LENGTH} characters without control characters"
     if not isinstance(name, str) or not name:

@@ -854,7 +854,7 @@ def test_a_name_with_a_lone_surrogate_is_refused_before_anything_is_written(task
         with pytest.raises(ConfigurationError, match="lone surrogate"):
             store.add(code, key, SOON)
     batch = [("c", f"ok{i:04d}", SOON) for i in range(1500)] + [("c", "bad\ud800", SOON)]  # past Redis's 1,000 per script
-    with pytest.raises(ConfigurationError, match="task 1500 of add_many.*lone surrogate"):
+    with pytest.raises(ConfigurationError, match=r"task 1500 of add_many.*lone surrogate"):
         store.add_many(batch)
     assert store.list(limit=10) == [] and store.summary() == []  # nothing written
     with pytest.raises(ConfigurationError, match="lone surrogate"):
