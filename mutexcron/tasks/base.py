@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple, Union
 
+from ..errors import ConfigurationError
 from ..urls import mask_url
 from .wakeups.base import DEFAULT_POLL, PollWaker, Waker
 
@@ -298,22 +299,45 @@ class TaskStore(ABC):
             AttrsError: a payload that is not plain JSON.
         """
 
+    @abstractmethod
     def add_many(self, tasks: Iterable[NewTask | tuple[Any, ...]], *, on_conflict: str = "replace") -> builtins.list[AddResult]:
         """:meth:`add` each of ``tasks`` (``NewTask`` or ``(code, key, due[, payload])``), in order;
         one result per task.
 
         Every task is checked before anything is written: a bad one, or the same ``(code, key)``
         twice, raises and adds nothing. The SQL stores write the batch in one transaction (all or
-        nothing) and Redis in one script call per 1,000 tasks; this default adds them one at a time.
+        nothing) and Redis in one script call per 1,000 tasks; the memory and MongoDB stores add
+        them one at a time (:func:`mutexcron.tasks.checks.add_one_by_one`).
 
         Raises:
             ConfigurationError: a bad task (its position in ``tasks`` named), a duplicate, or a bad ``on_conflict``.
             AttrsError: a payload that is not plain JSON.
         """
-        from .checks import check_batch, check_on_conflict
 
-        batch, mode = check_batch(tasks), check_on_conflict(on_conflict)
-        return [self.add(task.code, task.key, task.due, task.payload, on_conflict=mode) for task in batch]
+    # -- inside the caller's transaction (SQL stores; mutexcron.tasks.transactions) ------------
+    def add_many_in(
+        self, transaction: Any, tasks: Iterable[NewTask | tuple[Any, ...]], *, on_conflict: str = "replace"
+    ) -> builtins.list[AddResult]:
+        """:meth:`add_many` on the caller's open ``transaction`` (its executor: see
+        :mod:`mutexcron.tasks.transactions`): the tasks commit with the caller's writes, or not at all.
+
+        Raises:
+            ConfigurationError: this store shares no transaction with the caller's data (not SQL),
+                or the transaction is not on the store's database.
+        """
+        raise ConfigurationError(_no_transaction("adding a task", self.masked_url))
+
+    def cancel_in(self, transaction: Any, code: str, key: str) -> bool:
+        """:meth:`cancel` on the caller's open ``transaction`` (see :meth:`add_many_in`)."""
+        raise ConfigurationError(_no_transaction("cancelling a task", self.masked_url))
+
+    def complete_in(self, transaction: Any, node: str, code: str, key: str, token: int, outcome: Outcome) -> None:
+        """:meth:`complete` on the caller's open ``transaction`` (see :meth:`add_many_in`).
+
+        Raises:
+            StaleTaskError: the fence failed (this attempt no longer runs the task): roll back.
+        """
+        raise ConfigurationError(_no_transaction("completing a task", self.masked_url))
 
     @abstractmethod
     def cancel(self, code: str, key: str) -> bool:
@@ -438,3 +462,11 @@ class TaskStore(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections. The store must not be used afterwards."""
+
+
+def _no_transaction(what: str, where: str) -> str:
+    return (
+        f"{what} inside your transaction needs a SQL task store (sqlite://, mysql://, mariadb://, postgresql://): "
+        f"{where} has no transaction shared with your data. Use it without transaction=, and key the handler's "
+        "writes on task.idempotency_key"
+    )

@@ -561,8 +561,6 @@ class TaskWorker:
         and not renewed (the renewal would wait on the row the handler's transaction holds).
         Whether the transaction then commits is the handler's: if it raises, the worker records its
         failure as usual (fenced: refused if the completion did commit)."""
-        from .transactions import complete_in
-
         record = run.record
         if run.self_completed is not None:
             raise ConfigurationError(f"task {record.code}/{record.key}: task.complete() was called already in this attempt")
@@ -574,7 +572,7 @@ class TaskWorker:
                 "completion; let this error roll your transaction back: the task is handed back and runs again"
             )
         try:
-            complete_in(self.store, transaction, self.node_id, record.code, record.key, record.token, outcome)
+            self.store.complete_in(transaction, self.node_id, record.code, record.key, record.token, outcome)
         except StaleTaskError:
             with self._mutex:
                 run.self_completed, run.ending = "refused", True

@@ -17,8 +17,9 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
 from ...backends.memory import MemoryBackend
-from ..base import AddResult, CodeSummary, Done, Due, Fail, Outcome, Reschedule, Retry, TaskRecord, TaskStore
+from ..base import AddResult, CodeSummary, Done, Due, Fail, NewTask, Outcome, Reschedule, Retry, TaskRecord, TaskStore
 from ..checks import (
+    add_one_by_one,
     check_claim,
     check_codes,
     check_due,
@@ -139,6 +140,10 @@ class MemoryTaskStore(TaskStore):
         self._floor["token"] = max(self._floor.get("token", 0), row.token)
 
     # -- producers ---------------------------------------------------------------------------
+    def add_many(self, tasks: Iterable[NewTask | tuple[Any, ...]], *, on_conflict: str = "replace") -> builtins.list[AddResult]:
+        """One :meth:`add` at a time, every task checked first (see :meth:`TaskStore.add_many`)."""
+        return add_one_by_one(self, tasks, on_conflict)
+
     def add(self, code: str, key: str, due: Due, payload: Any = None, *, on_conflict: str = "replace") -> AddResult:
         code, key = check_task(code, key)
         at, delay = check_due(due)
