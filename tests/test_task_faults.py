@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from mutexcron.tasks import TaskStore
+from mutexcron.tasks import Done, TaskStore
 from mutexcron.tasks.handlers import Handler, Task
 from mutexcron.tasks.worker import TaskWorker
 from tests import test_task_store
@@ -325,3 +325,35 @@ def test_a_row_the_node_cannot_read_fails_alone_on_a_real_node(kind: str, cluste
     starts = [e["key"] for e in c.events() if e["event"] == "start"]
     assert sorted(starts) == [f"ok{i:02d}" for i in range(20)]
     assert counts() == [(0, 0, 1)] and "unreachable" not in c.output("n0")
+
+
+# -- Redis: an eviction policy would drop tasks silently ----------------------------------------------
+@pytest.mark.redis
+def test_a_worker_on_a_redis_that_may_evict_any_key_warns_at_start(private_redis: Any, caplog: pytest.LogCaptureFixture) -> None:
+    from mutexcron.tasks import task_store_from_url
+
+    store: Any = task_store_from_url(private_redis.url)  # a server of the test's own: its policy is changed
+    client = store.backend.client
+    try:
+        assert store.warn_if_evicting() == "noeviction" and not caplog.records
+        client.config_set("maxmemory-policy", "allkeys-lru")
+        assert store.warn_if_evicting() == "allkeys-lru"
+        store.waker(["c"]).close()  # a worker's start: one warning, not one per look
+        warnings = [r for r in caplog.records if "maxmemory-policy is allkeys-lru" in r.getMessage()]
+        assert len(warnings) == 1 and warnings[0].levelname == "WARNING" and "noeviction" in warnings[0].getMessage()
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("kind", backend_params("memory", "redis"))
+def test_tokens_of_two_tasks_added_at_one_floor_fence_each_task_not_the_store(tasks_ctx: TaskCtx) -> None:
+    """What the docs say: after a delete raised the floor, two new tasks both start above it (each
+    task's attempts are fenced), and may share a token (a token does not name a task store-wide)."""
+    store = tasks_ctx.make()
+    store.add("c", "old", SOON)
+    [old] = store.claim(NODE, ["c"], 1, 30)
+    assert store.complete(NODE, "c", "old", old.token, Done())
+    store.add("c", "a", SOON)
+    store.add("c", "b", SOON)
+    tokens = {t.key: t.token for t in store.claim(NODE, ["c"], 2, 30)}
+    assert tokens["a"] > old.token and tokens["b"] > old.token and tokens["a"] == tokens["b"]
