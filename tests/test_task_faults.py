@@ -357,3 +357,29 @@ def test_tokens_of_two_tasks_added_at_one_floor_fence_each_task_not_the_store(ta
     store.add("c", "b", SOON)
     tokens = {t.key: t.token for t in store.claim(NODE, ["c"], 2, 30)}
     assert tokens["a"] > old.token and tokens["b"] > old.token and tokens["a"] == tokens["b"]
+
+
+# -- m3: on SQLite, a node whose clock is ahead of the others' is called out --------------------------
+def test_a_sqlite_node_warns_about_another_whose_clock_is_ahead(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    from datetime import datetime, timezone
+
+    from mutexcron.locks import lock_store_from_url
+    from mutexcron.locks.record import NodePresence
+    from mutexcron.observability.sqlite_clocks import SQLiteClockCheck
+
+    store: Any = lock_store_from_url(f"sqlite:///{tmp_path}/clocks.db")
+    now = datetime.now(timezone.utc)
+    seen = {"in-step": now, "ahead": now + timedelta(hours=1), "me": now + timedelta(hours=2)}
+    store.nodes = lambda prune=True: [NodePresence(n, last_seen=at) for n, at in seen.items()]  # what the file holds
+    clock = FakeClock()
+    check = SQLiteClockCheck(store, "me", clock=clock)
+    try:
+        check.maybe_check()
+        check.maybe_check()  # not before CHECK_EVERY
+        clock.advance(31)
+        check.maybe_check()  # once per node
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "node ahead wrote its presence 3600" in warnings[0] and "node me" in warnings[0]
+        assert not SQLiteClockCheck(lock_store_from_url("memory://clocks"), "me").enabled  # a server's clock: no look
+    finally:
+        store.close()
