@@ -383,3 +383,39 @@ def test_a_sqlite_node_warns_about_another_whose_clock_is_ahead(tmp_path: Any, c
         assert not SQLiteClockCheck(lock_store_from_url("memory://clocks"), "me").enabled  # a server's clock: no look
     finally:
         store.close()
+
+
+# -- a claim a handler thread took as the stop began is handed back by the stop -----------------------
+def test_stop_hands_back_a_claim_a_thread_took_as_the_stop_began() -> None:
+    from mutexcron.tasks.stores.memory import MemoryTaskStore
+
+    class SlowToBegin(TaskWorker):
+        """The handler thread took the claim from the queue, and reaches its start check after the stop began."""
+
+        gate = threading.Event()
+        taken = threading.Event()
+
+        def _begin(self, run: Any) -> bool:
+            self.taken.set()
+            self.gate.wait(10)
+            return super()._begin(run)
+
+    store = MemoryTaskStore("memory://faults-stop")
+    store.add("c", "k", SOON)
+    ran: list[str] = []
+    worker = SlowToBegin(store, {"c": Handler("c", lambda t: ran.append(t.key), lease=30)}, NODE, concurrency=1, backstop=0.05)
+    worker.start()
+    try:
+        assert worker.taken.wait(10)
+        stopper = threading.Thread(target=worker.stop, args=(5,))
+        stopper.start()
+        assert wait_for(lambda: worker.stopping)
+        time.sleep(0.1)  # the stop has collected what was queued: nothing, the thread holds the claim
+        SlowToBegin.gate.set()
+        stopper.join(10)
+        task = store.get("c", "k")
+        assert ran == [] and worker.stats.released == 1
+        assert task is not None and (task.state, task.token) == ("queued", 2)  # at once, not after its 30 s lease
+    finally:
+        SlowToBegin.gate.set()
+        store.close()

@@ -270,6 +270,8 @@ class TaskWorker:
             while self._runs and self.clock() < deadline:
                 self._idle.wait(min(0.5, max(0.01, deadline - self.clock())))
             left = sorted(self._runs)
+            late, self._unstarted = self._unstarted, []  # taken by a handler thread as the stop began
+        self._hand_back(late)
         for code, key in left:
             log.warning(
                 "task %s/%s still running after the shutdown timeout: its lease will run out and another node will run it again",
