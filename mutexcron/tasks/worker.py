@@ -587,6 +587,13 @@ class TaskWorker:
         if its end went to the completion thread."""
         record = run.record
         if run.self_completed == "refused" and run.lost:  # refused by this node: the lease had run out
+            log.warning(
+                "task %s/%s (token %d): completion refused in the handler's transaction: this node's lease ran out; "
+                "the handler's transaction was rolled back",
+                record.code,
+                record.key,
+                record.token,
+            )
             return self._give_back_lost(run, "task.complete()")
         if run.self_completed == "refused":
             self._bump("refused")
