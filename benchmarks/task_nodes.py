@@ -23,6 +23,9 @@ claimed, completed or renewed, seconds, the slowest, calls of 50 ms or more) and
 (SQL statements on the store's engine, Redis commands sent), and rewrites ``<node>.calls.json``
 with the totals every 0.5 s; tasks.py reads them at the start and the end of each phase. tasks.py's ``--profile`` samples one node
 with py-spy (every thread, from outside the process).
+
+``MUTEXCRON_BENCH_NO_START_MARKS=1`` (the peer comparison's baseline row) writes no started marks,
+so tasks.py can say what they cost on the drain rate.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ def _started(task: Task) -> None:
     due_us = round(task.due.timestamp() * 1_000_000)
     os.write(_fd, f"{task.code} {task.key} {due_us} {now_us} {NODE}\n".encode())
 
+
+if os.environ.get("MUTEXCRON_BENCH_NO_START_MARKS") == "1":  # tasks.py's baseline row: what the started marks cost
+    from mutexcron.tasks.completions import CompletionQueue
+
+    CompletionQueue.mark_started = lambda self, code, key, token: None  # type: ignore[method-assign]
 
 sched = MutexScheduler()
 

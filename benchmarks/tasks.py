@@ -33,7 +33,8 @@ handler threads each, through ``$MUTEXCRON_TASK_CONCURRENCY``):
 
 ``--peer pgqueuer,procrastinate`` first runs the **peer comparison**: ``--rounds`` interleaved
 rounds (the order rotated each round), each configuration on a fresh store of the same local
-PostgreSQL: mutexcron (``--nodes`` ``mutexcron run`` nodes), PgQueuer at batch 10 (its default) and
+PostgreSQL: mutexcron (``--nodes`` ``mutexcron run`` nodes), the same without started marks (the
+baseline that says what they cost), PgQueuer at batch 10 (its default) and
 100 (``benchmarks/task_pgqueuer.py``, ``--nodes`` workers), procrastinate at concurrency 10
 (``benchmarks/task_peer.py``). Each drains ``--tasks`` no-op tasks added before its workers start
 (drain rate: first handler start to last completion; queueing time: gate opened to each task's
@@ -482,13 +483,14 @@ def offset_of(now: Callable[[], datetime], samples: int = 15) -> float:
 
 
 class Mutexcron(System):
-    def __init__(self, kind: str, url: str, settings: Settings) -> None:
+    def __init__(self, kind: str, url: str, settings: Settings, *, start_marks: bool = True) -> None:
         self.kind = self.tag = kind
         self.url = url
         self.settings = settings
         self.pool = TaskPool(url)
         self.pool.store.ping()
-        self.name = f"mutexcron, {version(kind, self.pool)}"
+        self.name = f"mutexcron, {version(kind, self.pool)}" + ("" if start_marks else ", no started marks (baseline)")
+        self.env = {} if start_marks else {"MUTEXCRON_BENCH_NO_START_MARKS": "1"}
 
     def add_now(self, key: str) -> None:
         self.pool.add(CODE, key, timedelta(0))
@@ -522,6 +524,7 @@ class Mutexcron(System):
             **({"MUTEXCRON_TASK_CLAIM_AHEAD": str(self.settings.claim_ahead)} if self.settings.claim_ahead is not None else {}),
             "MUTEXCRON_BENCH_CODE": CODE,
             "MUTEXCRON_BENCH_SLOW_CODE": SLOW_CODE,
+            **self.env,
             **extra,
         }
         return Nodes(self.kind, command, env, count)
@@ -1137,9 +1140,9 @@ Maker = Callable[[], tuple[System, Callable[[], None]]]
 def peer_makers(peers: list[str], settings: Settings, quick: bool) -> list[tuple[str, Maker]]:
     """(label, make) for mutexcron on PostgreSQL and each peer configuration; make returns a fresh system and its cleanup."""
 
-    def mutexcron() -> tuple[System, Callable[[], None]]:
+    def mutexcron(start_marks: bool = True) -> tuple[System, Callable[[], None]]:
         url, cleanup = task_url("postgresql")
-        return Mutexcron("postgresql", url, settings), cleanup
+        return Mutexcron("postgresql", url, settings, start_marks=start_marks), cleanup
 
     def pgqueuer(batch: int) -> Maker:
         return lambda: (PgQueuer(batch), lambda: None)
@@ -1147,7 +1150,8 @@ def peer_makers(peers: list[str], settings: Settings, quick: bool) -> list[tuple
     def procrastinate(concurrency: int) -> Maker:
         return lambda: (Procrastinate(concurrency), lambda: None)
 
-    makers: list[tuple[str, Maker]] = [("mutexcron", mutexcron)]
+    # the baseline without started marks: what counting only started attempts costs on the drain rate
+    makers: list[tuple[str, Maker]] = [("mutexcron", mutexcron), ("mutexcron-no-marks", lambda: mutexcron(False))]
     if "pgqueuer" in peers and peer_installed("pgqueuer"):
         makers += [(f"pgqueuer-b{b}", pgqueuer(b)) for b in ((10,) if quick else (10, 100))]
     if "procrastinate" in peers and peer_installed("procrastinate"):

@@ -43,6 +43,7 @@ from .locks import AcquireResult, FireClaim, HeldClaim, LockStore, Node, RunInfo
 from .locks.base import Presence
 from .locks.record import LockRecord
 from .observability.clock_offset import ClockOffset
+from .observability.sqlite_clocks import SQLiteClockCheck
 from .version import __version__
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ class LeaseManager:
         self._thread: threading.Thread | None = None
         self.last_round_ok: float | None = None  # monotonic: the last heartbeat round the store answered
         self.offset = ClockOffset()  # this node's wall clock against the store's, from records it reads
+        self.sqlite_clocks = SQLiteClockCheck(store, self.node.node_id)  # SQLite: the others' clocks against ours
         self._paused: dict[str, bool] = {}  # lock -> paused, as this node last saw it
         self._presence_at: float | None = None  # monotonic: when this node last published its presence
         self._retiring: set[str] = set()  # locks to release once their running jobs end (remove_lock)
@@ -613,6 +615,7 @@ class LeaseManager:
         renewed = self.store.renew_many(self.node, leases, presence=presence)
         if presence is not None:
             self._presence_at = sent_at
+            self.sqlite_clocks.maybe_check()
         with self._mutex:
             for name in renewed:
                 held = self._held.get(name)

@@ -17,7 +17,8 @@ def check_name(name: object, what: str) -> str:
     """Return ``name`` if it is a valid lock name or job id, else raise ConfigurationError.
 
     Valid: a non-empty string of at most 191 characters with no control characters (NUL, newline,
-    tab...). ``what`` says whose name it is, e.g. ``"lock name of job 'report'"``.
+    tab...) and no lone surrogates (no store can encode them). ``what`` says whose name it is, e.g.
+    ``"lock name of job 'report'"``.
     """
     rule = f"a non-empty string of at most {MAX_NAME_LENGTH} characters without control characters"
     if not isinstance(name, str) or not name:
@@ -28,6 +29,13 @@ def check_name(name: object, what: str) -> str:
     if bad:
         shown = ", ".join(f"U+{ord(c):04X}" for c in bad)
         raise ConfigurationError(f"bad {what} {name!r}: it contains the control character(s) {shown}; it must be {rule}")
+    lone = sorted({c for c in name if unicodedata.category(c) == "Cs"})
+    if lone:  # no store can write it: UTF-8 has no encoding for half a surrogate pair
+        shown = ", ".join(f"U+{ord(c):04X}" for c in lone)
+        raise ConfigurationError(
+            f"bad {what} {name!r}: it contains the lone surrogate(s) {shown}, which no store can encode (text decoded "
+            "with errors='surrogateescape' or a broken pair); decode it properly or drop those characters"
+        )
     return name
 
 

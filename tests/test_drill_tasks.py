@@ -265,8 +265,8 @@ def test_a_term_whose_claims_were_not_handed_back_fails_the_drill() -> None:
         _claim("a", "k1", 1, 1, 1.0),
         {"event": "held", "node": "a", "tasks": [["k1", 1]], "mono": 1.0},
         {"event": "release", "node": "a", "tasks": [["k1", 1]], "count": 0, "sent": 2.1, "mono": 2.2},
-        _claim("b", "k1", 2, 2, 4.1), _start("b", "k1", 2, 2, 4.1), _complete("b", "k1", 2, True, 5.0),
-    ]  # fmt: skip
+        _claim("b", "k1", 2, 1, 4.1), _start("b", "k1", 2, 1, 4.1), _complete("b", "k1", 2, True, 5.0),
+    ]  # fmt: skip  (the claim that never started cost no attempt)
     report = _analyse(events, ["k1"], [TaskPhase("term", "a", 2.0)])
     term = report.phases["term"]
     assert term.in_flight == ["k1"] and term.handed_back == 0 and term.recovery == pytest.approx(2.1)

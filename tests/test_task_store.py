@@ -317,6 +317,7 @@ def test_an_expired_lease_makes_the_task_claimable_again_and_fences_the_old_work
     a, b = tasks_ctx.make(), tasks_ctx.make()
     a.add("c", "k", SOON, {"v": 1})
     [first] = a.claim(A, ["c"], 10, LEASE)
+    assert a.start(A, [("c", "k", first.token)]) == 1  # its handler started
     assert b.claim(B, ["c"], 10, LEASE) == []  # the lease runs
     tasks_ctx.wait(LEASE * 1.5)
     [second] = b.claim(B, ["c"], 10, 30)
@@ -572,7 +573,8 @@ def test_complete_many_is_complete_for_each_in_one_round_trip(tasks_ctx: TaskCtx
     }
     for code in ("one", "many"):
         store.add(f"{code}-stale", "s", times["due"])
-        store.claim(A, [f"{code}-stale"], 10, LEASE)
+        [stale] = store.claim(A, [f"{code}-stale"], 10, LEASE)
+        store.start(A, [(stale.code, stale.key, stale.token)])
     tasks_ctx.wait(LEASE * 1.5)
     assert len(store.claim(B, ["one-stale", "many-stale"], 10, 30)) == 2  # A's claims are taken over
     one, many = _batch(store, "one", times), _batch(store, "many", times)
@@ -869,3 +871,41 @@ def test_a_purged_task_added_again_gets_a_higher_token_and_its_old_attempt_is_re
         assert not store.complete(A, "c", "k", old.token, outcome)  # the old attempt is refused
     assert store.release(A, [("c", "k", old.token)]) == 0
     assert store.complete(A, "c", "k", new.token, Done())
+
+
+# -- attempts count handlers that started (issue 31, M1) -----------------------------------------------
+@every_backend
+def test_a_rescued_claim_counts_an_attempt_only_if_its_handler_started(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    store.add("c", "unstarted", SOON)
+    store.add("c", "started", SOON)
+    claimed = {t.key: t for t in store.claim(A, ["c"], 10, LEASE)}
+    assert {k: t.attempt for k, t in claimed.items()} == {"unstarted": 1, "started": 1}
+    assert store.start(A, [("c", "started", claimed["started"].token)]) == 1
+    assert store.start(B, [("c", "unstarted", claimed["unstarted"].token)]) == 0  # fenced: not B's claim
+    assert store.start(A, [("c", "unstarted", claimed["unstarted"].token + 1)]) == 0  # nor that token
+    assert store.start(A, []) == 0
+    tasks_ctx.wait(LEASE + 0.5)  # A died holding both
+    rescued = {t.key: t for t in store.claim(B, ["c"], 10, 30)}
+    # decided in the claim itself: the claim that never reached a handler cost no attempt
+    assert {k: (t.attempt, t.token) for k, t in rescued.items()} == {"unstarted": (1, 2), "started": (2, 2)}
+    tasks_ctx.wait(0)
+    store.start(B, [("c", "unstarted", 2)])
+    assert store.release(B, [("c", "started", 2)]) == 1  # a hand-back: the claim is not counted
+    [again] = store.claim(B, ["c"], 1, 30)
+    assert (again.key, again.attempt) == ("started", 2)
+
+
+# -- names a store cannot encode (issue 31, m1) ----------------------------------------------------------
+@every_backend
+def test_a_name_with_a_lone_surrogate_is_refused_before_anything_is_written(tasks_ctx: TaskCtx) -> None:
+    store = tasks_ctx.make()
+    for code, key in (("c", "k\ud800"), ("c\udfff", "k")):
+        with pytest.raises(ConfigurationError, match="lone surrogate"):
+            store.add(code, key, SOON)
+    batch = [("c", f"ok{i:04d}", SOON) for i in range(1500)] + [("c", "bad\ud800", SOON)]  # past Redis's 1,000 per script
+    with pytest.raises(ConfigurationError, match=r"task 1501 of add_many.*lone surrogate"):
+        store.add_many(batch)
+    assert store.list(limit=10) == [] and store.summary() == []  # nothing written
+    with pytest.raises(ConfigurationError, match="lone surrogate"):
+        store.cancel("c", "k\ud800")

@@ -213,8 +213,9 @@ def test_retry_delays_grow_exponentially_with_bounded_jitter() -> None:
 def test_a_task_claimed_beyond_max_attempts_fails_without_running(harness: Harness) -> None:
     """Its earlier workers died mid-run (each rescue counted an attempt): it is not run again."""
     harness.store.add("c", "k", NOW)
-    for _ in range(2):  # two workers that died holding it
-        harness.store.claim(OTHER, ["c"], 1, 5)
+    for _ in range(2):  # two workers that died running it
+        [task] = harness.store.claim(OTHER, ["c"], 1, 5)
+        harness.store.start(OTHER, [("c", "k", task.token)])
         harness.pass_time(6)
     ran: list[Task] = []
     worker = harness.worker(Handler("c", ran.append, max_attempts=2))

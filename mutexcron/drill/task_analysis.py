@@ -128,6 +128,16 @@ class Ledger:
                 keys.append(key)
         return sorted(keys)
 
+    def unstarted(self, node: str, at: float) -> list[str]:
+        """Of the tasks ``node`` held at ``at`` (:meth:`in_flight`), those whose claim had not started."""
+        out = []
+        for key in self.in_flight(node, at):
+            last = max((c for c in self.claims[key] if float(c["sent"]) < at), key=lambda c: float(c["sent"]))
+            started = (s for s in self.starts.get(key, []) if s["node"] == node and float(s["mono"]) < at)
+            if not any(s["token"] == last["token"] for s in started):
+                out.append(key)
+        return out
+
     def restart(self, key: str, not_node: str, after: float) -> dict[str, Any] | None:
         """The first start of ``key`` on another node than ``not_node`` after ``after``."""
         for s in self.starts.get(key, []):
@@ -187,6 +197,7 @@ def analyse_tasks(
     report.unconfirmed = sorted(_unconfirmed(ledger, added_keys - completed, killed, left_in_store))
     report.lost = sorted(added_keys - completed - set(report.unconfirmed))
     _check_attempts(report, ledger, killed, refused_lines)
+    report.charged_unstarted = _charged_unstarted(ledger)
     report.lag = _lag(ledger, measure_from)
     marks = [PhaseMark(p.phase, p.node, p.at, p.until) for p in report.phases.values()]
     report.latency = _latency(ops.samples, marks)
@@ -243,6 +254,18 @@ def _check_attempts(report: TaskDrillReport, ledger: Ledger, killed: set[str], r
         report.double_runs.append(run)
 
 
+def _charged_unstarted(ledger: Ledger) -> list[str]:
+    """Tasks a handler started with an attempt above its earlier starts + 1: an attempt was counted
+    for a claim that never reached a handler (held ahead by a node killed or frozen, handed back)."""
+    charged = []
+    for key, starts in sorted(ledger.starts.items()):
+        tokens = sorted({int(s["token"]) for s in starts})
+        attempts = {int(s["token"]): int(s["attempt"]) for s in starts}
+        if any(attempts[token] > i + 1 for i, token in enumerate(tokens)):
+            charged.append(key)
+    return charged
+
+
 def _lag(ledger: Ledger, measure_from: float) -> dict[str, Any]:
     """Start minus due (store clock) of the tasks no fault touched: one claim, one start, attempt 1, never handed back."""
     lags = []
@@ -261,6 +284,7 @@ def _lag(ledger: Ledger, measure_from: float) -> dict[str, Any]:
 def _judge_phase(report: TaskDrillReport, ledger: Ledger, phase: TaskPhase, unconfirmed: set[str]) -> None:
     if phase.note:
         return
+    ahead: set[str] = set()
     if phase.phase == "term":
         held = [e for e in ledger.held if e["node"] == phase.node and float(e["mono"]) <= phase.at]
         phase.in_flight = sorted(k for k, _t in held[-1]["tasks"]) if held else []
@@ -272,8 +296,12 @@ def _judge_phase(report: TaskDrillReport, ledger: Ledger, phase: TaskPhase, unco
         )
     else:
         phase.in_flight = ledger.in_flight(phase.node, phase.at)
+        ahead = set(ledger.unstarted(phase.node, phase.at))
+        phase.claims_ahead = len(ahead)
         phase.unconfirmed = [k for k in phase.in_flight if k in unconfirmed]
-    keys = [k for k in phase.in_flight if k not in phase.unconfirmed]
+    # Recovery is timed on the handlers that were running: the claims ahead wait for the other
+    # nodes' free threads too (they must run, and cost no attempt: see _charged_unstarted).
+    keys = [k for k in phase.in_flight if k not in phase.unconfirmed and (phase.phase == "term" or k not in ahead)]
     phase.recovery, phase.restarted_on, _missing = recovery(ledger, keys, phase.node, phase.at)
     if not phase.in_flight:
         phase.note = (
@@ -299,6 +327,11 @@ def _verdict(report: TaskDrillReport, left_in_store: Mapping[str, str]) -> None:
         )
     if report.completed_twice:
         f.append(f"{len(report.completed_twice)} task(s) had two completions recorded: {', '.join(report.completed_twice[:5])}")
+    if report.charged_unstarted:
+        f.append(
+            f"{len(report.charged_unstarted)} task(s) had an attempt counted for a claim that never reached a handler: "
+            + ", ".join(report.charged_unstarted[:5])
+        )
     names = {"kill": "SIGKILL", "freeze": "SIGSTOP", "term": "SIGTERM"}
     for name, phase in report.phases.items():
         what = f"after {names.get(name, name)}"

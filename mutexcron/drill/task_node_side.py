@@ -33,7 +33,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..tasks.base import AddResult, CodeSummary, Due, Outcome, TaskRecord, TaskStore
+from ..tasks.base import AddResult, CodeSummary, Due, NewTask, Outcome, TaskRecord, TaskStore
 from ..tasks.wakeups.base import Waker
 from .records import OpTimings
 
@@ -193,6 +193,13 @@ class RecordingTaskStore(TaskStore):
                  "mono": time.monotonic()}
             )  # fmt: skip
         return count
+
+    def add_many(self, tasks: Iterable[NewTask | tuple[Any, ...]], *, on_conflict: str = "replace") -> builtins.list[AddResult]:
+        return self.inner.add_many(tasks, on_conflict=on_conflict)
+
+    def start(self, node: str, tasks: Iterable[tuple[str, str, int]]) -> int:
+        with self._timed("start"):
+            return self.inner.start(node, tasks)
 
     def renew(self, node: str, tokens: Mapping[tuple[str, str], int], lease: float) -> set[tuple[str, str]]:
         with self._timed("renew"):

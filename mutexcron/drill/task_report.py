@@ -25,10 +25,13 @@ class TaskPhase:
         at: when (the drill's ``time.monotonic()``); ``until``: SIGCONT, for a freeze.
         in_flight: kill/freeze: the tasks the node had claimed and not finished; term: the claimed
             tasks that had not started (held by the drill, see :mod:`~mutexcron.drill.task_node_side`).
-        recovery: seconds until the last of them started on another node (None: one never did).
+        recovery: seconds until the last of them started on another node (None: one never did);
+            kill/freeze: of those whose handler was running (the claims ahead wait for free threads).
         restarted_on: the nodes that ran them again.
         handed_back: term: how many the node handed back on its way out.
         unconfirmed: kill: tasks the node finished, then died while recording it (gone from the store).
+        claims_ahead: kill/freeze: claims the node held that had not started (a burst of tasks
+            just before the fault fills its threads and its queue).
         note: why the phase could not be measured, if so.
     """
 
@@ -41,6 +44,7 @@ class TaskPhase:
     restarted_on: list[str] = field(default_factory=list)
     handed_back: int | None = None
     unconfirmed: list[str] = field(default_factory=list)
+    claims_ahead: int = 0
     note: str = ""
 
 
@@ -87,6 +91,9 @@ class TaskDrillReport:
     double_runs: list[DoubleRun] = field(default_factory=list)
     stale_recorded: list[str] = field(default_factory=list)
     completed_twice: list[str] = field(default_factory=list)
+    #: tasks a handler started with an attempt number above its earlier starts + 1: a claim that
+    #: never reached a handler cost an attempt (what fails tasks that never ran)
+    charged_unstarted: list[str] = field(default_factory=list)
     refused: int = 0
     refused_logged: int = 0
     lag: dict[str, Any] = field(default_factory=dict)
@@ -135,6 +142,7 @@ class TaskDrillReport:
                 "run_twice": len(self.double_runs),
                 "stale": self.stale_counts(),
                 "completed_twice": len(self.completed_twice),
+                "attempts_lost_to_unstarted_claims": len(self.charged_unstarted),
                 "refused_completions": self.refused,
                 "refused_logged": self.refused_logged,
                 "add_errors": self.add_errors,
@@ -155,6 +163,7 @@ class TaskDrillReport:
                     "restarted_on": p.restarted_on,
                     "handed_back": p.handed_back,
                     "unconfirmed": p.unconfirmed,
+                    "claims_ahead": p.claims_ahead,
                     "note": p.note,
                 }
                 for k, p in self.phases.items()
@@ -187,6 +196,7 @@ def format_task_report(report: TaskDrillReport) -> str:
         )
     if report.lost:
         lines.append(f"lost       {_listed(report.lost)}")
+    lines.append(f"attempts   lost to claims that never ran: {len(report.charged_unstarted)}")
     lag = report.lag
     if lag.get("tasks"):
         lines.append(
@@ -214,6 +224,7 @@ def _phase_lines(report: TaskDrillReport) -> list[str]:
             continue
         what = "unstarted claim(s)" if phase == "term" else "in-flight task(s)"
         back = f", {p.handed_back} handed back" if p.handed_back is not None else ""
+        back += f" ({p.claims_ahead} claimed ahead, not started)" if p.claims_ahead else ""
         where = f" on {', '.join(p.restarted_on)}" if p.restarted_on else ""
         multiple = "" if p.recovery is None else f" ({p.recovery / report.lease:.2f} x lease)"
         lines.append(

@@ -4,10 +4,12 @@ N ``mutexcron run`` nodes run :mod:`mutexcron.drill.task_node_jobs` (one handler
 of the drill's own, ``mutexcron-drill-<random>``), while the drill adds tasks of that code at a
 steady rate, due 0-3 s ahead. Then:
 
-* **kill**: SIGKILL a node with a handler mid-run; its tasks must start again on another node
-  once their lease runs out;
-* **freeze**: SIGSTOP a node with a handler mid-run for 2 x lease + 1 s, then SIGCONT; its tasks
-  must start again elsewhere, and the frozen handler's late completion must be refused;
+* **kill**: SIGKILL a node with a handler mid-run and claims ahead (a burst of tasks just before
+  fills every node's threads and queue); its tasks must start again on another node once their
+  lease runs out, and the claims it never started must cost no attempt;
+* **freeze**: SIGSTOP a node with a handler mid-run and claims ahead for 2 x lease + 1 s, then
+  SIGCONT; its tasks must start again elsewhere, the frozen handler's late completion must be
+  refused, and its unstarted claims must cost no attempt;
 * **term**: the drill holds the reply of one claim on a node (so the node has claimed tasks that
   have not started), then SIGTERMs it: those tasks must be handed back and start elsewhere at once.
 
@@ -45,6 +47,11 @@ DUE_AHEAD = 3.0
 HANDLER_SLEEP = (0.3, 1.2)
 #: A node to kill or freeze is one whose handler has at least this many seconds left.
 MID_HANDLER = 0.3
+#: Tasks added at once before a kill or a freeze, per node: more than its threads (8), so it claims ahead;
+#: few enough that the others have threads free again when the struck node's lease runs out.
+BURST_PER_NODE = 12
+#: The burst's handlers sleep this long (uniformly): the claims ahead wait for a thread meanwhile.
+BURST_SLEEP = (0.6, 1.0)
 #: The node that removes the drill's tasks at the end.
 CLEANUP_NODE = "mutexcron-drill-cleanup"
 
@@ -134,6 +141,18 @@ class Adder:
         if self._thread.is_alive():
             self._thread.join(timeout=15)
 
+    def burst(self, tag: str, count: int) -> None:
+        """Add ``count`` tasks due now at once (one ``add_many``), counted with the others."""
+        keys = [f"{tag}-{i:03d}" for i in range(count)]
+        tasks = [(self.code, key, timedelta(0), {"sleep": round(random.uniform(*BURST_SLEEP), 3)}) for key in keys]
+        try:
+            self.store.add_many(tasks)
+        except StoreError as exc:
+            self.errors.update((key, str(exc)) for key in keys)
+            return
+        now = time.monotonic()
+        self.added.update((key, now) for key in keys)
+
     def _loop(self) -> None:
         n = 0
         next_at = time.monotonic()
@@ -188,7 +207,7 @@ def run_task_drill(
                 adder.start()
                 measure_from = _warm_up(cluster, progress)
                 for phase in phases:
-                    _play(cluster, report, phase, progress)
+                    _play(cluster, report, phase, progress, adder)
                 _cool_down(cluster, started + duration - time.monotonic(), progress)
             finally:
                 adder.stop()
@@ -246,13 +265,14 @@ def _warm_up(cluster: TaskCluster, progress: Progress) -> float:
     raise MutexcronError(f"the drill's tasks did not run during the warm-up; node logs:\n{tails}")
 
 
-def _play(cluster: TaskCluster, report: TaskDrillReport, phase: str, progress: Progress) -> None:
+def _play(cluster: TaskCluster, report: TaskDrillReport, phase: str, progress: Progress, adder: Adder) -> None:
     """Strike a node for ``phase``, wait until its tasks start elsewhere, let the cluster settle."""
     time.sleep(random.uniform(0.2, 0.8))  # a random moment, as a real crash would come
     down = {p.node for p in report.phases.values() if p.phase in ("kill", "term")}
     if phase == "term":
         mark = _terminate(cluster, down, progress)
     else:
+        adder.burst(f"{phase}-burst", BURST_PER_NODE * len(set(cluster.alive()) - down))
         mark = _strike(cluster, phase, down, progress)
     report.phases[phase] = mark
     if mark.note:
@@ -261,8 +281,9 @@ def _play(cluster: TaskCluster, report: TaskDrillReport, phase: str, progress: P
     _wait_completions(cluster, 3, after=time.monotonic(), timeout=10 + cluster.task_lease)
 
 
-def _busy_node(cluster: TaskCluster, down: set[str], timeout: float) -> str | None:
-    """A live node with a handler that has at least MID_HANDLER seconds left, waiting up to ``timeout``."""
+def _busy_node(cluster: TaskCluster, down: set[str], timeout: float, *, ahead: bool = False) -> str | None:
+    """A live node with a handler that has at least MID_HANDLER seconds left (with ``ahead``: and
+    the most claims not started, once one holds some), waiting up to ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         ledger, now = cluster.ledger(), time.monotonic()
@@ -271,10 +292,11 @@ def _busy_node(cluster: TaskCluster, down: set[str], timeout: float) -> str | No
             if node in down:
                 continue
             left = [s for _k, s in ledger.running_handlers(node, now) if s >= MID_HANDLER]
-            if left:
-                busy.append((len(left), random.random(), node))
+            waiting = len(ledger.unstarted(node, now)) if ahead else 0
+            if left and (waiting or not ahead or time.monotonic() > deadline - 1.0):
+                busy.append((waiting, len(left), random.random(), node))
         if busy:
-            return max(busy)[2]
+            return max(busy)[3]
         cluster.check_nodes()
         time.sleep(0.03)
     return None
@@ -283,7 +305,7 @@ def _busy_node(cluster: TaskCluster, down: set[str], timeout: float) -> str | No
 def _strike(cluster: TaskCluster, phase: str, down: set[str], progress: Progress) -> TaskPhase:
     """SIGKILL, or SIGSTOP for 2 x lease + 1 s, a node running a handler; wait for its tasks to start elsewhere."""
     lease = cluster.task_lease
-    node = _busy_node(cluster, down, timeout=15.0)
+    node = _busy_node(cluster, down, timeout=15.0, ahead=True)
     if node is None:
         return TaskPhase(phase, "", time.monotonic(), note="no node ran a handler within 15 s: nothing to strike")
     if phase == "kill":
@@ -309,7 +331,8 @@ def _wait_restart(cluster: TaskCluster, node: str, at: float, deadline: float) -
     keys: list[str] = []
     while True:
         ledger = cluster.ledger()
-        keys = ledger.in_flight(node, at)
+        ahead = set(ledger.unstarted(node, at))  # timed apart: they wait for the others' free threads too
+        keys = [k for k in ledger.in_flight(node, at) if k not in ahead]
         starts = [ledger.restart(k, node, at) for k in keys]
         if keys and all(starts):
             where = sorted({s["node"] for s in starts if s})

@@ -24,9 +24,13 @@ object ("end_promotion", "sku-123"). Rules every implementation follows (the con
   one.
 * Claims: a task is claimable when ``run_at <= store now``: queued and due (or its retry's time
   has come), or running with an expired lease (its worker died: no separate rescuer, the same
-  claim takes it). A claim sets ``running``, the owner, ``token + 1``, ``attempt + 1`` (the count
-  is kept across a rescue, so a task that kills its worker still reaches its handler's
-  ``max_attempts``), ``lease_until`` and ``run_at`` (the lease's end).
+  claim takes it). A claim sets ``running``, the owner, ``token + 1``, ``attempt + 1``,
+  ``lease_until`` and ``run_at`` (the lease's end).
+* Attempts count handlers that started: a worker marks each claim whose handler starts
+  (:meth:`TaskStore.start`, batched). A claim that rescues a running task whose claim never
+  started keeps its attempt number (decided in the claim's own operation), so claims lost with a
+  node that never ran them cost no attempt; a started one counts (kept across a rescue, so a task
+  that kills its worker still reaches its handler's ``max_attempts``).
 * Tokens only go up, across every occurrence of a ``(code, key)``: a task added again after it
   finished or was cancelled starts from the highest token its earlier occurrences reached (the SQL
   and MongoDB stores keep a *tombstone*, the row in state ``done`` holding only its token; Redis
@@ -68,6 +72,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple, Union
 
+from ..errors import ConfigurationError
 from ..urls import mask_url
 from .wakeups.base import DEFAULT_POLL, PollWaker, Waker
 
@@ -319,22 +324,45 @@ class TaskStore(ABC):
             AttrsError: a payload that is not plain JSON.
         """
 
+    @abstractmethod
     def add_many(self, tasks: Iterable[NewTask | tuple[Any, ...]], *, on_conflict: str = "replace") -> builtins.list[AddResult]:
         """:meth:`add` each of ``tasks`` (``NewTask`` or ``(code, key, due[, payload])``), in order;
         one result per task.
 
         Every task is checked before anything is written: a bad one, or the same ``(code, key)``
         twice, raises and adds nothing. The SQL stores write the batch in one transaction (all or
-        nothing) and Redis in one script call per 1,000 tasks; this default adds them one at a time.
+        nothing) and Redis in one script call per 1,000 tasks; the memory and MongoDB stores add
+        them one at a time (:func:`mutexcron.tasks.checks.add_one_by_one`).
 
         Raises:
             ConfigurationError: a bad task (its position in ``tasks`` named), a duplicate, or a bad ``on_conflict``.
             AttrsError: a payload that is not plain JSON.
         """
-        from .checks import check_batch, check_on_conflict
 
-        batch, mode = check_batch(tasks), check_on_conflict(on_conflict)
-        return [self.add(task.code, task.key, task.due, task.payload, on_conflict=mode) for task in batch]
+    # -- inside the caller's transaction (SQL stores; mutexcron.tasks.transactions) ------------
+    def add_many_in(
+        self, transaction: Any, tasks: Iterable[NewTask | tuple[Any, ...]], *, on_conflict: str = "replace"
+    ) -> builtins.list[AddResult]:
+        """:meth:`add_many` on the caller's open ``transaction`` (its executor: see
+        :mod:`mutexcron.tasks.transactions`): the tasks commit with the caller's writes, or not at all.
+
+        Raises:
+            ConfigurationError: this store shares no transaction with the caller's data (not SQL),
+                or the transaction is not on the store's database.
+        """
+        raise ConfigurationError(_no_transaction("adding a task", self.masked_url))
+
+    def cancel_in(self, transaction: Any, code: str, key: str) -> bool:
+        """:meth:`cancel` on the caller's open ``transaction`` (see :meth:`add_many_in`)."""
+        raise ConfigurationError(_no_transaction("cancelling a task", self.masked_url))
+
+    def complete_in(self, transaction: Any, node: str, code: str, key: str, token: int, outcome: Outcome) -> None:
+        """:meth:`complete` on the caller's open ``transaction`` (see :meth:`add_many_in`).
+
+        Raises:
+            StaleTaskError: the fence failed (this attempt no longer runs the task): roll back.
+        """
+        raise ConfigurationError(_no_transaction("completing a task", self.masked_url))
 
     @abstractmethod
     def cancel(self, code: str, key: str) -> bool:
@@ -371,8 +399,16 @@ class TaskStore(ABC):
         with an expired lease), earliest ``run_at`` first. Each claimed task is returned as left:
         running, owned by ``node``, token and attempt + 1, ``lease_until = run_at = store now +
         lease``. Concurrent claims never return one task twice while its lease runs. A rescued task
-        that was cancelled is dropped, not returned.
+        that was cancelled is dropped, not returned. A rescued task whose last claim was never
+        marked started (:meth:`start`) keeps its attempt number: that claim did not count.
         """
+
+    @abstractmethod
+    def start(self, node: str, tasks: Iterable[tuple[str, str, int]]) -> int:
+        """Mark that the handlers of ``(code, key, token)`` started, in one round trip: each fenced
+        like :meth:`complete` (running, owned by ``node``, with its token). A later claim that
+        rescues a task whose lease ran out counts a new attempt only if the claim it takes over
+        was marked started. Returns how many were marked."""
 
     @abstractmethod
     def renew(self, node: str, tokens: Mapping[tuple[str, str], int], lease: float) -> set[tuple[str, str]]:
@@ -479,3 +515,11 @@ class TaskStore(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections. The store must not be used afterwards."""
+
+
+def _no_transaction(what: str, where: str) -> str:
+    return (
+        f"{what} inside your transaction needs a SQL task store (sqlite://, mysql://, mariadb://, postgresql://): "
+        f"{where} has no transaction shared with your data. Use it without transaction=, and key the handler's "
+        "writes on task.idempotency_key"
+    )

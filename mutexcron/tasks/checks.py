@@ -11,7 +11,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from ..errors import AttrsError, ConfigurationError, StoreError
 from ..names import check_name
@@ -39,6 +39,19 @@ def check_task(code: object, key: object) -> tuple[str, str]:
     return check_name(code, "task code"), check_name(key, "task key")
 
 
+class CheckedTask(NamedTuple):
+    """One task of an ``add_many`` once checked: its names, its due (``at`` or ``delay``, as
+    :func:`check_due` gives them) and its payload as the JSON text a store writes."""
+
+    code: str
+    key: str
+    due: Any
+    payload: Any
+    at: datetime | None
+    delay: float | None
+    text: str
+
+
 def check_batch(tasks: Iterable[NewTask | tuple[Any, ...]], *, labels: Sequence[str] | None = None) -> list[NewTask]:
     """The tasks of an ``add_many``, each checked as ``add`` checks it (names, due, payload), the
     same ``(code, key)`` twice refused; nothing is written unless all pass.
@@ -46,20 +59,31 @@ def check_batch(tasks: Iterable[NewTask | tuple[Any, ...]], *, labels: Sequence[
     Args:
         labels: how errors name each task ("line 7"); default "task N of add_many", counted from 1.
     """
+    return [NewTask(t.code, t.key, t.due, t.payload) for t in checked_batch(tasks, labels=labels)]
+
+
+def add_one_by_one(store: TaskStore, tasks: Iterable[NewTask | tuple[Any, ...]], on_conflict: str) -> list[AddResult]:
+    """:meth:`TaskStore.add_many` one :meth:`~TaskStore.add` at a time, every task checked first."""
+    batch, mode = check_batch(tasks), check_on_conflict(on_conflict)
+    return [store.add(task.code, task.key, task.due, task.payload, on_conflict=mode) for task in batch]
+
+
+def checked_batch(tasks: Iterable[NewTask | tuple[Any, ...]], *, labels: Sequence[str] | None = None) -> list[CheckedTask]:
+    """:func:`check_batch`, keeping what the checks computed, so a store writes the batch without checking it again."""
     if isinstance(tasks, (str, bytes, Mapping)):
         raise ConfigurationError(f"add_many takes a list of tasks, not a {type(tasks).__name__}")
 
     def label(position: int, within: str = " of add_many") -> str:
         return labels[position] if labels is not None else f"task {position + 1}{within}"
 
-    batch: list[NewTask] = []
+    batch: list[CheckedTask] = []
     seen: dict[tuple[str, str], int] = {}
     for position, item in enumerate(tasks):
         task = _new_task(item, label(position))
         try:
             code, key = check_task(task.code, task.key)
-            check_due(task.due)
-            dump_payload(task.payload, code, key)
+            at, delay = check_due(task.due)
+            text = dump_payload(task.payload, code, key)
         except (ConfigurationError, AttrsError) as exc:
             raise type(exc)(f"{label(position)}: {exc}") from None
         if (code, key) in seen:
@@ -67,7 +91,7 @@ def check_batch(tasks: Iterable[NewTask | tuple[Any, ...]], *, labels: Sequence[
                 f"{label(position)}: ({code!r}, {key!r}) is {label(seen[code, key], '')} too; give each task once"
             )
         seen[code, key] = position
-        batch.append(NewTask(code, key, task.due, task.payload))
+        batch.append(CheckedTask(code, key, task.due, task.payload, at, delay, text))
     return batch
 
 

@@ -13,6 +13,11 @@ otherwise after at most ``max_delay`` seconds, or as soon as ``max_batch`` are q
 that arrive while a call is in flight go in the next one. The waits are measured
 (:attr:`CompletionQueue.delay_max`, :attr:`CompletionQueue.delay_total`).
 
+The same thread writes the *started* marks (:meth:`CompletionQueue.mark_started`: a handler began,
+so a rescue of its claim counts an attempt) in one :meth:`~mutexcron.tasks.TaskStore.start` call
+per batch, before the batch's completions; a mark whose completion is in the same batch is not
+written (the completion says more).
+
 A store that is briefly unreachable: the batch is tried again with a growing pause, each
 completion until its ``give_up`` time (its lease); one the store refuses as bad input is tried on
 its own, so it does not take the others down with it.
@@ -79,12 +84,16 @@ class CompletionQueue:
         self.max_batch = max(1, max_batch)
         self._cond = threading.Condition()
         self._queue: deque[Completion] = deque()
+        self._starts: dict[tuple[str, str, int], float] = {}  # (code, key, token) -> time.monotonic() at mark
         self._closed = False
         self._thread: threading.Thread | None = None
         self.calls = 0  # store calls made (completed / calls = the batching achieved)
         self.completed = 0
         self.delay_max = 0.0  # seconds: the longest a completion waited in the queue for its store call
         self.delay_total = 0.0
+        self.start_calls = 0  # store calls that wrote started marks
+        self.marked = 0  # started marks written
+        self.elided = 0  # started marks not written: their completion went in the same batch
 
     def start(self) -> None:
         if self._thread is None:
@@ -99,6 +108,14 @@ class CompletionQueue:
             if len(self._queue) == 1 or len(self._queue) >= self.max_batch:
                 self._cond.notify()
 
+    def mark_started(self, code: str, key: str, token: int) -> None:
+        """Queue the started mark of one claim, written with the next batch."""
+        with self._cond:
+            first = not self._starts and not self._queue
+            self._starts[(code, key, int(token))] = time.monotonic()
+            if first:
+                self._cond.notify()
+
     def close(self, timeout: float = 15.0) -> None:
         """Record what is queued, then stop the thread."""
         with self._cond:
@@ -109,31 +126,55 @@ class CompletionQueue:
 
     # -- the queue's thread --------------------------------------------------------------------
     def _loop(self) -> None:
-        while (batch := self._next_batch()) is not None:
+        while (taken := self._next_batch()) is not None:
+            starts, batch = taken
             try:
+                self._mark(starts)
                 self._record(batch)
             except Exception:  # never let the thread die: the submitters wait for their results
                 log.exception("task completions: recording a batch failed")
 
-    def _next_batch(self) -> list[Completion] | None:
+    def _next_batch(self) -> tuple[list[tuple[str, str, int]], list[Completion]] | None:
+        """The started marks and the completions of the next store calls (None once closed and empty)."""
         with self._cond:
-            while not self._queue:
+            while not self._queue and not self._starts:
                 if self._closed:
                     return None
                 self._cond.wait()
             if len(self._queue) < self.max_batch and not self._closed and self.linger():
-                until = self._queue[0].queued_at + self.max_delay
+                first = self._queue[0].queued_at if self._queue else min(self._starts.values())
+                until = first + self.max_delay
                 while len(self._queue) < self.max_batch and not self._closed and (left := until - time.monotonic()) > 0:
                     self._cond.wait(left)
             batch = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch))]
+            ending = {(c.code, c.key, c.token) for c in batch}
+            starts = [mark for mark in self._starts if mark not in ending]
+            self.elided += len(self._starts) - len(starts)
+            self._starts.clear()
+        self._waited(batch)
+        return starts, batch
+
+    def _mark(self, starts: list[tuple[str, str, int]]) -> None:
+        """Write the started marks (one store call). Not retried: a mark that does not get through
+        only means a rescue of that claim would not count its attempt."""
+        if not starts:
+            return
+        self.start_calls += 1
+        try:
+            self.marked += self.store.start(self.node_id, starts)
+        except Exception as exc:  # noqa: BLE001 - the batch's completions must still be recorded
+            log.debug("task started marks: %d not written (%s)", len(starts), exc)
+
+    def _waited(self, batch: list[Completion]) -> None:
         now = time.monotonic()
         for item in batch:
             waited = now - item.queued_at
             self.delay_total += waited
             self.delay_max = max(self.delay_max, waited)
-        return batch
 
     def _record(self, batch: list[Completion]) -> None:
+        if not batch:
+            return
         pause = 0.2
         while batch:
             self.calls += 1

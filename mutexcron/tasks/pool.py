@@ -138,9 +138,7 @@ class TaskPool:
                 (:mod:`mutexcron.tasks.transactions`).
         """
         if transaction is not None:
-            from .transactions import add_in
-
-            return add_in(self.store, transaction, code, key, due, payload, on_conflict=on_conflict)
+            return self.store.add_many_in(transaction, [NewTask(code, key, due, payload)], on_conflict=on_conflict)[0]
         result = self.store.add(code, key, due, payload, on_conflict=on_conflict)
         if self._on_add is not None and code in self.handlers:
             self._on_add(code)
@@ -166,9 +164,7 @@ class TaskPool:
         """
         batch = tasks if isinstance(tasks, (str, bytes, Mapping)) else list(tasks)  # the store refuses the former
         if transaction is not None:
-            from .transactions import add_many_in
-
-            return add_many_in(self.store, transaction, batch, on_conflict=on_conflict)
+            return self.store.add_many_in(transaction, batch, on_conflict=on_conflict)
         results = self.store.add_many(batch, on_conflict=on_conflict)
         if self._on_add is not None:
             for code in {task[0] for task in batch} & set(self.handlers):
@@ -182,9 +178,7 @@ class TaskPool:
         cancel commits with it, or not at all.
         """
         if transaction is not None:
-            from .transactions import cancel_in
-
-            return cancel_in(self.store, transaction, code, key)
+            return self.store.cancel_in(transaction, code, key)
         return self.store.cancel(code, key)
 
     def get(self, code: str, key: str) -> TaskRecord | None:

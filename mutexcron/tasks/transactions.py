@@ -7,6 +7,12 @@ and only if that transaction commits. ``task.complete(conn)`` in a handler runs 
 statement the worker would run (:meth:`SQLTaskStore.complete`'s) the same way: the handler's
 writes and the end of its task commit together, or not at all.
 
+This module turns the caller's transaction into one executor (:class:`CallerTransaction`: run a
+statement, tell a duplicate key) and reads which database it is on. The operations are the store
+contract's (:meth:`~mutexcron.tasks.TaskStore.add_many_in`, ``cancel_in``, ``complete_in``): the
+SQL store runs its statements on the executor it is given, as River's driver takes an executor;
+the other stores refuse. The store imports this module, never the other way.
+
 Accepted as ``transaction``:
 
 * a SQLAlchemy ``Connection`` (inside ``engine.begin()``, or one that began a transaction) or
@@ -35,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,19 +49,9 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.sql.elements import TextClause
 
-from ..errors import ConfigurationError, StaleTaskError, StoreUnavailableError
-from .base import AddResult, Due, NewTask, Outcome, TaskStore
-from .checks import (
-    check_batch,
-    check_due,
-    check_on_conflict,
-    check_outcome,
-    check_task,
-    dump_payload,
-    reschedule_payload,
-)
+from ..errors import ConfigurationError
 
-__all__ = ["CallerTransaction", "adapt", "add_in", "add_many_in", "cancel_in", "complete_in"]
+__all__ = ["CallerTransaction", "adapt", "caller_database", "own_connection"]
 
 #: DB-API driver module -> (the store dialect it speaks, SQLAlchemy's name for it).
 DRIVERS = {
@@ -69,8 +65,6 @@ _ACCEPTED = (
     "a SQLAlchemy Connection or Session in a transaction, a DB-API connection (psycopg, psycopg2, PyMySQL, "
     "mysqlclient, sqlite3), or Django's connection inside transaction.atomic()"
 )
-#: Rounds of a cancel whose row keeps changing state between its statements (as SQLTaskStore's).
-_ROUNDS = 5
 
 
 class _Rows:
@@ -237,56 +231,8 @@ def _is_duplicate(exc: BaseException) -> bool:
     return bool(args) and args[0] == 1062
 
 
-# -- the store's side --------------------------------------------------------------------------
-def _sql_store(store: TaskStore, what: str) -> Any:
-    from .stores.sql import SQLTaskStore
-
-    if not isinstance(store, SQLTaskStore):
-        raise ConfigurationError(
-            f"{what} inside your transaction needs a SQL task store (sqlite://, mysql://, mariadb://, postgresql://): "
-            f"{store.masked_url} has no transaction shared with your data. Use it without transaction=, and key the "
-            "handler's writes on task.idempotency_key"
-        )
-    return store
-
-
-def _bind(store: TaskStore, transaction: Any, what: str) -> tuple[Any, CallerTransaction]:
-    """The SQL store and the caller's transaction on its database; refused if they are not the same database."""
-    sql_store = _sql_store(store, what)
-    caller = adapt(transaction)
-    wanted = sql_store.backend.dialect
-    if caller.dialect != wanted.name:
-        raise ConfigurationError(
-            f"{what}: your transaction is on {caller.dialect}, the task store {store.masked_url} on {wanted.kind}: "
-            "the task would not commit with your writes. Pass a connection to the store's database, or build the "
-            "TaskPool on your application's database URL"
-        )
-    mine, theirs = _store_database(sql_store), _caller_database(caller)
-    if theirs is not None and mine != theirs:
-        raise ConfigurationError(
-            f"{what}: your transaction is on the database {theirs!r}, the task store {store.masked_url} on {mine!r}: "
-            "the task would not commit with your writes. Build the TaskPool on your application's database URL"
-        )
-    return sql_store, caller
-
-
-def _store_database(store: Any) -> str:
-    """The store's database name (SQLite: the real path of its file), read once."""
-    known: str | None = getattr(store, "_caller_check_database", None)
-    if known is None:
-        url = store.backend.engine.url
-        if store.backend.dialect.name == "sqlite":
-            known = os.path.realpath(url.database or "")
-        elif url.database:
-            known = str(url.database)
-        else:  # PostgreSQL's default database (the user's name): ask the server once
-            query = "SELECT current_database()" if store.backend.dialect.name == "postgresql" else "SELECT DATABASE()"
-            known = str(store.backend.execute(query, {}, "database name")[0][0][0])
-        store._caller_check_database = known
-    return known
-
-
-def _caller_database(caller: CallerTransaction) -> str | None:
+# -- what the SQL store needs to run on it ------------------------------------------------------
+def caller_database(caller: CallerTransaction) -> str | None:
     """The caller's database name (SQLite: the real path of its main file): from the driver where it
     keeps it (psycopg, PyMySQL), else asked on the caller's connection (one cheap statement)."""
     if caller.dialect == "sqlite":
@@ -313,24 +259,6 @@ def _caller_database(caller: CallerTransaction) -> str | None:
     return None if not rows or rows[0][0] is None else str(rows[0][0])
 
 
-def _check_names(store: Any, caller: CallerTransaction, code: str, key: str) -> None:
-    """The store's checks of a task's names (its table set up first), without a connection of the
-    store's own on SQLite: the caller's transaction may hold the file's write lock already, and a
-    second connection of this thread would wait for it until its busy timeout (opening one can
-    switch the file to WAL, which needs the lock too). There the table must exist: it is looked
-    up on the caller's connection."""
-    if store.backend.dialect.name != "sqlite" or store.table in store.backend._set_up:
-        store._check_names(code, key)
-        return
-    found = caller.execute(_text("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = :t"), {"t": store.table})
-    if found.fetchone() is None:
-        raise ConfigurationError(
-            f"no task table {store.table!r} in {store.masked_url} yet: create it before adding tasks inside a "
-            "transaction (a migration with the statements of `mutexcron ddl`, or any use of the pool outside a "
-            "transaction, e.g. pool.store.ping(), at start)"
-        )
-
-
 def _driver(raw: Any) -> str:
     """The top-level module of a DB-API connection's class: its driver (``sqlite3``, ``psycopg``...)."""
     return type(raw).__module__.split(".")[0]
@@ -342,87 +270,7 @@ def _text(sql: str) -> TextClause:
     return text(sql)
 
 
-# -- the operations ----------------------------------------------------------------------------
-def add_in(
-    store: TaskStore, transaction: Any, code: str, key: str, due: Due, payload: Any = None, *, on_conflict: str = "replace"
-) -> AddResult:
-    """:meth:`SQLTaskStore.add` on the caller's transaction: the same checks and statements, committed with it."""
-    return add_many_in(store, transaction, [NewTask(code, key, due, payload)], on_conflict=on_conflict)[0]
-
-
-def add_many_in(
-    store: TaskStore, transaction: Any, tasks: Iterable[NewTask | tuple[Any, ...]], *, on_conflict: str = "replace"
-) -> list[AddResult]:
-    """:meth:`SQLTaskStore.add_many` on the caller's transaction: every task checked first, then
-    each added with the store's statements; they commit with the caller's writes, or not at all."""
-    batch, mode = check_batch(tasks), check_on_conflict(on_conflict)
-    sql_store, caller = _bind(store, transaction, "adding a task")
-    for task in batch:
-        _check_names(sql_store, caller, task.code, task.key)
-    return [add_checked(sql_store, caller, task, mode) for task in batch]
-
-
 def own_connection(conn: Connection) -> CallerTransaction:
     """The store's own connection, in a transaction the store opened, as the caller's are used."""
     dialect = "mysql" if conn.dialect.name == "mariadb" else conn.dialect.name
     return CallerTransaction(dialect, None, lambda clause, params: conn.execute(clause, dict(params)), _is_duplicate)
-
-
-def add_checked(sql_store: Any, caller: CallerTransaction, task: NewTask, mode: str) -> AddResult:
-    """One checked task added in the open transaction ``caller``: insert it, or decide on the row
-    that is there (locked) as :func:`~mutexcron.tasks.checks.decide_add` says."""
-    at, delay = check_due(task.due)
-    text = dump_payload(task.payload, task.code, task.key)
-    sql = sql_store._sql
-    params = {"code": task.code, "key": task.key, "due": sql_store._time(at), "delay": delay, "payload": text}
-    clause = sql_store.backend.text
-    for _ in range(_ROUNDS):
-        try:
-            result = caller.execute(clause(sql.insert), params)
-            inserted = result.fetchone() is not None if sql.notify else result.rowcount == 1  # PostgreSQL's: the notice's row
-        except Exception as exc:
-            if not caller.is_duplicate(exc):  # MySQL: the task exists (the statement alone is rolled back)
-                raise
-            inserted = False
-        if inserted:
-            return AddResult.INSERTED
-        decided: AddResult | None = sql_store._update_existing(caller, params, at, delay, mode)
-        if decided is not None:
-            return decided
-        # Finished between the insert and the lock (a READ COMMITTED transaction sees it): insert again.
-    where = sql_store._where(task.code, task.key)
-    raise StoreUnavailableError(f"{where}: add did not settle (the task kept appearing and vanishing)")
-
-
-def cancel_in(store: TaskStore, transaction: Any, code: str, key: str) -> bool:
-    """:meth:`SQLTaskStore.cancel` on the caller's transaction."""
-    code, key = check_task(code, key)
-    sql_store, caller = _bind(store, transaction, "cancelling a task")
-    _check_names(sql_store, caller, code, key)
-    sql, clause, params = sql_store._sql, sql_store.backend.text, {"code": code, "key": key}
-    for _ in range(_ROUNDS):
-        if caller.execute(clause(sql.cancel_drop), params).rowcount:
-            return True
-        if caller.execute(clause(sql.cancel_mark), params).rowcount:
-            return True  # running: dropped when its attempt ends
-        if caller.execute(clause(sql.read_one), params).fetchone() is None:
-            return False
-    raise StoreUnavailableError(f"{sql_store._where(code, key)}: cancel did not settle (the task kept changing state)")
-
-
-def complete_in(store: TaskStore, transaction: Any, node: str, code: str, key: str, token: int, outcome: Outcome) -> None:
-    """:meth:`SQLTaskStore.complete` on the caller's transaction: the same fenced statements.
-
-    Raises:
-        StaleTaskError: the fence failed (this attempt no longer runs the task): roll back.
-    """
-    checked = check_outcome(outcome)
-    sql_store, caller = _bind(store, transaction, "completing a task")
-    steps = sql_store._outcome_steps(checked, reschedule_payload(checked, code, key))
-    fence = {"code": code, "key": key, "me": node, "token": int(token)}
-    if sql_store._settle(caller, steps, fence, "complete") is None:
-        raise StaleTaskError(
-            f"{sql_store._where(code, key)}: completion of attempt token {token} refused: this node's lease ran out "
-            "and a newer attempt took the task over (or it is gone). Let this error roll your transaction back: "
-            "the newer attempt's writes are the ones that count"
-        )

@@ -6,14 +6,16 @@ clock: :meth:`~mutexcron.tasks.TaskStore.next_due`), woken early by the store's 
 ``claim_ahead`` more (as many as the node finished in the last second, at least one per thread,
 at most ``claim_ahead``), in one round trip per lease length. Claimed tasks wait in one queue the
 handler threads take from in turn (a thread that ends a task takes the next one without being
-woken); the claim thread claims again when the queue is down to half of what it claims ahead.
+woken); the claim thread claims again when the queue is down to half of what it claims ahead, or
+when a thread frees and nothing waits for it.
 Every claimed task
 
 1. runs only if its lease is still ours by this node's monotonic clock, checked right before the
    handler's first line (a claim whose reply came later than its lease, or that waited in the
    queue until its lease ran out, is never run);
 2. if it is still waiting for a thread when its lease is a third gone, is handed back (fenced:
-   token + 1, claimable at once by any node) instead of being renewed;
+   token + 1, claimable at once by any node) instead of being renewed, and the node claims
+   nothing ahead until one of its threads frees (the task goes to an idle node, not back here);
 3. once started, is renewed by the scheduler's heartbeat thread, every lease/3, one round trip
    for all of the node's running tasks (:meth:`TaskWorker.renew_round`); ``task.lost`` turns
    True when a renewal is refused or none succeeded within the lease;
@@ -35,12 +37,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from ..backends.health import StoreHealth
 from ..errors import ConfigurationError, Defer, FailTask, StaleTaskError, StoreError, StoreUnavailableError
 from ..events import EVENT_TASK_FAILED, Emit, MutexEvent, log_event
-from .base import Done, Fail, Outcome, Reschedule, TaskRecord, TaskStore
+from .base import Fail, Outcome, Retry, TaskRecord, TaskStore
 from .completions import Completion, CompletionQueue
 from .handlers import Handler, Task, public_codes
 from .wakeups.base import BACKSTOP_POLL, Waker
@@ -56,6 +59,10 @@ DEFAULT_CONCURRENCY = 8
 #: The most tasks a node claims beyond its free handler threads unless configured
 #: (``$MUTEXCRON_TASK_CLAIM_AHEAD``; 0: claim only for free threads).
 DEFAULT_CLAIM_AHEAD = 96
+#: Runs of one task on one node that outlive their lease (handed back, not counted) before the next
+#: one counts as a failed attempt: a handler that always overruns ends instead of looping.
+OVERRUN_LIMIT = 3
+_OVERRUNS_KEPT = 10_000  # tasks whose overruns a node remembers (the oldest forgotten first)
 
 
 @dataclass
@@ -111,6 +118,8 @@ class _Run:
     lost: bool = False
     #: the handler returned: its outcome is being recorded (a renewal refused now is no loss)
     ending: bool = False
+    #: counted as outliving its lease (:meth:`TaskWorker._count_overrun`)
+    overrun_counted: bool = False
     #: the handler ended the attempt in its own transaction (Task.complete): the outcome's name,
     #: or "refused" if the fence failed there. The worker records nothing more for this attempt.
     self_completed: str | None = None
@@ -165,6 +174,7 @@ class TaskWorker:
         self._busy = 0  # handler threads running a task
         self._idle_threads = 0
         self._refill_asked = False  # a handler thread woke the claim thread for more since its last look
+        self._handed_back_busy = False  # claims waited too long for a thread: none ahead until one frees
         self._ended: deque[float] = deque()  # clock() of the handlers ended in the last second
         self._unstarted: list[_Run] = []  # claims a stop caught before their handler started
         self._stopping = False
@@ -175,6 +185,7 @@ class TaskWorker:
         self.completions = CompletionQueue(store, node_id, self._settled, linger=lambda: self._busy > 0)
         self.lags: dict[str, LagStats] = {}  # code -> due-to-start lags (metrics read them)
         self.clock_offset: Callable[[], float | None] = lambda: None  # node wall clock minus the store's
+        self._overruns: dict[tuple[str, str], int] = {}  # (code, key) -> runs here that outlived their lease
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -199,8 +210,8 @@ class TaskWorker:
 
     def _ahead(self) -> int:
         """Tasks to claim beyond the free threads: as many as ended in the last second (at least one
-        per thread), at most ``claim_ahead``. Under the mutex."""
-        if not self.claim_ahead:
+        per thread), at most ``claim_ahead``; none after a hand-back until a thread frees. Under the mutex."""
+        if not self.claim_ahead or self._handed_back_busy:
             return 0
         now = self.clock()
         while self._ended and self._ended[0] <= now - 1.0:
@@ -260,6 +271,8 @@ class TaskWorker:
             while self._runs and self.clock() < deadline:
                 self._idle.wait(min(0.5, max(0.01, deadline - self.clock())))
             left = sorted(self._runs)
+            late, self._unstarted = self._unstarted, []  # taken by a handler thread as the stop began
+        self._hand_back(late)
         for code, key in left:
             log.warning(
                 "task %s/%s still running after the shutdown timeout: its lease will run out and another node will run it again",
@@ -292,6 +305,8 @@ class TaskWorker:
             stale, self._unstarted = self._unstarted, []
             soonest = min((r.renew_at for r in self._waiting), default=None)
         if stale:
+            with self._mutex:  # they go to an idle node: claim nothing ahead until a thread of ours frees
+                self._handed_back_busy = True
             log.info("handing back %d claimed task(s) that waited a third of their lease for a thread", len(stale))
             self._hand_back(stale)
         return self.backstop if soonest is None else max(0.0, soonest - now)
@@ -373,12 +388,31 @@ class TaskWorker:
             return
         with self._mutex:
             for run in runs:
+                self._supersede_locked(run)
                 self._runs[run.task_key] = run
             self._waiting.extend(runs)
             self.stats.claimed += len(runs)
             self._work.notify(min(len(runs), self._idle_threads))
         if self.on_renew_needed is not None:
             self.on_renew_needed()
+
+    def _supersede_locked(self, run: _Run) -> None:
+        """This node claimed again a task it still runs (its run outlived the lease, and the store gave
+        the task to the next claim, ours): the older run is lost for good and counted as an overrun."""
+        older = self._runs.get(run.task_key)
+        if older is None or older is run or not older.started:
+            return
+        older.lost = True
+        count = self._overrun_locked(older)
+        log.warning(
+            "task %s/%s: this node's run (token %d) outlived its %g s lease (%d time(s)); this node claimed it again (token %d)",
+            run.record.code,
+            run.record.key,
+            older.record.token,
+            older.handler.lease,
+            count,
+            run.record.token,
+        )
 
     def _no_handler(self, record: TaskRecord) -> str:
         return (
@@ -423,9 +457,19 @@ class TaskWorker:
             try:
                 self._run(run)
             finally:
-                with self._mutex:
-                    self._busy -= 1
-                    self._ended.append(self.clock())
+                self._thread_freed()
+
+    def _thread_freed(self) -> None:
+        """A handler thread ended its task: wake the claim thread if nothing waits for it (whatever
+        claim-ahead is: with none, the claim thread has nothing to claim for until a thread frees)."""
+        with self._mutex:
+            self._busy -= 1
+            self._ended.append(self.clock())
+            self._handed_back_busy = False
+            wake = not self._waiting and not self._refill_asked
+            self._refill_asked |= wake
+        if wake and self._waker is not None:
+            self._waker.notify()
 
     # -- running -----------------------------------------------------------------------------
     def _run(self, run: _Run) -> None:
@@ -434,15 +478,16 @@ class TaskWorker:
         try:
             if not self._begin(run):
                 return
+            self.completions.mark_started(*run.task_key, run.record.token)  # batched: a rescue now counts the attempt
             self._record_lag(run.record)
-            outcome = run.handler.exhausted(run.record) or self._call(run)
+            outcome = self._overrun_outcome(run) or self._exhausted(run) or self._call(run)
             if outcome is None:
-                self._settled_by_handler(run)
+                ended = self._settled_by_handler(run)
                 return
             with self._mutex:
                 run.ending = True
-            if isinstance(outcome, (Done, Reschedule)) and self._is_lost(run):
-                self._give_back_lost(run, outcome)
+            if self._is_lost(run):
+                ended = self._give_back_lost(run, type(outcome).__name__)
             else:
                 self._complete(run, outcome)
                 ended = False
@@ -524,13 +569,18 @@ class TaskWorker:
         and not renewed (the renewal would wait on the row the handler's transaction holds).
         Whether the transaction then commits is the handler's: if it raises, the worker records its
         failure as usual (fenced: refused if the completion did commit)."""
-        from .transactions import complete_in
-
         record = run.record
         if run.self_completed is not None:
             raise ConfigurationError(f"task {record.code}/{record.key}: task.complete() was called already in this attempt")
+        if self._is_lost(run):  # the store may still take it (nobody took the task over), but this run is over
+            with self._mutex:
+                run.self_completed, run.ending = "refused", True
+            raise StaleTaskError(
+                f"task {record.code}/{record.key} (token {record.token}): this node's lease ran out before the "
+                "completion; let this error roll your transaction back: the task is handed back and runs again"
+            )
         try:
-            complete_in(self.store, transaction, self.node_id, record.code, record.key, record.token, outcome)
+            self.store.complete_in(transaction, self.node_id, record.code, record.key, record.token, outcome)
         except StaleTaskError:
             with self._mutex:
                 run.self_completed, run.ending = "refused", True
@@ -538,9 +588,19 @@ class TaskWorker:
         with self._mutex:
             run.self_completed, run.ending = type(outcome).__name__, True
 
-    def _settled_by_handler(self, run: _Run) -> None:
-        """Count (and for a refusal, log) an attempt the handler ended in its own transaction."""
+    def _settled_by_handler(self, run: _Run) -> bool:
+        """Count (and for a refusal, log) an attempt the handler ended in its own transaction; False
+        if its end went to the completion thread."""
         record = run.record
+        if run.self_completed == "refused" and run.lost:  # refused by this node: the lease had run out
+            log.warning(
+                "task %s/%s (token %d): completion refused in the handler's transaction: this node's lease ran out; "
+                "the handler's transaction was rolled back",
+                record.code,
+                record.key,
+                record.token,
+            )
+            return self._give_back_lost(run, "task.complete()")
         if run.self_completed == "refused":
             self._bump("refused")
             log.warning(
@@ -550,12 +610,31 @@ class TaskWorker:
                 record.key,
                 record.token,
             )
-            return
+            return True
         self._bump("rescheduled" if run.self_completed == "Reschedule" else "done")
+        return True
 
     def _is_lost(self, run: _Run) -> bool:
+        """True once the run's lease ran out by this node's monotonic clock or a renewal was refused:
+        for good (a renewal that lands later never brings the run back). Sticky, so what the
+        handler saw when it stopped is what the worker acts on when it returns."""
         with self._mutex:
-            return run.lost or self.clock() >= run.deadline
+            return self._lost_now(run)
+
+    def _lost_now(self, run: _Run) -> bool:
+        """:meth:`_is_lost`, under the mutex."""
+        if not run.lost and self.clock() >= run.deadline:
+            run.lost = True
+            if run.started and not run.ending:
+                self.stats.lost += 1
+                log.warning(
+                    "task %s/%s (token %d): the lease ran out by this node's clock before a renewal got through; "
+                    "task.lost is now True for good",
+                    run.record.code,
+                    run.record.key,
+                    run.record.token,
+                )
+        return run.lost
 
     def _end(self, run: _Run) -> None:
         with self._mutex:
@@ -585,37 +664,110 @@ class TaskWorker:
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    def _give_back_lost(self, run: _Run, outcome: Outcome) -> None:
-        """The handler ended with a result (Done, Reschedule) after this node lost the lease (a renewal
-        refused, or none got through within the lease): it may have stopped half-way because
+    def _give_back_lost(self, run: _Run, outcome: str) -> bool:
+        """The handler ended (with ``outcome``, an outcome's name) after this node lost the lease (it
+        ran out by the node's clock, or a renewal was refused): it may have stopped half-way because
         ``task.lost`` said so. Never record that as the task's end: hand it back, fenced (claimable
         at once, the attempt not counted). If nobody took it over, it runs again; if somebody did,
-        the hand-back is refused and the newer attempt is kept."""
+        the hand-back is refused and the newer attempt is kept.
+
+        The :data:`OVERRUN_LIMIT`-th such end of the same task on this node counts as a failed
+        attempt instead (:meth:`_overran`), so a handler that always outlives its lease ends.
+        Returns False if the run's end went to the completion thread (which ends the run).
+        """
         record = run.record
+        if self._count_overrun(run) >= OVERRUN_LIMIT:
+            self._complete(run, self._overran(run))
+            return False
         count = self._patiently(
             run, lambda: self.store.release(self.node_id, [(record.code, record.key, record.token)]), "its hand-back"
         )
         if count is None:
-            return
+            return True
         if count:
             self._bump("released", count)
             log.warning(
-                "task %s/%s (token %d): the handler returned %s after this node lost the lease: handed back, not "
+                "task %s/%s (token %d): the handler ended (%s) after this node lost the lease: handed back, not "
                 "recorded (it runs again)",
                 record.code,
                 record.key,
                 record.token,
-                type(outcome).__name__,
+                outcome,
             )
         else:
             self._bump("refused")
             log.warning(
-                "task %s/%s (token %d): completion refused: this node lost the lease and the task was taken over or "
-                "cancelled; the store keeps the newer state",
+                "task %s/%s (token %d): completion refused: this node lost the lease and %s; the store keeps the newer state",
                 record.code,
                 record.key,
                 record.token,
+                self._superseded(run),
             )
+        return True
+
+    def _count_overrun(self, run: _Run) -> int:
+        """One more run of this task on this node that outlived its lease (once per run); how many so far."""
+        with self._mutex:
+            return self._overrun_locked(run)
+
+    def _overrun_locked(self, run: _Run) -> int:
+        """:meth:`_count_overrun`, under the mutex."""
+        if run.overrun_counted:
+            return self._overruns.get(run.task_key, 1)
+        run.overrun_counted = True
+        count = self._overruns.pop(run.task_key, 0) + 1
+        self._overruns[run.task_key] = count
+        while len(self._overruns) > _OVERRUNS_KEPT:
+            del self._overruns[next(iter(self._overruns))]
+        return count
+
+    def _exhausted(self, run: _Run) -> Outcome | None:
+        """:meth:`Handler.exhausted`, saying so when this node saw the task's runs outlive their lease."""
+        outcome = run.handler.exhausted(run.record)
+        if outcome is None:
+            return None
+        with self._mutex:
+            count = self._overruns.get(run.task_key, 0)
+        if not count:
+            return outcome
+        return Fail(
+            f"attempt {run.record.attempt} is beyond max_attempts={run.handler.max_attempts}: {self._overrun_error(run, count)}"
+        )
+
+    def _overrun_error(self, run: _Run, count: int) -> str:
+        times = "once" if count == 1 else f"{count} times"
+        return (
+            f"the handler outlived its {run.handler.lease:g} s lease {times} on node {self.node_id}: raise the "
+            "handler's lease, or let its renewals run (a handler that holds the GIL blocks them)"
+        )
+
+    def _overrun_outcome(self, run: _Run) -> Outcome | None:
+        """A claim of a task this node saw outlive its lease :data:`OVERRUN_LIMIT` times (its last
+        hand-back refused: this node had claimed it again): the failed attempt, without running it."""
+        with self._mutex:
+            if self._overruns.get(run.task_key, 0) < OVERRUN_LIMIT:
+                return None
+        return self._overran(run)
+
+    def _overran(self, run: _Run) -> Outcome:
+        """The failed attempt of a task whose handler outlived its lease :data:`OVERRUN_LIMIT` times on
+        this node: a retry after the handler's back-off, or failed when no attempt is left."""
+        record, handler = run.record, run.handler
+        with self._mutex:  # forgotten once an outcome is recorded (_count_completion)
+            count = self._overruns.get(run.task_key, OVERRUN_LIMIT)
+        error = self._overrun_error(run, count)
+        log.error("task %s/%s (token %d): %s", record.code, record.key, record.token, error)
+        if record.attempt >= handler.max_attempts:
+            return Fail(f"attempt {record.attempt} of {handler.max_attempts}: {error}")
+        return Retry(timedelta(seconds=handler.retry_delay(record.attempt)), error)
+
+    def _superseded(self, run: _Run) -> str:
+        """Who holds the task now, as far as this node knows: itself (a newer claim), or another node."""
+        with self._mutex:
+            newer = self._runs.get(run.task_key)
+        if newer is not None and newer is not run and newer.record.token > run.record.token:
+            return f"this node claimed it again (token {newer.record.token}) after its lease ran out"
+        return "the task was taken over by a newer attempt or cancelled"
 
     def _complete(self, run: _Run, outcome: Outcome) -> None:
         """One fenced write, queued for the completion thread (which ends the run): tried even if this
@@ -656,13 +808,15 @@ class TaskWorker:
         if not result:
             self._bump("refused")
             log.warning(
-                "task %s/%s (token %d): completion refused: the task was taken over by a newer attempt (this node's "
-                "lease ran out) or cancelled; the store keeps the newer state",
+                "task %s/%s (token %d): completion refused: %s; the store keeps the newer state",
                 record.code,
                 record.key,
                 record.token,
+                self._superseded(run),
             )
             return
+        with self._mutex:
+            self._overruns.pop(run.task_key, None)
         self._bump({"Done": "done", "Reschedule": "rescheduled", "Retry": "retried", "Fail": "failed"}[type(outcome).__name__])
 
     def _bump(self, name: str, count: int = 1) -> None:
@@ -703,8 +857,10 @@ class TaskWorker:
         self.health.report(True)
         with self._mutex:
             for run in runs:
-                if run.task_key in renewed:
+                if run.task_key in renewed and not self._lost_now(run):  # a late renewal never revives a run
                     run.deadline, run.renew_at = sent_at + lease, sent_at + lease / 3
+                elif run.task_key in renewed:
+                    continue
                 elif not run.lost and not run.ending:  # an ending run's completion may have landed first
                     run.lost = True
                     self.stats.lost += 1

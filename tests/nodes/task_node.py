@@ -2,13 +2,18 @@
 
 Each start and end is one JSON line in ``$TASK_NODE_LOG`` (node, key, token, attempt, wall
 time). The payload steers the handler: ``sleep`` seconds, and ``reschedule_hours_per_token``
-returns ``timedelta(hours=token * n)`` (so the store's final due shows which attempt counted).
+returns ``timedelta(hours=token * n)`` (so the store's final due shows which attempt counted);
+``steps`` runs that many steps of ``step`` seconds, checking ``task.lost`` before each, and on
+lost logs ``lost`` and returns after ``cleanup`` seconds (the documented pattern);
+``hold_gil`` keeps the GIL that many seconds (no other thread of the node runs: no renewal).
+The ``overrun`` handler (``max_attempts=1``) does the same with the payload it gets.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -30,7 +35,15 @@ def record(event: str, task: Task) -> None:
 def work(task: Task) -> Any:
     record("start", task)
     payload = task.payload or {}
+    for _ in range(int(payload.get("steps", 0))):
+        if task.lost:
+            record("lost", task)
+            time.sleep(float(payload.get("cleanup", 0)))
+            return None
+        time.sleep(float(payload.get("step", 0.1)))
     time.sleep(float(payload.get("sleep", 0)))
+    if "hold_gil" in payload:
+        hold_gil(float(payload["hold_gil"]))
     record("end", task)
     hours = payload.get("reschedule_hours_per_token")
     return timedelta(hours=task.token * hours) if hours else None
@@ -51,3 +64,20 @@ if os.environ.get("PRUNE_LOG"):  # tests/test_task_retention.py: each purge batc
         return batch
 
     SQLTaskStore.purge_batch = logged_purge_batch  # type: ignore[method-assign]
+
+
+@sched.tasks.handler("overrun", lease=float(os.environ.get("TASK_LEASE", "3")), max_attempts=1)
+def overrun(task: Task) -> Any:
+    return work(task)
+
+
+def hold_gil(seconds: float) -> None:
+    """Spin with a switch interval longer than ``seconds``: no other thread of this process runs."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(seconds + 5)
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+    finally:
+        sys.setswitchinterval(before)

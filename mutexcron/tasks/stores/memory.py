@@ -17,8 +17,9 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
 from ...backends.memory import MemoryBackend
-from ..base import AddResult, CodeSummary, Done, Due, Fail, Outcome, Reschedule, Retry, TaskRecord, TaskStore
+from ..base import AddResult, CodeSummary, Done, Due, Fail, NewTask, Outcome, Reschedule, Retry, TaskRecord, TaskStore
 from ..checks import (
+    add_one_by_one,
     check_claim,
     check_codes,
     check_due,
@@ -58,6 +59,8 @@ class _Row:
     pending_payload: str | None = None
     cancel_requested: bool = False
     occurrence: int = 0
+    #: the running claim's handler started (:meth:`MemoryTaskStore.start`): a rescue counts a new attempt
+    started: bool = False
 
     def fenced(self, node: str, token: int) -> bool:
         return self.state == "running" and self.owner == node and self.token == token
@@ -137,6 +140,10 @@ class MemoryTaskStore(TaskStore):
         self._floor["token"] = max(self._floor.get("token", 0), row.token)
 
     # -- producers ---------------------------------------------------------------------------
+    def add_many(self, tasks: Iterable[NewTask | tuple[Any, ...]], *, on_conflict: str = "replace") -> builtins.list[AddResult]:
+        """One :meth:`add` at a time, every task checked first (see :meth:`TaskStore.add_many`)."""
+        return add_one_by_one(self, tasks, on_conflict)
+
     def add(self, code: str, key: str, due: Due, payload: Any = None, *, on_conflict: str = "replace") -> AddResult:
         code, key = check_task(code, key)
         at, delay = check_due(due)
@@ -237,7 +244,9 @@ class MemoryTaskStore(TaskStore):
                 if row.state == "running" and row.cancel_requested:
                     self._drop(key)  # its worker died after a cancel: nothing is left to finish
                     continue
-                row.state, row.owner, row.token, row.attempt = "running", node, row.token + 1, row.attempt + 1
+                counted = row.state != "running" or row.started  # a rescued claim that never started is not counted twice
+                row.attempt += int(counted)
+                row.state, row.owner, row.token, row.started = "running", node, row.token + 1, False
                 row.lease_until, row.updated = now + timedelta(seconds=lease), now
                 row.run_at = row.lease_until
                 try:
@@ -258,6 +267,15 @@ class MemoryTaskStore(TaskStore):
                     row.lease_until = row.run_at = until
                     renewed.add(key)
         return renewed
+
+    def start(self, node: str, tasks: Iterable[tuple[str, str, int]]) -> int:
+        started = 0
+        with self.backend.mutex:
+            for code, key, token in tasks:
+                row = self._rows.get((code, key))
+                if row is not None and row.fenced(node, token):
+                    row.started, started = True, started + 1
+        return started
 
     def complete(self, node: str, code: str, key: str, token: int, outcome: Outcome) -> bool:
         check_outcome(outcome)

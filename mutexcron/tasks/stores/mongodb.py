@@ -66,8 +66,22 @@ from ...backends.mongodb import MongoDBBackend
 from ...errors import ConfigurationError, StoreError, StoreUnavailableError
 from ...timeutil import as_utc
 from ...urls import mask_url
-from ..base import PURGE_BATCH, AddResult, CodeSummary, Done, Due, Fail, Outcome, PurgeBatch, Retry, TaskRecord, TaskStore
+from ..base import (
+    PURGE_BATCH,
+    AddResult,
+    CodeSummary,
+    Done,
+    Due,
+    Fail,
+    NewTask,
+    Outcome,
+    PurgeBatch,
+    Retry,
+    TaskRecord,
+    TaskStore,
+)
 from ..checks import (
+    add_one_by_one,
     check_claim,
     check_codes,
     check_due,
@@ -94,6 +108,7 @@ from .mongodb_pipelines import (
     pending_pipeline,
     release_pipeline,
     retry_pipeline,
+    start_pipeline,
     summary_pipeline,
     tombstone_pipeline,
 )
@@ -349,6 +364,10 @@ class MongoDBTaskStore(TaskStore):
         return f"task {code!r}/{key!r} in {self.collection_name} on {self.masked_url}"
 
     # -- producers ---------------------------------------------------------------------------
+    def add_many(self, tasks: Iterable[NewTask | tuple[Any, ...]], *, on_conflict: str = "replace") -> builtins.list[AddResult]:
+        """One :meth:`add` at a time, every task checked first (see :meth:`TaskStore.add_many`)."""
+        return add_one_by_one(self, tasks, on_conflict)
+
     def add(self, code: str, key: str, due: Due, payload: Any = None, *, on_conflict: str = "replace") -> AddResult:
         code, key = check_task(code, key)
         at, delay = check_due(due)
@@ -496,6 +515,14 @@ class MongoDBTaskStore(TaskStore):
         # Renewed: still running with our token (a token never comes back, and completing one's own
         # task meanwhile only makes it look lost).
         return {(code, key) for code, key, _ in self._still_fenced(node, items, "renew")}
+
+    def start(self, node: str, tasks: Iterable[tuple[str, str, int]]) -> int:
+        """One ``bulk_write`` of fenced marks."""
+        node = _check_node(node)
+        items = [(*check_task(code, key), int(token)) for code, key, token in tasks]
+        if not items:
+            return 0
+        return self._bulk([UpdateOne(fence(code, key, node, token), start_pipeline()) for code, key, token in items], "start")
 
     def complete(self, node: str, code: str, key: str, token: int, outcome: Outcome) -> bool:
         check_outcome(outcome)

@@ -172,21 +172,29 @@ def retry_pipeline(now: Expr) -> Pipeline:
 
 # -- workers --------------------------------------------------------------------------------------
 def claim_pipeline(now: Expr, node: str, lease_ms: int) -> Pipeline:
-    """Take a claimable task: running, owned by ``node``, token and attempt + 1, leased until now + lease."""
+    """Take a claimable task: running, owned by ``node``, token + 1, attempt + 1 unless it rescues a
+    claim that never started (:func:`start_pipeline`), leased until now + lease."""
     until = plus_ms(now, lease_ms)
+    unstarted = {"$and": [{"$eq": ["$state", "running"]}, {"$ne": ["$started", True]}]}
     return [
         {
             "$set": {
                 "state": "running",
                 "owner": {"$literal": node},
                 "token": {"$add": ["$token", 1]},
-                "attempt": {"$add": ["$attempt", 1]},
+                "attempt": {"$add": ["$attempt", {"$cond": [unstarted, 0, 1]}]},
+                "started": False,
                 "lease_until": until,
                 "run_at": until,
                 "updated": now,
             }
         }
     ]
+
+
+def start_pipeline() -> Pipeline:
+    """Mark a claim whose handler started: a rescue of it counts a new attempt."""
+    return [{"$set": {"started": True}}]
 
 
 def lease_pipeline(now: Expr, lease_ms: int) -> Pipeline:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -59,10 +60,13 @@ from .redis_scripts import (
     RELEASE_LUA,
     RENEW_LUA,
     RETRY_LUA,
+    START_LUA,
     SUMMARY_LUA,
 )
 
 __all__ = ["LIST_PAGE", "RedisTaskStore"]
+
+log = logging.getLogger(__name__)
 
 #: The most index members one ``list`` script reads (a script blocks the server while it runs).
 LIST_PAGE = 500
@@ -184,6 +188,7 @@ class RedisTaskStore(TaskStore):
         super().__init__(backend.url)
         self.backend = backend
         self._codes_key = backend.key("task_codes")
+        self._eviction_warned = False
         self._prefix = backend.key("")
         self._scripts = {
             name: backend.script(lua)
@@ -196,6 +201,7 @@ class RedisTaskStore(TaskStore):
                 ("index_dues", INDEX_DUES_LUA),
                 ("claim", CLAIM_LUA),
                 ("renew", RENEW_LUA),
+                ("start", START_LUA),
                 ("complete", COMPLETE_LUA),
                 ("release", RELEASE_LUA),
                 ("next_due", NEXT_DUE_LUA),
@@ -327,6 +333,11 @@ class RedisTaskStore(TaskStore):
         renewed = self._run("renew", node, round(lease * 1_000_000), *args)
         return {items[int(i) - 1][0] for i in renewed}
 
+    def start(self, node: str, tasks: Iterable[tuple[str, str, int]]) -> int:
+        """One script call marks every claim of ``tasks`` started (each fenced)."""
+        args = [part for code, key, token in tasks for part in (code, key, int(token))]
+        return int(self._run("start", node, *args)) if args else 0
+
     def complete(self, node: str, code: str, key: str, token: int, outcome: Outcome) -> bool:
         return self.complete_many(node, [(code, key, token, outcome)])[0]
 
@@ -386,7 +397,31 @@ class RedisTaskStore(TaskStore):
         first of its code to be claimable (``poll`` does not apply: it waits for notices)."""
         from ..wakeups.redis import RedisWaker
 
+        self.warn_if_evicting()
         return RedisWaker(self.backend, check_codes(codes))
+
+    def warn_if_evicting(self) -> str | None:
+        """Warn (once per store, at a worker's start) if the server's ``maxmemory-policy`` may evict
+        keys without a TTL (``allkeys-*``): it would drop queued tasks and the token floor
+        silently. Returns the policy, or None if the server does not say (CONFIG disabled)."""
+        try:
+            with self.backend.errors("config"):
+                found = self.backend.client.config_get("maxmemory-policy")
+        except StoreError as exc:
+            log.info("%s: could not read maxmemory-policy (%s): check it is noeviction or volatile-*", self.masked_url, exc)
+            return None
+        policies = found.values() if isinstance(found, dict) else []
+        policy = next((str(p) for p in policies if isinstance(p, (str, bytes))), None)
+        if policy is not None and policy.startswith("allkeys-") and not self._eviction_warned:
+            self._eviction_warned = True
+            log.warning(
+                "%s: maxmemory-policy is %s: when the server fills up it evicts any key, queued tasks and the "
+                "task token floor included, silently. Set maxmemory-policy noeviction (writes then fail loudly) "
+                "or give the task pool a server of its own",
+                self.masked_url,
+                policy,
+            )
+        return policy
 
     def now(self) -> datetime:
         at = _from_us(self._run("now"))

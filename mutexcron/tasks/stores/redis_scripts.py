@@ -267,14 +267,16 @@ local out = {}
 for i = 1, math.min(limit, #found) do
   local code, key = found[i][2], found[i][3]
   local h = hkey(code, key)
-  local f = redis.call('HMGET', h, 'state', 'cancel_requested')
+  local f = redis.call('HMGET', h, 'state', 'cancel_requested', 'started')
   if f[1] == 'running' and f[2] == '1' then
     drop(h, code, key)  -- its worker died after a cancel: nothing is left to finish
   elseif f[1] then
     redis.call('HINCRBY', h, 'token', 1)
-    redis.call('HINCRBY', h, 'attempt', 1)
-    redis.call('HSET', h, 'state', 'running', 'owner', node, 'lease_until', us(now + lease), 'run_at', us(now + lease),
-               'updated', us(now))
+    if f[1] ~= 'running' or f[3] == '1' then  -- a rescued claim that never started is not counted twice
+      redis.call('HINCRBY', h, 'attempt', 1)
+    end
+    redis.call('HSET', h, 'started', '0', 'state', 'running', 'owner', node, 'lease_until', us(now + lease),
+               'run_at', us(now + lease), 'updated', us(now))
     redis.call('ZADD', zkey(code), now + lease, key)
     out[#out + 1] = redis.call('HGETALL', h)
   else
@@ -348,6 +350,23 @@ for i = 3, #ARGV, 8 do
   out[#out + 1] = ok
 end
 return out
+"""
+)
+
+# start: mark the claims whose handler started (a rescue counts them). KEYS: codes set. ARGV:
+# prefix, node, then code, key, token per task. Returns how many were marked.
+START_LUA = (
+    LUA_NOW_US
+    + """
+local node, marked = ARGV[2], 0
+for i = 3, #ARGV, 3 do
+  local h = hkey(ARGV[i], ARGV[i + 1])
+  if fenced(h, node, ARGV[i + 2]) then
+    redis.call('HSET', h, 'started', '1')
+    marked = marked + 1
+  end
+end
+return marked
 """
 )
 

@@ -38,7 +38,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Union
 
 import sqlalchemy
 from sqlalchemy import event
@@ -47,13 +47,13 @@ from sqlalchemy.engine import Connection
 
 from ...backends.base import UncertainOutcome
 from ...backends.sql import TABLE_RE, SQLBackend, absolute_sqlite_url
-from ...errors import ConfigurationError, StoreError, StoreUnavailableError
+from ...errors import ConfigurationError, StaleTaskError, StoreError, StoreUnavailableError
 from ...timeutil import as_utc
 from ...urls import mask_url, pop_query
 from .. import base as task_base
 from ..base import AddResult, CodeSummary, Done, Due, Fail, NewTask, Outcome, Reschedule, TaskRecord, TaskStore
 from ..checks import (
-    check_batch,
+    CheckedTask,
     check_claim,
     check_codes,
     check_due,
@@ -63,6 +63,7 @@ from ..checks import (
     check_state,
     check_task,
     check_time,
+    checked_batch,
     decide_add,
     decode_claimed,
     dump_payload,
@@ -71,6 +72,7 @@ from ..checks import (
     reschedule_payload,
     resolve_due,
 )
+from ..transactions import CallerTransaction, adapt, caller_database, own_connection
 from ..wakeups.base import DEFAULT_POLL, PollWaker, Waker
 from ..wakeups.listen import LOCAL_WAKERS, RegisteredPollWaker
 from .sql_statements import ADDED_COLUMNS, STATEMENTS
@@ -81,6 +83,8 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 DEFAULT_TASKS_TABLE = "mutexcron_tasks"
+#: Where the store's statements run: its own connection, or the caller's transaction.
+Executor = Union[Connection, CallerTransaction]
 #: Rounds of a multi-statement write whose row keeps changing between statements before giving up.
 _ROUNDS = 5
 #: The add results after which the task can be claimed now: the local workers are woken.
@@ -143,6 +147,7 @@ class SQLTaskStore(TaskStore):
         #: The task table in this process's registry of wakers (tasks.wakeup_listen.LOCAL_WAKERS).
         self._wake_key = self._table_identity()
         self._pads = False  # set when the table is first used: a MySQL table whose collation ignores trailing spaces
+        self._database: str | None = None  # the database name, for transactions of the caller's (read once)
 
     def ddl(self) -> list[str]:
         """The CREATE statements for this table and database (MySQL: MariaDB's collation, with MySQL 8's in a note)."""
@@ -254,9 +259,7 @@ class SQLTaskStore(TaskStore):
 
     def add_many(self, tasks: Iterable[NewTask | tuple[Any, ...]], *, on_conflict: str = "replace") -> builtins.list[AddResult]:
         """All of ``tasks`` in one transaction: every one added, or none (see :meth:`TaskStore.add_many`)."""
-        from ..transactions import add_checked, own_connection
-
-        batch, mode = check_batch(tasks), check_on_conflict(on_conflict)
+        batch, mode = checked_batch(tasks), check_on_conflict(on_conflict)
         for task in batch:
             self._check_names(task.code, task.key)
 
@@ -264,7 +267,7 @@ class SQLTaskStore(TaskStore):
             caller = own_connection(conn)
             inserted = self._insert_new(conn, batch)
             return [
-                AddResult.INSERTED if (task.code, task.key) in inserted else add_checked(self, caller, task, mode)
+                AddResult.INSERTED if (task.code, task.key) in inserted else self._add_checked(caller, task, mode)
                 for task in batch
             ]
 
@@ -273,7 +276,7 @@ class SQLTaskStore(TaskStore):
             self._wake_local(code)
         return results
 
-    def _insert_new(self, conn: Connection, batch: Sequence[NewTask]) -> set[tuple[str, str]]:
+    def _insert_new(self, conn: Connection, batch: Sequence[CheckedTask]) -> set[tuple[str, str]]:
         """Where the dialect can (PostgreSQL), insert the batch's new tasks in one statement per
         :data:`INSERT_MANY_CHUNK` (tombstones revived, token kept), and notify each code once; the
         ``(code, key)`` it inserted. The others, or all elsewhere, take the one-by-one path."""
@@ -283,13 +286,12 @@ class SQLTaskStore(TaskStore):
         text = self.backend.text
         for start in range(0, len(batch), INSERT_MANY_CHUNK):
             chunk = batch[start : start + INSERT_MANY_CHUNK]
-            dues = [check_due(task.due) for task in chunk]
             params = {
                 "codes": [task.code for task in chunk],
                 "keys": [task.key for task in chunk],
-                "dues": [at for at, _ in dues],
-                "delays": [delay for _, delay in dues],
-                "payloads": [dump_payload(task.payload, task.code, task.key) for task in chunk],
+                "dues": [task.at for task in chunk],
+                "delays": [task.delay for task in chunk],
+                "payloads": [task.text for task in chunk],
             }
             inserted.update((str(code), str(key)) for code, key in conn.execute(text(self._sql.insert_many), params))
         for code in sorted({code for code, _ in inserted}):
@@ -306,7 +308,7 @@ class SQLTaskStore(TaskStore):
         return len(rows) == 1 if self._sql.notify else count == 1  # PostgreSQL's returns the notice's row
 
     def _update_existing(
-        self, conn: Connection, params: Mapping[str, Any], at: datetime | None, delay: float | None, mode: str
+        self, conn: Executor, params: Mapping[str, Any], at: datetime | None, delay: float | None, mode: str
     ) -> AddResult | None:
         """Within the transaction: lock the task, decide, write. None if the task is gone."""
         text = self.backend.text
@@ -436,6 +438,16 @@ class SQLTaskStore(TaskStore):
         sql, listed = shape(self._sql.renew_read, items)
         return {(r[0], r[1]) for r in self._read(sql, {"me": node, **listed}, "renew")}
 
+    def start(self, node: str, tasks: Iterable[tuple[str, str, int]]) -> int:
+        """One fenced statement marks every claim of ``tasks`` started."""
+        items = [(code, key, int(token)) for code, key, token in tasks]
+        shape = self._sql.leases_shape
+        assert shape is not None
+        if not items:
+            return 0
+        sql, listed = shape(self._sql.start, items)
+        return self._write(sql, {"me": node, **listed}, "start")[1]
+
     def complete(self, node: str, code: str, key: str, token: int, outcome: Outcome) -> bool:
         steps = self._outcome_steps(check_outcome(outcome), reschedule_payload(outcome, code, key))
         return self._finish(steps, {"code": code, "key": key, "me": node, "token": token}, "complete")
@@ -530,7 +542,7 @@ class SQLTaskStore(TaskStore):
         raise StoreUnavailableError(f"{self._where(fence['code'], fence['key'])}: {what} did not settle (the task kept changing)")
 
     def _settle(
-        self, conn: Connection, steps: Sequence[tuple[str, Mapping[str, Any]]], fence: Mapping[str, Any], what: str
+        self, conn: Executor, steps: Sequence[tuple[str, Mapping[str, Any]]], fence: Mapping[str, Any], what: str
     ) -> str | None:
         """Within a transaction: the first of ``steps`` that matches (the statement run), or None if the fence fails.
 
@@ -575,6 +587,112 @@ class SQLTaskStore(TaskStore):
         for code in sorted(queued):
             self._wake_local(code)
         return count
+
+    # -- inside the caller's transaction (the executor: mutexcron.tasks.transactions) ------------
+    def add_many_in(
+        self, transaction: Any, tasks: Iterable[NewTask | tuple[Any, ...]], *, on_conflict: str = "replace"
+    ) -> builtins.list[AddResult]:
+        """Every task checked first, then each added with this store's statements on the caller's transaction."""
+        batch, mode = checked_batch(tasks), check_on_conflict(on_conflict)
+        caller = self._bind(transaction, "adding a task")
+        for task in batch:
+            self._check_names_in(caller, task.code, task.key)
+        return [self._add_checked(caller, task, mode) for task in batch]
+
+    def cancel_in(self, transaction: Any, code: str, key: str) -> bool:
+        code, key = check_task(code, key)
+        caller = self._bind(transaction, "cancelling a task")
+        self._check_names_in(caller, code, key)
+        sql, clause, params = self._sql, self.backend.text, {"code": code, "key": key}
+        for _ in range(_ROUNDS):
+            if caller.execute(clause(sql.cancel_drop), params).rowcount:
+                return True
+            if caller.execute(clause(sql.cancel_mark), params).rowcount:
+                return True  # running: dropped when its attempt ends
+            if caller.execute(clause(sql.read_one), params).fetchone() is None:
+                return False
+        raise StoreUnavailableError(f"{self._where(code, key)}: cancel did not settle (the task kept changing state)")
+
+    def complete_in(self, transaction: Any, node: str, code: str, key: str, token: int, outcome: Outcome) -> None:
+        checked = check_outcome(outcome)
+        caller = self._bind(transaction, "completing a task")
+        steps = self._outcome_steps(checked, reschedule_payload(checked, code, key))
+        fence = {"code": code, "key": key, "me": node, "token": int(token)}
+        if self._settle(caller, steps, fence, "complete") is None:
+            raise StaleTaskError(
+                f"{self._where(code, key)}: completion of attempt token {token} refused: this node's lease ran out "
+                "and a newer attempt took the task over (or it is gone). Let this error roll your transaction back: "
+                "the newer attempt's writes are the ones that count"
+            )
+
+    def _add_checked(self, caller: CallerTransaction, task: CheckedTask, mode: str) -> AddResult:
+        """One checked task added in the open transaction ``caller``: insert it, or decide on the row
+        that is there (locked) as :func:`~mutexcron.tasks.checks.decide_add` says."""
+        sql, clause = self._sql, self.backend.text
+        params = {"code": task.code, "key": task.key, "due": self._time(task.at), "delay": task.delay, "payload": task.text}
+        for _ in range(_ROUNDS):
+            try:
+                result = caller.execute(clause(sql.insert), params)
+                inserted = result.fetchone() is not None if sql.notify else result.rowcount == 1  # PostgreSQL's: the notice's row
+            except Exception as exc:
+                if not caller.is_duplicate(exc):  # MySQL: the task exists (the statement alone is rolled back)
+                    raise
+                inserted = False
+            if inserted:
+                return AddResult.INSERTED
+            decided = self._update_existing(caller, params, task.at, task.delay, mode)
+            if decided is not None:
+                return decided
+            # Finished between the insert and the lock (a READ COMMITTED transaction sees it): insert again.
+        where = self._where(task.code, task.key)
+        raise StoreUnavailableError(f"{where}: add did not settle (the task kept appearing and vanishing)")
+
+    def _bind(self, transaction: Any, what: str) -> CallerTransaction:
+        """The caller's transaction on this store's database; refused if it is on another one."""
+        caller = adapt(transaction)
+        wanted = self.backend.dialect
+        if caller.dialect != wanted.name:
+            raise ConfigurationError(
+                f"{what}: your transaction is on {caller.dialect}, the task store {self.masked_url} on {wanted.kind}: "
+                "the task would not commit with your writes. Pass a connection to the store's database, or build the "
+                "TaskPool on your application's database URL"
+            )
+        mine, theirs = self._database_name(), caller_database(caller)
+        if theirs is not None and mine != theirs:
+            raise ConfigurationError(
+                f"{what}: your transaction is on the database {theirs!r}, the task store {self.masked_url} on {mine!r}: "
+                "the task would not commit with your writes. Build the TaskPool on your application's database URL"
+            )
+        return caller
+
+    def _database_name(self) -> str:
+        """This store's database name (SQLite: the real path of its file), read once."""
+        if self._database is None:
+            url = self.backend.engine.url
+            if self.backend.dialect.name == "sqlite":
+                self._database = os.path.realpath(url.database or "")
+            elif url.database:
+                self._database = str(url.database)
+            else:  # PostgreSQL's default database (the user's name): ask the server once
+                query = "SELECT current_database()" if self.backend.dialect.name == "postgresql" else "SELECT DATABASE()"
+                self._database = str(self.backend.execute(query, {}, "database name")[0][0][0])
+        return self._database
+
+    def _check_names_in(self, caller: CallerTransaction, code: str, key: str) -> None:
+        """:meth:`_check_names` without a connection of the store's own on SQLite: the caller's
+        transaction may hold the file's write lock already, and a second connection of this thread
+        would wait for it until its busy timeout (opening one can switch the file to WAL, which needs
+        the lock too). There the table must exist: it is looked up on the caller's connection."""
+        if self.backend.dialect.name != "sqlite" or self.table in self.backend._set_up:
+            self._check_names(code, key)
+            return
+        lookup = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = :t"
+        if caller.execute(self.backend.text(lookup), {"t": self.table}).fetchone() is None:
+            raise ConfigurationError(
+                f"no task table {self.table!r} in {self.masked_url} yet: create it before adding tasks inside a "
+                "transaction (a migration with the statements of `mutexcron ddl`, or any use of the pool outside a "
+                "transaction, e.g. pool.store.ping(), at start)"
+            )
 
     def next_due(self, codes: Iterable[str]) -> float | None:
         wanted = check_codes(codes)

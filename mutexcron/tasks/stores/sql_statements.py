@@ -64,7 +64,10 @@ REVIVE = (
     "created = {now}, updated = {now}, occurrence = {t}.token"
 )
 #: Columns a task table created by an earlier mutexcron lacks; the store adds them.
-ADDED_COLUMNS = (("occurrence", "BIGINT NULL"),)
+ADDED_COLUMNS = (("occurrence", "BIGINT NULL"), ("started", "SMALLINT NOT NULL DEFAULT 0"))
+#: A claim's attempt count: + 1, unless it rescues a running task whose claim never started (that
+#: claim's attempt is this one). Assigned before ``state`` and ``started`` (MySQL assigns left to right).
+COUNT_ATTEMPT = "attempt = attempt + CASE WHEN state = 'running' AND started = 0 THEN 0 ELSE 1 END, started = 0"
 #: A summary's counts over one code's rows: queued, due now (``run_at`` has come: queued and due,
 #: or running with its lease run out), running, failed, and the seconds from now to the oldest due
 #: of the due ones (negative: overdue; NULL if none is due). ``run_at`` is in the (code, run_at)
@@ -77,6 +80,13 @@ COUNTS = (
     "{oldest}"
 )
 FENCE = "code = :code AND task_key = :key AND owner = :me AND token = :token AND state = 'running'"
+#: PostgreSQL claim's RETURNING: a time a hand edit put beyond what the driver reads ('-infinity',
+#: year 10000) comes back NULL, so the record of that one row fails to decode (the row is failed
+#: alone) instead of the driver's error taking the committed claim of the whole batch down.
+PG_READABLE_TIMES = ("due", "pending_due", "created")
+_PG_READABLE = (
+    "CASE WHEN x.{c} BETWEEN timestamptz '0001-01-02 00:00+00' AND timestamptz '9999-12-30 00:00+00' THEN x.{c} END"
+)
 
 #: (statement, parameters) for a list of task keys ``(code, key)`` or leases ``(code, key, token)``.
 ListShape = Callable[[str, Sequence[Any]], tuple[str, dict[str, Any]]]
@@ -179,6 +189,8 @@ class TaskStatements:
     renew: str = ""
     renew_read: str = ""
     leases_shape: ListShape | None = None
+    #: start: marks the claims of ``leases_shape``'s list whose handler started (each fenced); a rescue counts them.
+    start: str = ""
     read_one: str = "SELECT {cols} FROM {t} WHERE code = :code AND task_key = :key AND state <> 'done'"
     #: Reads ``state, owner, token`` of one task, locking it until the transaction ends (the fence
     #: check of a batch of completions or hand-backs, when none of an item's writes matched).
@@ -296,8 +308,12 @@ class TaskStatements:
             "{revive_excluded}": REVIVE.replace("{new}due", "excluded.due").replace("{new}", "excluded."),
             "{counts}": COUNTS.replace("{oldest}", oldest),
             "{fence}": FENCE,
+            "{count_attempt}": COUNT_ATTEMPT,
             "{cols}": COLUMNS,
             "{x_cols}": ", ".join(f"x.{c}" for c in COLUMNS.split(", ")),
+            "{x_readable}": ", ".join(
+                _PG_READABLE.replace("{c}", c) if c in PG_READABLE_TIMES else f"x.{c}" for c in COLUMNS.split(", ")
+            ),
             "{due}": due,
             "{lease_end}": self.plus.replace("{p}", "lease"),
             "{until_min}": self.until.replace("{m}", "MIN(m.run_at)"),
@@ -344,6 +360,7 @@ POSTGRESQL = TaskStatements(
     created          timestamptz  NOT NULL,
     updated          timestamptz  NOT NULL,
     occurrence       bigint,
+    started          smallint     NOT NULL DEFAULT 0,
     PRIMARY KEY (code, task_key)
 )""",
         "CREATE INDEX IF NOT EXISTS {t}_run_at ON {t} (code, run_at)",
@@ -395,16 +412,20 @@ WITH c AS (
     ) AS p
     ORDER BY p.run_at LIMIT :n
 )
-UPDATE {t} AS x SET state = 'running', owner = :me, token = x.token + 1, attempt = x.attempt + 1,
+UPDATE {t} AS x SET {count_attempt}, state = 'running', owner = :me, token = x.token + 1,
     lease_until = {lease_end}, run_at = {lease_end}, updated = {now}
 FROM c WHERE x.code = c.code AND x.task_key = c.task_key
-RETURNING {x_cols}""",
+RETURNING {x_readable}""",
     renew="""
 UPDATE {t} AS x SET lease_until = {lease_end}, run_at = {lease_end}
 FROM jsonb_to_recordset(CAST(:leases AS jsonb)) AS v(vc text, vk text, vt bigint)
 WHERE x.code = v.vc AND x.task_key = v.vk AND x.token = v.vt AND x.owner = :me AND x.state = 'running'
 RETURNING x.code, x.task_key""",
     leases_shape=_one_json("leases", lambda item: {"vc": item[0], "vk": item[1], "vt": item[2]}),
+    start="""
+UPDATE {t} AS x SET started = 1
+FROM jsonb_to_recordset(CAST(:leases AS jsonb)) AS v(vc text, vk text, vt bigint)
+WHERE x.code = v.vc AND x.task_key = v.vk AND x.token = v.vt AND x.owner = :me AND x.state = 'running'""",
     done_many="""
 UPDATE {t} AS x SET {tombstone}
 FROM jsonb_to_recordset(CAST(:leases AS jsonb)) AS v(vc text, vk text, vt bigint)
@@ -452,6 +473,7 @@ MYSQL = TaskStatements(
     created          DATETIME(6)  NOT NULL,
     updated          DATETIME(6)  NOT NULL,
     occurrence       BIGINT       NULL,
+    started          SMALLINT     NOT NULL DEFAULT 0,
     PRIMARY KEY (code, task_key),
     INDEX {t}_run_at (code, run_at)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
@@ -481,7 +503,7 @@ WHERE code = :pcode AND run_at <= {now}
 ORDER BY run_at LIMIT :n FOR UPDATE SKIP LOCKED)""",
     claim_pick="{each_code} ORDER BY run_at LIMIT :n",
     claim_take="""
-UPDATE {t} SET state = 'running', owner = :me, token = token + 1, attempt = attempt + 1,
+UPDATE {t} SET {count_attempt}, state = 'running', owner = :me, token = token + 1,
     lease_until = {lease_end}, run_at = {lease_end}, updated = {now}
 WHERE {pairs}""",
     claim_read="SELECT {cols} FROM {t} WHERE {pairs}",
@@ -492,6 +514,7 @@ WHERE {pairs}""",
     # not renewed cannot come to match afterwards: a token is never given out twice.
     renew_read="SELECT code, task_key FROM {t} WHERE owner = :me AND state = 'running' AND ({triples})",
     leases_shape=_my_list("{triples}", (("code", "c"), ("task_key", "k"), ("token", "n"))),
+    start="UPDATE {t} SET started = 1 WHERE owner = :me AND state = 'running' AND ({triples})",
     next_due_part="(SELECT run_at FROM {t} WHERE code = :pcode AND run_at IS NOT NULL ORDER BY run_at LIMIT 1)",
     floor_create=TaskStatements.floor_create.replace("INSERT INTO", "INSERT IGNORE INTO").replace(
         " ON CONFLICT (code, task_key) DO NOTHING", ""
@@ -522,6 +545,7 @@ SQLITE = TaskStatements(
     created          TEXT    NOT NULL,
     updated          TEXT    NOT NULL,
     occurrence       INTEGER,
+    started          INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (code, task_key)
 )""",
         "CREATE INDEX IF NOT EXISTS {t}_run_at ON {t} (code, run_at)",
@@ -547,7 +571,7 @@ ON CONFLICT (code, task_key) DO UPDATE SET {revive_excluded} WHERE {t}.state = '
     lock_fence="SELECT state, owner, token FROM {t} WHERE code = :code AND task_key = :key",
     # One writer at a time: the subquery picks and the UPDATE takes under the database's write lock.
     claim="""
-UPDATE {t} SET state = 'running', owner = :me, token = token + 1, attempt = attempt + 1,
+UPDATE {t} SET {count_attempt}, state = 'running', owner = :me, token = token + 1,
     lease_until = {lease_end}, run_at = {lease_end}, updated = {now}
 WHERE rowid IN (SELECT id FROM ({each_code}) ORDER BY run_at LIMIT :n)
 RETURNING {cols}""",
@@ -560,6 +584,11 @@ FROM (SELECT json_extract(value, '$[0]') AS vc, json_extract(value, '$[1]') AS v
 WHERE {t}.code = v.vc AND {t}.task_key = v.vk AND {t}.token = v.vt AND {t}.owner = :me AND {t}.state = 'running'
 RETURNING code, task_key""",
     leases_shape=_one_json("leases", list),
+    start="""
+UPDATE {t} SET started = 1
+FROM (SELECT json_extract(value, '$[0]') AS vc, json_extract(value, '$[1]') AS vk, json_extract(value, '$[2]') AS vt
+      FROM json_each(:leases)) AS v
+WHERE {t}.code = v.vc AND {t}.task_key = v.vk AND {t}.token = v.vt AND {t}.owner = :me AND {t}.state = 'running'""",
     done_many="""
 UPDATE {t} SET {tombstone}
 FROM (SELECT json_extract(value, '$[0]') AS vc, json_extract(value, '$[1]') AS vk, json_extract(value, '$[2]') AS vt

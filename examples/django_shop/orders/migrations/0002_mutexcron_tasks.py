@@ -7,7 +7,8 @@ The statements are the task-table part of ``mutexcron ddl`` for SQLite (the defa
 
 With PostgreSQL or MySQL/MariaDB as the database, paste that database's output instead
 (``mutexcron ddl --lock-url postgresql://...``): the column types differ. The store also creates
-the table itself if it is missing (CREATE ... IF NOT EXISTS), so the order does not matter.
+the table itself if it is missing (CREATE ... IF NOT EXISTS), so the order does not matter, and
+adds the columns a newer mutexcron needs to a table created from an older copy of this file.
 """
 
 from django.db import migrations
@@ -31,6 +32,7 @@ MUTEXCRON_TASKS_DDL = [
     created          TEXT    NOT NULL,
     updated          TEXT    NOT NULL,
     occurrence       INTEGER,
+    started          INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (code, task_key)
 )""",
     "CREATE INDEX IF NOT EXISTS mutexcron_tasks_run_at ON mutexcron_tasks (code, run_at)",
