@@ -36,6 +36,7 @@ MUTEXCRON_TASKS_DDL = [
     PRIMARY KEY (code, task_key)
 )""",
     "CREATE INDEX IF NOT EXISTS mutexcron_tasks_run_at ON mutexcron_tasks (code, run_at)",
+    "CREATE INDEX IF NOT EXISTS mutexcron_tasks_done ON mutexcron_tasks (updated) WHERE state = 'done'",
 ]
 
 
@@ -45,6 +46,10 @@ class Migration(migrations.Migration):
     operations = [
         migrations.RunSQL(
             sql=MUTEXCRON_TASKS_DDL,
-            reverse_sql=["DROP INDEX IF EXISTS mutexcron_tasks_run_at", "DROP TABLE IF EXISTS mutexcron_tasks"],
+            reverse_sql=[
+                "DROP INDEX IF EXISTS mutexcron_tasks_done",
+                "DROP INDEX IF EXISTS mutexcron_tasks_run_at",
+                "DROP TABLE IF EXISTS mutexcron_tasks",
+            ],
         ),
     ]
