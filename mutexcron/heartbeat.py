@@ -56,6 +56,7 @@ PRESENCE_EVERY = 10.0
 class _Held:
     token: int
     deadline: float  # monotonic: the lease is ours until then, unless renewed
+    since: float  # monotonic: when this unbroken hold began (a lapse and a new acquire start another)
 
 
 class LeaseManager:
@@ -178,11 +179,15 @@ class LeaseManager:
         with self._mutex:
             return self._locks[name]
 
-    def holds(self, name: str, token: int) -> bool:
-        """True while this node holds ``name`` with ``token`` and its lease has not run out."""
+    def holds(self, name: str, token: int, since: float | None = None) -> bool:
+        """True while this node holds ``name`` with ``token`` and its lease has not run out; with
+        ``since`` (a run's monotonic start), only if the lease has not lapsed since then either: a
+        run whose lease ran out records nothing, even once the same token is held again."""
         with self._mutex:
             held = self._held.get(name)
-            return held is not None and held.token == token and self.clock() < held.deadline
+            if held is None or held.token != token or self.clock() >= held.deadline:
+                return False
+            return since is None or held.since <= since
 
     def holds_any(self, name: str) -> bool:
         """True while this node holds ``name`` with any token and its lease has not run out."""
@@ -209,7 +214,8 @@ class LeaseManager:
                 return None
             old = self._held.get(name)
             lapsed = old is not None and self.clock() >= old.deadline
-            self._held[name] = _Held(token, sent_at + ttl)
+            unbroken = old is not None and old.token == token and not lapsed
+            self._held[name] = _Held(token, sent_at + ttl, old.since if old is not None and unbroken else sent_at)
         if old is not None and old.token == token and not lapsed:
             return False
         if old is not None and lapsed:
@@ -451,10 +457,13 @@ class LeaseManager:
         """The attrs stored under ``token`` as this node knows them (a copy; {} if unknown)."""
         return self.handoff.attrs(name, token)
 
-    def checkpoint(self, name: str, token: int, seen: set[str], attrs: Mapping[str, Any], job: str) -> bool:
-        """Store attrs during a run, conditional on holder and token (``Lease.save``)."""
+    def checkpoint(
+        self, name: str, token: int, seen: set[str], attrs: Mapping[str, Any], job: str, started: float | None = None
+    ) -> bool:
+        """Store attrs during a run, conditional on holder and token (``Lease.save``); never once the
+        lease lapsed after ``started`` (the run's monotonic start)."""
         self.handoff.check(attrs, job)  # bad attrs raise before any write
-        if not self.holds(name, token):
+        if not self.holds(name, token, started):
             return False
         try:
             saved = self.handoff.write(name, token, seen, attrs, None, job)
@@ -467,12 +476,18 @@ class LeaseManager:
             seen.update(attrs)
         return saved
 
-    def finish(self, name: str, token: int, seen: set[str], attrs: Mapping[str, Any] | None, run: RunInfo, job: str) -> bool:
-        """Save a run's attrs and run info, conditional on holder and token.
+    def finish(
+        self, name: str, token: int, seen: set[str], attrs: Mapping[str, Any] | None, run: RunInfo, job: str,
+        started: float | None = None,
+    ) -> bool:
+        """Save a run's attrs and run info, conditional on holder and token; nothing if the lease
+        lapsed after ``started`` (the run's monotonic start), even if it is held again now.
 
         Retries while the lease is still ours if the store is briefly unreachable, so a result
         is not lost to a blip; never longer than one lease. Returns True if saved.
         """
+        if self._lapsed_during(name, token, started, job):
+            return False
         delay, give_up = 0.2, self.clock() + self.ttl(name)
         while True:
             try:
@@ -499,13 +514,16 @@ class LeaseManager:
 
     def finish_later(
         self, name: str, token: int, seen: set[str], attrs: Mapping[str, Any] | None, run: RunInfo, job: str,
-        then: Callable[[bool], None],
+        then: Callable[[bool], None], started: float | None = None,
     ) -> None:
         """:meth:`finish` without waiting: the hand-off is queued (the next batch of the node's
         hand-offs carries it) and ``then(saved)`` is called from the hand-off thread once it is
         settled, with the same retries, log lines and lease drop as :meth:`finish`. A retry waits
         on a timer, never on the hand-off thread. Raises AttrsError before queuing.
         """
+        if self._lapsed_during(name, token, started, job):
+            then(False)
+            return
         give_up = self.clock() + self.ttl(name)
 
         def settle(queued: Queued, delay: float) -> Callable[[bool, BaseException | None], None]:
@@ -531,6 +549,19 @@ class LeaseManager:
             return settled
 
         self.handoff.write_later(name, token, seen, attrs, run, job, lambda queued: settle(queued, 0.2))
+
+    def _lapsed_during(self, name: str, token: int, started: float | None, job: str) -> bool:
+        """True (and said) if the lease of a run that began at ``started`` lapsed since: its end is not recorded."""
+        if started is None or self.holds(name, token, started):
+            return False
+        log.warning(
+            "job %r: the lease of lock %r (token %d) lapsed during the run: its attrs and run info are NOT saved, "
+            "even if this node holds the lock again",
+            job,
+            name,
+            token,
+        )
+        return True
 
     # -- the heartbeat thread -------------------------------------------------------------------
     def start(self) -> None:

@@ -44,3 +44,33 @@ def test_a_lease_held_again_after_it_lapsed_is_announced_even_with_the_same_toke
     if manager.held()["l"] == first["l"]:
         assert codes == [EVENT_LOCK_LOST, EVENT_LOCK_ACQUIRED], "the lapse is said once, then the new hold"
     manager.stop(1.0)
+
+
+def test_a_run_whose_lease_lapsed_records_nothing_even_once_the_lock_is_held_again(ctx: StoreCtx) -> None:
+    """Principle: once a run's lease has lapsed, it records nothing, even if a later acquire hands
+    the node the same token again (a freeze, an outage longer than the lease)."""
+    from mutexcron.locks import RunInfo
+
+    clock = FakeClock()
+    store = ctx.make()
+    manager = LeaseManager(store, Node("frozen", "ip-f"), {"l": TTL}, clock=clock)
+    manager.run_once()
+    token = manager.held()["l"]
+    started = clock()  # a run begins under that lease
+    assert manager.checkpoint("l", token, set(), {"step": 1}, "job", started)
+
+    ctx.wait_stale(TTL)
+    clock.advance(TTL * 1.5 + 0.01)  # the node resumes past its deadline: the run's lease lapsed
+    manager.run_once()  # ... and the heartbeat takes the lock again, perhaps with the same token
+    again = manager.held()["l"]
+
+    assert not manager.checkpoint("l", again, {"step"}, {"step": 2}, "job", started)
+    assert not manager.finish("l", again, {"step"}, {"step": 3}, RunInfo(0.1, None, job="job"), "job", started)
+    record = store.read("l")
+    assert record is not None and record.attrs.get("step") == 1, "the lapsed run wrote after its lease ran out"
+
+    later = clock()  # a run that begins under the new hold records as usual
+    assert manager.finish("l", again, {"step"}, {"step": 4}, RunInfo(0.1, None, job="job"), "job", later)
+    record = store.read("l")
+    assert record is not None and record.attrs.get("step") == 4
+    manager.stop(1.0)

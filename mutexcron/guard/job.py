@@ -55,12 +55,15 @@ class LeaseKeeper(Protocol):
     def begin_run(self, lock: str) -> bool: ...
     def end_run(self, lock: str) -> None: ...
     def tick(self, lock: str, claim: FireClaim | None) -> AcquireResult | None: ...
-    def holds(self, lock: str, token: int) -> bool: ...
+    def holds(self, lock: str, token: int, since: float | None = None) -> bool: ...
     def zone_refusal(self, lock: str) -> str | None: ...
     def attrs(self, lock: str, token: int) -> dict[str, Any]: ...
-    def checkpoint(self, lock: str, token: int, seen: set[str], attrs: Mapping[str, Any], job: str) -> bool: ...
+    def checkpoint(
+        self, lock: str, token: int, seen: set[str], attrs: Mapping[str, Any], job: str, started: float | None = None
+    ) -> bool: ...
     def finish(
-        self, lock: str, token: int, seen: set[str], attrs: Mapping[str, Any] | None, run: RunInfo, job: str
+        self, lock: str, token: int, seen: set[str], attrs: Mapping[str, Any] | None, run: RunInfo, job: str,
+        started: float | None = None,
     ) -> bool: ...
 
 
@@ -167,6 +170,8 @@ class _Run:
     context: contextvars.Token[Lease]
     started: float
     fire_time: datetime
+    #: Monotonic, before the run's lease checks: the lease must not lapse after it for the run to record anything.
+    begun: float
     #: The job's exception, for RUN_FINISHED's ``exception`` (the event feed keeps its traceback).
     exception: BaseException | None = None
 
@@ -315,11 +320,12 @@ class GuardedJob:
         self, manager: LeaseKeeper, token: int, fire_time: datetime, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> _Run | None:
         """Set up the run's lease and arguments; None if the lease ran out meanwhile. No store call."""
+        begun = manager.clock()  # a lapse of the lease after this ends what the run may record
         attrs = self._attr_kwargs(manager.attrs(self.lock, token), args, kwargs)
         seen = set(attrs)  # the keys this run may replace or delete; a group mate's stay
 
         def save(new: Mapping[str, Any]) -> bool:
-            return manager.checkpoint(self.lock, token, seen, new, self.job_id)
+            return manager.checkpoint(self.lock, token, seen, new, self.job_id, begun)
 
         lease = Lease(self.lock, token, manager.node.node_id, fire_time, self.job_id, manager.holds, save)
         context = _enter(lease)
@@ -335,7 +341,7 @@ class GuardedJob:
         stats = self.context.run_stats
         if stats is not None:
             stats.run_started(self.job_id, self.lock, lag)
-        run = _Run(token, attrs, seen, context, manager.clock(), fire_time)
+        run = _Run(token, attrs, seen, context, manager.clock(), fire_time, begun)
         if not manager.holds(self.lock, token):  # the RUN_STARTED listeners outlasted the lease
             _exit(context)
             self._finished(manager, run, 0.0, LATE_START)
@@ -373,7 +379,7 @@ class GuardedJob:
         later = getattr(manager, "finish_later", None)
         scheduled = _QUIET_ERRORS.get() is not None and _REPORT.get() is None  # on mutexcron's executor, not run_now
         if wait or later is None or not scheduled:
-            manager.finish(self.lock, run.token, run.seen, attrs, info, self.job_id)
+            manager.finish(self.lock, run.token, run.seen, attrs, info, self.job_id, run.begun)
             self._finished(manager, run, info.duration, error)
             return False
 
@@ -383,7 +389,7 @@ class GuardedJob:
             finally:
                 manager.end_run(self.lock)
 
-        later(self.lock, run.token, run.seen, attrs, info, self.job_id, settled)
+        later(self.lock, run.token, run.seen, attrs, info, self.job_id, settled, run.begun)
         return True
 
     def _attrs_failed(self, exc: AttrsError) -> None:
