@@ -43,12 +43,25 @@ from .locks import AcquireResult, FireClaim, HeldClaim, LockStore, Node, RunInfo
 from .locks.base import Presence
 from .locks.record import LockRecord
 from .observability.clock_offset import ClockOffset
+from .placement import FirstPlacement, Placement
 from .version import __version__
 
 log = logging.getLogger(__name__)
 
 #: Seconds between two presence records of a node that renews no lease (a standby).
 PRESENCE_EVERY = 10.0
+
+
+#: At most this many locks are handed over in one heartbeat round (one release each), so that a
+#: rebalance never delays the round's renewals.
+MOVES_PER_ROUND = 64
+
+
+def _expired_holder(record: LockRecord | None, me: str) -> str | None:
+    """The holder whose lease ran out, from the last record seen of a free lock (None: released)."""
+    if record is None or record.holder in (None, me):
+        return None
+    return record.holder
 
 
 @dataclass
@@ -76,6 +89,7 @@ class LeaseManager:
         triggers: lock name -> its jobs on this node and their triggers (``{job: trigger text}``),
             written with the zone on taking the lock and compared with the holder's by the others
             (:mod:`mutexcron.guard.agreement`).
+        placement: which locks this node asks for (:mod:`mutexcron.placement`; default: every lock).
     """
 
     def __init__(
@@ -91,8 +105,10 @@ class LeaseManager:
         emit: Emit | None = None,
         zones: Mapping[str, str] | None = None,
         triggers: Mapping[str, Mapping[str, str]] | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.store = store
+        self.placement: Placement = placement or FirstPlacement(node.node_id)
         self.emit: Emit = emit or log_event
         self.node = node
         self._locks = dict(locks)
@@ -262,6 +278,8 @@ class LeaseManager:
             elsewhere = self.views.held_elsewhere(name, sent_at)
             if elsewhere is not None:  # a standby that read the record a moment ago: no store call
                 return AcquireResult(False, elsewhere)
+            if not self.placement.asks(name, sent_at):  # placed on another node: it asks, not this one
+                return self._read_placed_elsewhere(name)
         if claim is not None:
             self.node_id_check.sent(name, claim)
         wall = time.time()
@@ -289,6 +307,17 @@ class LeaseManager:
         else:
             self._drop(name, f"held by {result.record.holder} (token {result.record.token})")
         return result
+
+    def _read_placed_elsewhere(self, name: str) -> AcquireResult | None:
+        """A tick of a free lock placed on another node: the record for ``lock_else``, no acquire
+        (the heartbeat thread takes the lock over if its placed node does not)."""
+        try:
+            record = self.store.read(name)
+        except (StoreUnavailableError, StoreError) as exc:
+            self.health.report(False, exc)
+            return None
+        self.health.report(True)
+        return AcquireResult(False, record or LockRecord(name))
 
     def claim_batch(self, claims: Sequence[HeldClaim]) -> set[str] | None:
         """One ``claim_many`` round trip for fire claims on locks this node holds.
@@ -565,7 +594,9 @@ class LeaseManager:
             if self._gave_up is not None:
                 self._release_all(self.held(), self.running(), quiet=True)
             self._renew()
+            self.placement.refresh(self.store, self.locks(), self.clock())
             if not self._stopping:
+                self._hand_over_surplus()
                 self._take_over()
             self.health.report(True)
             self.last_round_ok = self.clock()
@@ -649,13 +680,29 @@ class LeaseManager:
                 if record is None or record.state != "active" or record.holder == self.node.node_id:
                     due.append(name)
                     before[name] = record
-        for name in due:
+        free = {name: _expired_holder(before.get(name), self.node.node_id) for name in due}
+        asked = set(self.placement.to_take(free, self.clock()))
+        for name in [n for n in due if n in asked]:
             if self._stopping:
                 return
             with self._mutex:
                 refused = name in self._zone_refused
             if not refused:  # a node in another zone than the lock's holder never takes it over
                 self._try_take_over(name, locks[name], before.get(name))
+
+    def _hand_over_surplus(self) -> None:
+        """Release the held locks placed on another live node, each once no run of it is going
+        (the placed node takes it at its next refresh)."""
+        moves = self.placement.surplus(self.held(), self.clock())
+        for name, successor in list(moves.items())[:MOVES_PER_ROUND]:
+            with self._mutex:
+                held = self._held.get(name)
+                if held is None or self._running.get(name) or name in self._retiring:
+                    continue
+                del self._held[name]
+            log.info("lock %r: handed over to %s (placement rebalanced)", name, successor)
+            self.views.forget(name)
+            self._release(name, held.token)
 
     def _try_take_over(self, name: str, ttl: float, before: LockRecord | None) -> None:
         sent_at, wall = self.clock(), time.time()
@@ -705,6 +752,7 @@ class LeaseManager:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=15)  # longer than one store operation's timeout
+        self.placement.leave(self.store)  # before the releases: the others place its locks at once
         self._release_all(self.held(), busy)
         with self._mutex:
             self._held.clear()

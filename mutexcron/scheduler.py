@@ -33,6 +33,7 @@ from .locks import DEFAULT_LOCK_URL, LockStore, Node, default_lock_url, lock_sto
 from .locks.record import DEFAULT_MAX_ATTRS_BYTES
 from .node import default_node_id, outbound_ip
 from .observability.pings import register as register_pings
+from .placement import Placement, new_placement, placement_mode
 from .tasks.pool import TaskPool
 from .tasks.runner import TaskRunner
 from .tasks.worker import DEFAULT_CONCURRENCY
@@ -68,6 +69,9 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             ``$MUTEXCRON_METRICS_PORT`` sets it too. Default: none, nothing is served.
         metrics_host: the address it binds (``$MUTEXCRON_METRICS_HOST``; default 127.0.0.1, this host
             only: ``"0.0.0.0"`` exposes the endpoints on every interface).
+        placement: which locks this node asks for: ``"balanced"`` (the default: every live node
+            its fair share) or ``"first"`` (every node asks for every lock, the first holds it);
+            ``$MUTEXCRON_PLACEMENT`` sets it too.
         **kwargs: passed to the APScheduler scheduler. ``timezone`` is APScheduler's default (the
             host's zone); every node must compute a lock's cron and date fire times in the same zone,
             and a node in another zone than the lock's record refuses its jobs (the zone rule).
@@ -87,6 +91,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         triggers: bool = True,
         metrics_port: int | None = None,
         metrics_host: str | None = None,
+        placement: str | None = None,
         **kwargs: Any,
     ) -> None:
         self.lock_url = lock_url or default_lock_url()
@@ -107,6 +112,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         self.unactive_interval: float = default or DEFAULT_UNACTIVE_INTERVAL
         self._guard_context = GuardContext(self.unactive_interval, self.local_ip)
         self.shutdown_timeout = shutdown_timeout
+        self.placement = placement_mode(placement or os.environ.get("MUTEXCRON_PLACEMENT"))
         self.max_attrs_bytes = max_attrs_bytes
         self.triggers = triggers
         self._own_store = lock_store is None  # built from the URL here: closed by shutdown()
@@ -139,6 +145,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         task_concurrency: int | None = None,
         metrics_port: int | None = None,
         metrics_host: str | None = None,
+        placement: str | None = None,
     ) -> None:
         """Override the lock settings before ``start()`` (the CLI's options use this).
 
@@ -157,6 +164,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             self.unactive_interval = self._guard_context.ttl = interval
         if shutdown_timeout is not None:
             self.shutdown_timeout = shutdown_timeout
+        if placement is not None:
+            self.placement = placement_mode(placement)
         if task_concurrency is not None:
             self._tasks.concurrency = task_concurrency
         if metrics_port is not None or metrics_host is not None:
@@ -391,6 +400,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         self._guarded[job_id] = guard
         self._guard_context.jobs_per_lock[guard.lock] += 1
         if self._leases is not None and not guard.config.callable_lock:
+            self._leases.placement.restrict(guard.lock, guard.config.node_patterns)
             self._leases.set_zone(guard.lock, self._lock_zone(guard.lock), self._lock_triggers(guard.lock))
             self._leases.add_lock(guard.lock, guard.ttl)
 
@@ -457,6 +467,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
                 emit=self._emit,
                 zones={lock: zone for lock in locks if (zone := self._lock_zone(lock)) is not None},
                 triggers={lock: self._lock_triggers(lock) for lock in locks},
+                placement=self._new_placement(),
             )
             self._guard_context.leases = self._leases
             for job in aps.pending_jobs(self):
@@ -485,6 +496,14 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         self._tasks.start(self.node_id, self._leases, self._emit)
         super().start(paused)  # type: ignore[misc]
 
+
+    def _new_placement(self) -> Placement:
+        """This node's placement, with the ``mutex(nodes=...)`` patterns of its guarded locks."""
+        placement = new_placement(self.placement, self.node_id)
+        for guard in self._guarded.values():
+            if not guard.config.callable_lock:
+                placement.restrict(guard.lock, guard.config.node_patterns)
+        return placement
 
     def _size_store_pool(self, store: LockStore) -> None:
         """Tell a SQL store how many threads can call it at once (the executors' threads, the
