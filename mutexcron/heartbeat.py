@@ -274,7 +274,8 @@ class LeaseManager:
                 return None
         sent_at = self.clock()
         held_before = self.holds_any(name)
-        if not held_before:
+        # Placed here but held elsewhere: a hand-over under way, so ask the store, not the view.
+        if not held_before and not self.placement.placed_here(name, sent_at):
             elsewhere = self.views.held_elsewhere(name, sent_at)
             if elsewhere is not None:  # a standby that read the record a moment ago: no store call
                 return AcquireResult(False, elsewhere)
@@ -662,6 +663,8 @@ class LeaseManager:
         if not wanted:
             return
         due, unknown = self.views.stale(wanted, self.clock())
+        # A lock placed here that another node holds: read again each round until it is handed over.
+        unknown += [n for n in wanted if n not in due and n not in unknown and self.placement.placed_here(n, self.clock())]
         before = {name: self.views.record(name) for name in due}
         if unknown:
             sent, wall = self.clock(), time.time()

@@ -22,6 +22,7 @@ from ..formatting import clip as _clip
 from ..formatting import duration as _duration
 from ..formatting import offset as _offset
 from ..formatting import record_json
+from ..formatting import share as _share
 from ..formatting import when as _when
 from ..locks.record import LockRecord, RunRecord
 from ..tasks import STATES, CodeSummary, TaskRecord
@@ -194,10 +195,11 @@ def _nodes(ctx: Context) -> str:
     rows = [
         (_t(n.node_id), _badge("live", "ok") if snap.live(n) else _badge("stale", "warn"), _t(n.ip), _t(n.version),
          _ago(snap, n.last_seen), escape(_offset(n.clock_offset)),
+         escape(_share(len(held.get(n.node_id, [])), len(snap.locks or ()))),
          f'<span class="held">{_t(", ".join(held.get(n.node_id, [])) or None)}</span>')
         for n in snap.nodes
     ]  # fmt: skip
-    return _table(("node", "state", "IP", "version", "last seen", "clock offset", "locks held"), rows, "nodes")
+    return _table(("node", "state", "IP", "version", "last seen", "clock offset", "share", "locks held"), rows, "nodes")
 
 
 def _audit(ctx: Context) -> str:

@@ -100,6 +100,12 @@ class BalancedPlacement(Restrictions):
                 return True
             return self._owners.get(lock) == self.node_id or self._kept.get(lock, 0.0) > now
 
+    def placed_here(self, lock: str, now: float) -> bool:
+        with self._mutex:
+            if self._read_at is None or not self.allows(lock, self.node_id):
+                return False
+            return self._owners.get(lock) == self.node_id or self._kept.get(lock, 0.0) > now
+
     def to_take(self, free: Mapping[str, str | None], now: float) -> list[str]:
         with self._mutex:
             for holder in free.values():

@@ -36,6 +36,10 @@ class Placement(Protocol):
     def asks(self, lock: str, now: float) -> bool:
         """True if this node asks the store for ``lock`` when it is free (a tick of its job)."""
 
+    def placed_here(self, lock: str, now: float) -> bool:
+        """True if ``lock`` is placed on this node (balanced only): while another node holds it, this
+        node reads it each round and asks for it at each tick, so that a hand-over is noticed at once."""
+
     def to_take(self, free: Mapping[str, str | None], now: float) -> list[str]:
         """Which of the ``free`` locks (lock -> the holder whose lease ran out, or None if
         released) this node tries to take over now."""
@@ -78,6 +82,9 @@ class FirstPlacement(Restrictions):
 
     def asks(self, lock: str, now: float) -> bool:
         return self.allows(lock, self.node_id)
+
+    def placed_here(self, lock: str, now: float) -> bool:
+        return False
 
     def to_take(self, free: Mapping[str, str | None], now: float) -> list[str]:
         return [lock for lock in free if self.allows(lock, self.node_id)]
