@@ -649,8 +649,10 @@ class LeaseManager:
             self._drop(name, "another node holds it now", leases[name])
 
     def _presence(self, renewing: bool) -> Presence | None:
-        """This node's presence, published with every renewal, and every PRESENCE_EVERY s otherwise."""
-        due = self._presence_at is None or self.clock() - self._presence_at >= PRESENCE_EVERY
+        """This node's presence, published with every renewal, and every PRESENCE_EVERY s otherwise
+        (every lease/3 under balanced placement, which judges a node live by its presence)."""
+        every = PRESENCE_EVERY if self.placement.mode == "first" else self.period
+        due = self._presence_at is None or self.clock() - self._presence_at >= every
         if not renewing and not due:
             return None
         return Presence(__version__, self.offset.value)

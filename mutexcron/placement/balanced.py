@@ -1,8 +1,9 @@
 """``balanced`` placement: every live node asks for its fair share of the locks, and only those.
 
 The live nodes are the presence records the nodes already write with their renewals (read at
-most once a second). A holder whose lease ran out is not placed until it publishes its presence
-again, so the survivors agree at once on who takes each of its locks. A lock placed on another
+most once a second), younger than the shortest lease plus a second. A holder whose lease ran out
+is not placed until it publishes its presence again, so the survivors agree at once on who takes
+each of its locks. A lock placed on another
 node that stays free longer than :data:`FREE_GRACE` is taken anyway (its placed node may not
 guard it, or cannot take it): placement never costs availability.
 """
@@ -22,9 +23,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two reads of the live nodes.
 NODES_EVERY = 1.0
-#: A node whose presence is older than this (by the store's clock) is not placed; a node with no
-#: lease publishes its presence every 10 s.
-LIVE_WITHIN = 30.0
+#: A node whose presence is older than its shortest lease plus this (by the store's clock) is not
+#: placed: under balanced placement every node publishes its presence at least every lease/3.
+LIVE_MARGIN = 1.0
 #: Seconds a lock placed on another node may stay free before this node takes it anyway: longer
 #: than the placed node needs to notice (its view of the record is trusted for a second, its
 #: nodes are read every second).
@@ -52,7 +53,7 @@ class BalancedPlacement(Restrictions):
         self._kept: dict[str, float] = {}  # lock -> monotonic time until it is kept here anyway
 
     # -- reading the nodes ---------------------------------------------------------------------
-    def refresh(self, store: LockStore, locks: Collection[str], now: float) -> None:
+    def refresh(self, store: LockStore, locks: Mapping[str, float], now: float) -> None:
         if self._read_at is None or now - self._read_at >= NODES_EVERY:
             try:
                 presences = store.nodes(prune=False)
@@ -60,7 +61,8 @@ class BalancedPlacement(Restrictions):
                 presences = []
             with self._mutex:
                 self._read_at = now
-                self._seen = {p.node_id: p.age or 0.0 for p in presences if (p.age or 0.0) <= LIVE_WITHIN}
+                live_within = min(locks.values(), default=10.0) + LIVE_MARGIN
+                self._seen = {p.node_id: p.age or 0.0 for p in presences if (p.age or 0.0) <= live_within}
                 # A holder noticed gone that has published its presence since is back.
                 self._gone = {n: at for n, at in self._gone.items() if n in self._seen and self._seen[n] >= now - at}
         with self._mutex:

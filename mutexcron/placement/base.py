@@ -30,8 +30,8 @@ class Placement(Protocol):
     def restrict(self, lock: str, patterns: Sequence[str] | None) -> None:
         """Only nodes whose id matches one of ``patterns`` may hold ``lock`` (None: every node)."""
 
-    def refresh(self, store: LockStore, locks: Collection[str], now: float) -> None:
-        """Read the live nodes (at most once a second) and place ``locks`` among them."""
+    def refresh(self, store: LockStore, locks: Mapping[str, float], now: float) -> None:
+        """Read the live nodes (at most once a second) and place ``locks`` (name -> lease) among them."""
 
     def asks(self, lock: str, now: float) -> bool:
         """True if this node asks the store for ``lock`` when it is free (a tick of its job)."""
@@ -77,7 +77,7 @@ class FirstPlacement(Restrictions):
 
     mode = "first"
 
-    def refresh(self, store: LockStore, locks: Collection[str], now: float) -> None:
+    def refresh(self, store: LockStore, locks: Mapping[str, float], now: float) -> None:
         return None
 
     def asks(self, lock: str, now: float) -> bool:
