@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 PRESENCE_EVERY = 10.0
 
 
+#: Seconds between two rounds while a lock placed on this node is still held by another one.
+HAND_OVER_POLL = 0.2
+
 #: At most this many locks are handed over in one heartbeat round (one release each), so that a
 #: rebalance never delays the round's renewals.
 MOVES_PER_ROUND = 64
@@ -133,6 +136,7 @@ class LeaseManager:
         self._presence_at: float | None = None  # monotonic: when this node last published its presence
         self._retiring: set[str] = set()  # locks to release once their running jobs end (remove_lock)
         self._gave_up: str | None = None  # why this node can run no guarded job any more (give_up)
+        self._awaiting_hand_over = False  # a lock placed here is still held by another node
         self._zones: dict[str, str] = dict(zones or {})  # lock -> the zone this node computes its fire times in
         self._zone_refused: dict[str, str] = {}  # lock -> the other zone its live holder computes them in
         self._triggers: dict[str, dict[str, str]] = {k: dict(v) for k, v in (triggers or {}).items()}
@@ -624,7 +628,7 @@ class LeaseManager:
         wake up the moment a viewed lease runs out, to take it over then."""
         wait = self.period
         if len(self.held()) < len(self.locks()):
-            wait = min(wait, STANDBY_REFRESH)
+            wait = min(wait, HAND_OVER_POLL if self._awaiting_hand_over else STANDBY_REFRESH)
             expiry = self.views.next_expiry(self.clock())
             if expiry is not None:
                 wait = min(wait, expiry + 0.005)
@@ -665,8 +669,11 @@ class LeaseManager:
         if not wanted:
             return
         due, unknown = self.views.stale(wanted, self.clock())
-        # A lock placed here that another node holds: read again each round until it is handed over.
-        unknown += [n for n in wanted if n not in due and n not in unknown and self.placement.placed_here(n, self.clock())]
+        # A lock placed here that another node holds: read again each round, and rounds come every
+        # HAND_OVER_POLL seconds, until it is handed over (a hand-over is noticed before the next fire time).
+        awaited = [n for n in wanted if n not in due and n not in unknown and self.placement.placed_here(n, self.clock())]
+        self._awaiting_hand_over = bool(awaited)
+        unknown += awaited
         before = {name: self.views.record(name) for name in due}
         if unknown:
             sent, wall = self.clock(), time.time()
@@ -686,7 +693,7 @@ class LeaseManager:
                     due.append(name)
                     before[name] = record
         free = {name: _expired_holder(before.get(name), self.node.node_id) for name in due}
-        asked = set(self.placement.to_take(free, self.clock()))
+        asked = set(self.placement.to_take(self.store, free, self.clock()))
         for name in [n for n in due if n in asked]:
             if self._stopping:
                 return

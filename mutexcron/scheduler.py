@@ -34,6 +34,7 @@ from .locks.record import DEFAULT_MAX_ATTRS_BYTES
 from .node import default_node_id, outbound_ip
 from .observability.pings import register as register_pings
 from .placement import Placement, new_placement, placement_mode
+from .placement.standby import Standby
 from .tasks.pool import TaskPool
 from .tasks.runner import TaskRunner
 from .tasks.worker import DEFAULT_CONCURRENCY
@@ -122,6 +123,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         )
         self._claim_batch = ClaimBatch()
         self._leases: LeaseManager | None = None
+        self._standby: Standby | None = None  # balanced placement: the loop sees only held locks' jobs
         self._catch_up: CatchUp | None = None
         self._guarded: dict[str, GuardedJob] = {}  # job id -> guard
         self._user_misfire: set[str] = set()
@@ -461,7 +463,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
                 store,
                 self.node,
                 locks,
-                on_acquired=self._catch_up.queue,
+                on_acquired=self._lock_taken,
                 on_read=self._catch_up.check_missed,
                 max_attrs_bytes=self.max_attrs_bytes,
                 emit=self._emit,
@@ -470,6 +472,10 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
                 placement=self._new_placement(),
             )
             self._guard_context.leases = self._leases
+            if self.placement == "balanced":
+                self._standby = Standby(self, lambda: self._guarded, self._leases)
+                for alias, jobstore in list(aps.jobstores(self).items()):
+                    aps.jobstores(self)[alias] = self._standby.adopt(jobstore)
             for job in aps.pending_jobs(self):
                 guard = self._guarded.get(job.id)
                 if guard is not None and job.id not in self._user_misfire and not guard.config.callable_lock:
@@ -496,6 +502,18 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         self._tasks.start(self.node_id, self._leases, self._emit)
         super().start(paused)  # type: ignore[misc]
 
+
+    def _lock_taken(self, name: str, before: Any) -> None:
+        """This node just took ``name``: catch up a fire time missed meanwhile, and put its jobs back
+        in the loop (balanced placement)."""
+        if self._catch_up is not None:
+            self._catch_up.queue(name, before)
+        if self._standby is not None:
+            self._standby.taken(name, before)
+
+    def _create_default_jobstore(self) -> Any:
+        store = super()._create_default_jobstore()  # type: ignore[misc]
+        return self._standby.adopt(store) if self._standby is not None else store
 
     def _new_placement(self) -> Placement:
         """This node's placement, with the ``mutex(nodes=...)`` patterns of its guarded locks."""

@@ -197,6 +197,9 @@ class GuardedJob:
             check_name(self.lock, f"lock name of job {job_id!r}")
         if config.ping is not None:
             check_ping(config.ping, job_id)
+        #: Ticks on a node that does not hold the lock: ``lock_else`` is called there at each fire
+        #: time (and the callable-lock mode decides at each tick); the others wait for the lock.
+        self.ticks_on_standby = config.lock_else is not None or config.callable_lock
         self.__name__ = getattr(func, "__name__", job_id)
         self.__qualname__ = getattr(func, "__qualname__", job_id)
         self.__module__ = getattr(func, "__module__", __name__)

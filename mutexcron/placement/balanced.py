@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two reads of the live nodes.
 NODES_EVERY = 1.0
+#: A lock released and placed on another node makes the nodes be read again if they were read
+#: longer ago than this (a node that stops deletes its presence, then releases its locks).
+NODES_FRESH = 0.1
 #: A node whose presence is older than its shortest lease plus this (by the store's clock) is not
 #: placed: under balanced placement every node publishes its presence at least every lease/3.
 LIVE_MARGIN = 1.0
@@ -51,10 +54,12 @@ class BalancedPlacement(Restrictions):
         self._owners: dict[str, str | None] = {}
         self._free_since: dict[str, tuple[float, float]] = {}  # lock -> (first, last) seen free, without a gap
         self._kept: dict[str, float] = {}  # lock -> monotonic time until it is kept here anyway
+        self._leases: dict[str, float] = {}  # lock -> lease, as last refreshed
 
     # -- reading the nodes ---------------------------------------------------------------------
-    def refresh(self, store: LockStore, locks: Mapping[str, float], now: float) -> None:
-        if self._read_at is None or now - self._read_at >= NODES_EVERY:
+    def refresh(self, store: LockStore, locks: Mapping[str, float], now: float, *, force: bool = False) -> None:
+        self._leases = dict(locks)
+        if force or self._read_at is None or now - self._read_at >= NODES_EVERY:
             try:
                 presences = store.nodes(prune=False)
             except NotImplementedError:  # a store that keeps no presence: this node alone is known
@@ -108,7 +113,13 @@ class BalancedPlacement(Restrictions):
                 return False
             return self._owners.get(lock) == self.node_id or self._kept.get(lock, 0.0) > now
 
-    def to_take(self, free: Mapping[str, str | None], now: float) -> list[str]:
+    def to_take(self, store: LockStore, free: Mapping[str, str | None], now: float) -> list[str]:
+        with self._mutex:
+            released = [lock for lock, holder in free.items() if holder is None and lock not in self._free_since]
+            elsewhere = any(self._owners.get(lock) not in (None, self.node_id) for lock in released)
+            stale = self._read_at is not None and now - self._read_at > NODES_FRESH
+        if elsewhere and stale:  # released by a node that may have left since the nodes were read: read them again
+            self.refresh(store, self._leases, now, force=True)
         with self._mutex:
             for holder in free.values():
                 if holder is not None and holder != self.node_id:

@@ -40,9 +40,9 @@ class Placement(Protocol):
         """True if ``lock`` is placed on this node (balanced only): while another node holds it, this
         node reads it each round and asks for it at each tick, so that a hand-over is noticed at once."""
 
-    def to_take(self, free: Mapping[str, str | None], now: float) -> list[str]:
+    def to_take(self, store: LockStore, free: Mapping[str, str | None], now: float) -> list[str]:
         """Which of the ``free`` locks (lock -> the holder whose lease ran out, or None if
-        released) this node tries to take over now."""
+        released) this node tries to take over now (the live nodes may be read again first)."""
 
     def surplus(self, held: Collection[str], now: float) -> dict[str, str]:
         """The held locks placed on another live node: lock -> that node (the successor)."""
@@ -86,7 +86,7 @@ class FirstPlacement(Restrictions):
     def placed_here(self, lock: str, now: float) -> bool:
         return False
 
-    def to_take(self, free: Mapping[str, str | None], now: float) -> list[str]:
+    def to_take(self, store: LockStore, free: Mapping[str, str | None], now: float) -> list[str]:
         return [lock for lock in free if self.allows(lock, self.node_id)]
 
     def surplus(self, held: Collection[str], now: float) -> dict[str, str]:
