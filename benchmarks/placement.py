@@ -11,8 +11,10 @@ For each store, the scenario of the issue's "Sharing" target, one phase after th
 4. the first node comes back: seconds until every live node holds its share again.
 
 Then, over the whole run, every fire time of every job in whole seconds from the first join to the
-end: how many ran twice (must be 0) and how many ran on no node (the fire times lost in the
-moves). The nodes run ``scale_jobs.py`` (each job appends its runs, see ``scale_runs.py``). Prints one
+end: how many ran twice (must be 0), how many ran on no node outside the kill's outage (the fire
+times lost in the moves), and how many the kill cost (from the kill until its locks were held
+again, plus a second: by design, a lease's worth of the killed node's fire times, coalesced into
+one run each when taken over). The nodes run ``scale_jobs.py`` (each job appends its runs, see ``scale_runs.py``). Prints one
 markdown table; the store URLs are those of ``overhead.py`` (``MUTEXCRON_TEST_<KIND>_URL``).
 """
 
@@ -122,9 +124,11 @@ def run_store(kind: str, jobs: int, count: int, lease: float) -> dict[str, objec
         rest = ids[1:]
         row["sigterm"] = wait(lambda: sum(held_by(store, nodes.prefix)[n] for n in rest) == jobs, bound)
         wait(lambda: fair(held_by(store, nodes.prefix), rest, jobs), bound)
+        killed_at = time.time()
         nodes.stop(ids[1], signal.SIGKILL)
         survivors = ids[2:]
         row["sigkill"] = wait(lambda: sum(held_by(store, nodes.prefix)[n] for n in survivors) == jobs, bound)
+        outage = range(int(killed_at), int(time.time()) + 2)  # the killed node's fire times until its locks are held again
         nodes.start(ids[0], store)
         back = [ids[0], *survivors]
         row["return"] = wait(lambda: fair(held_by(store, nodes.prefix), back, jobs), bound)
@@ -138,7 +142,9 @@ def run_store(kind: str, jobs: int, count: int, lease: float) -> dict[str, objec
     window = range(int(first) + 1, int(last))
     expected = {(j, t) for j in range(jobs) for t in window}
     row["doubled"] = sum(1 for key, n in runs.items() if n > 1 and key[1] in window)
-    row["missed"] = len(expected - set(runs))
+    missed = expected - set(runs)
+    in_moves = sum(1 for _job, t in missed if t not in outage)
+    row["missed"], row["kill_outage"] = in_moves, len(missed) - in_moves
     row["fire_times"] = len(expected)
     return row
 
@@ -166,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"# Placement: {args.nodes} nodes x {args.jobs} every-second jobs, each on its own lock, lease {args.lease:g}s\n")
     header = ["store", "share after last join (s)", "shares", "SIGTERM: held elsewhere (s)", "SIGKILL: held elsewhere (s)",
-              "return: share again (s)", "fire times", "missed", "doubled"]  # fmt: skip
+              "return: share again (s)", "fire times", "missed in moves", "lost to the kill", "doubled"]  # fmt: skip
     body = [
         [str(r["store"]), seconds(r["join"]), str(r["shares"]), seconds(r["sigterm"]), seconds(r["sigkill"]),
-         seconds(r["return"]), f"{r['fire_times']:,}", str(r["missed"]), str(r["doubled"])]
+         seconds(r["return"]), f"{r['fire_times']:,}", str(r["missed"]), str(r["kill_outage"]), str(r["doubled"])]
         for r in rows
     ]  # fmt: skip
     print(md_table(header, body))

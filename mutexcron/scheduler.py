@@ -458,7 +458,10 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
                 self._guard_context.run_stats = self._observability.metrics
             # A shared job's missed fire times are its loop's: the stored next run time stays due until
             # the holder runs it (by misfire_grace_time and coalesce), so no takeover catch-up for it.
-            self._catch_up = CatchUp(self, lambda: self._guarded, self._emit, self.node_id, skip=shared.owns)
+            # Balanced placement: a job left out of a standby's loop is caught up by the loop itself
+            # when its lock is taken (placement/standby.py), not by a second run of the catch-up.
+            skip = lambda job_id: shared.owns(job_id) or self._put_back(job_id)  # noqa: E731
+            self._catch_up = CatchUp(self, lambda: self._guarded, self._emit, self.node_id, skip=skip)
             self._leases = LeaseManager(
                 store,
                 self.node,
@@ -502,6 +505,11 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         self._tasks.start(self.node_id, self._leases, self._emit)
         super().start(paused)  # type: ignore[misc]
 
+
+    def _put_back(self, job_id: str) -> bool:
+        """True for a job the standby puts back in the loop when its lock is taken (balanced placement)."""
+        guard = self._guarded.get(job_id)
+        return self._standby is not None and guard is not None and not guard.ticks_on_standby
 
     def _lock_taken(self, name: str, before: Any) -> None:
         """This node just took ``name``: catch up a fire time missed meanwhile, and put its jobs back

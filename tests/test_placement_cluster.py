@@ -118,14 +118,55 @@ def test_three_nodes_share_the_locks_through_joins_a_leave_a_kill_and_a_return(k
         elif kind in ("mysql", "postgresql"):
             cleanup_sql(url)
     print(f"\n[{kind}] " + "; ".join(f"{k} {v:.2f}s" for k, v in figures.items()))
-    runs: Counter[tuple[str, str]] = Counter()
-    for path in tmp_path.glob("runs-*.txt"):
-        for line in path.read_text().splitlines():
-            job, fire, _node = line.split()
-            runs[(job, fire)] += 1
+    runs = _fire_times(tmp_path)
     doubled = [k for k, n in runs.items() if n > 1]
     assert not doubled, f"{len(doubled)} fire times ran twice, e.g. {doubled[:5]}"
     assert figures["share after the last join"] <= 2 * LEASE + SLACK, figures
     assert figures["SIGTERM: its locks held elsewhere"] <= 1.0 + SLACK, figures
     assert figures["SIGKILL: its locks held elsewhere"] <= LEASE + 1.0 + SLACK, figures
     assert figures["return: share again"] <= 2 * LEASE + SLACK, figures
+
+
+def _fire_times(tmp_path: Path) -> Counter[tuple[str, str]]:
+    runs: Counter[tuple[str, str]] = Counter()
+    for path in tmp_path.glob("runs-*.txt"):
+        for line in path.read_text().splitlines():
+            job, fire, _node = line.split()
+            runs[(job, fire)] += 1
+    return runs
+
+
+@pytest.mark.parametrize("kind", backend_params("sqlite", "postgresql", "redis"))
+def test_a_rolling_restart_runs_every_fire_time_once(kind: str, tmp_path: Path) -> None:
+    """Every node restarted twice in turn (SIGTERM, then started again): the locks move at each
+    stop and each return, and every fire time between the first start and the end runs once."""
+    url = _url(kind, tmp_path)
+    store = lock_store_from_url(url)
+    nodes = Nodes(url, tmp_path)
+    try:
+        for node_id in ("n0", "n1", "n2"):
+            nodes.start(node_id)
+        wait("a fair share each", lambda: balanced(store, ["n0", "n1", "n2"]), 4 * LEASE)
+        first = int(time.time()) + 1
+        for _round in range(2):
+            for node_id in ("n0", "n1", "n2"):
+                nodes.stop(node_id, signal.SIGTERM)
+                nodes.start(node_id)
+                wait("the shares again", lambda: balanced(store, ["n0", "n1", "n2"]), 4 * LEASE)
+        last = int(time.time()) - 1
+        time.sleep(1.5)  # the last runs are flushed to their files
+    finally:
+        nodes.close()
+        store.close()
+        if kind == "redis":
+            cleanup_redis(url)
+        elif kind == "postgresql":
+            cleanup_sql(url)
+    runs = _fire_times(tmp_path)
+    window = {str(t) for t in range(first, last)}
+    expected = {(f"{j}", t) for j in range(JOBS) for t in window}
+    missed = sorted(expected - {(job, fire) for job, fire in runs})
+    doubled = [k for k, n in runs.items() if n > 1]
+    print(f"\n[{kind}] rolling restart: {len(expected)} fire times, {len(missed)} missed, {len(doubled)} doubled")
+    assert not doubled, f"{len(doubled)} fire times ran twice, e.g. {doubled[:5]}"
+    assert not missed, f"{len(missed)} of {len(expected)} fire times missed, e.g. {missed[:5]}"
