@@ -669,6 +669,11 @@ class LeaseManager:
         if not wanted:
             return
         due, unknown = self.views.stale(wanted, self.clock())
+        # A record placed on another node is read every lease/3, not every second: only its expiry
+        # matters here, and its view wakes the round when the lease runs out.
+        now = self.clock()
+        recent = {n for n in unknown if self.placement.placed_elsewhere(n, now) and self.views.seen_within(n, self.period, now)}
+        unknown = [n for n in unknown if n not in recent]
         # A lock placed here that another node holds: read again each round, and rounds come every
         # HAND_OVER_POLL seconds, until it is handed over (a hand-over is noticed before the next fire time).
         awaited = [n for n in wanted if n not in due and n not in unknown and self.placement.placed_here(n, self.clock())]

@@ -113,6 +113,11 @@ class BalancedPlacement(Restrictions):
                 return False
             return self._owners.get(lock) == self.node_id or self._kept.get(lock, 0.0) > now
 
+    def placed_elsewhere(self, lock: str, now: float) -> bool:
+        with self._mutex:
+            owner = self._owners.get(lock)
+            return self._read_at is not None and owner not in (None, self.node_id) and self._kept.get(lock, 0.0) <= now
+
     def to_take(self, store: LockStore, free: Mapping[str, str | None], now: float) -> list[str]:
         with self._mutex:
             released = [lock for lock, holder in free.items() if holder is None and lock not in self._free_since]

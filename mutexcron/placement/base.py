@@ -40,6 +40,9 @@ class Placement(Protocol):
         """True if ``lock`` is placed on this node (balanced only): while another node holds it, this
         node reads it each round and asks for it at each tick, so that a hand-over is noticed at once."""
 
+    def placed_elsewhere(self, lock: str, now: float) -> bool:
+        """True if ``lock`` is placed on another node (balanced only): this node watches only its expiry."""
+
     def to_take(self, store: LockStore, free: Mapping[str, str | None], now: float) -> list[str]:
         """Which of the ``free`` locks (lock -> the holder whose lease ran out, or None if
         released) this node tries to take over now (the live nodes may be read again first)."""
@@ -84,6 +87,9 @@ class FirstPlacement(Restrictions):
         return self.allows(lock, self.node_id)
 
     def placed_here(self, lock: str, now: float) -> bool:
+        return False
+
+    def placed_elsewhere(self, lock: str, now: float) -> bool:
         return False
 
     def to_take(self, store: LockStore, free: Mapping[str, str | None], now: float) -> list[str]:
