@@ -2,6 +2,7 @@
 
     python benchmarks/scale.py [--stores sqlite,redis] [--jobs 10,100,1000] [--groups 10] [--duration 30] [--json [FILE]]
     python benchmarks/scale.py --quick   # a smoke run: SQLite, 10 jobs, 2 nodes, 3 s
+    python benchmarks/scale.py --placement balanced,first   # each store's row with each placement
 
 Row sets: each ``--jobs`` count J with one lock per job, and the largest J in ``--groups`` lock
 groups (J / G jobs per lock). For each row set it first runs the **plain baseline**: ``--nodes``
@@ -89,6 +90,7 @@ class Settings:
     metrics: bool = False  # the guarded nodes serve /metrics (mutexcron run --metrics-port, a free port each)
     history: bool = True  # False: the nodes keep no run history (?history=0 on their URL)
     repeat: int = 0  # --operations: which side-by-side pair (1, 2, ...), shown in the row's name
+    placement: str = "balanced"  # the guarded nodes' --placement
 
 
 @dataclass(frozen=True)
@@ -305,12 +307,14 @@ def guarded_cluster(kind: str, url: str, rs: RowSet, settings: Settings) -> Clus
     )
     if settings.metrics:
         cluster.env.update(MUTEXCRON_METRICS_PORT="0", MUTEXCRON_METRICS_HOST="127.0.0.1")
+    cluster.env.update(MUTEXCRON_PLACEMENT=settings.placement)
     return cluster
 
 
 def setup_name(name: str, settings: Settings) -> str:
     """The row's name: the store, then what is on beyond the default and which repeat it is."""
     name += {(False, False): " (no history)", (True, True): " + history + metrics"}.get((settings.history, settings.metrics), "")
+    name += f" placement={settings.placement}" if settings.placement != "balanced" else ""
     return name + (f" #{settings.repeat}" if settings.repeat else "")
 
 
@@ -550,6 +554,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--repeats", type=int, default=4, help="--operations: how many side-by-side pairs per store [4]"
     )
     parser.add_argument(
+        "--placement", default="balanced",
+        help="comma-separated placements of the guarded nodes, one row each: balanced, first [balanced]",
+    )
+    parser.add_argument(
         "--json", nargs="?", const="-", metavar="FILE", help="print JSON instead of the tables; with FILE, write it there too"
     )
     parser.add_argument(
@@ -598,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
                 plain_by_jobs[rs.jobs] = None
                 notes.append(f"plain baseline: failed ({exc})")
         plain = plain_by_jobs[rs.jobs]
-        rounds = [[settings]]
+        rounds = [[dataclasses.replace(settings, placement=p.strip())] for p in args.placement.split(",") if p.strip()]
         if args.operations:  # without and with both, side by side, the order swapped each repeat
             off, on = dataclasses.replace(settings, history=False), dataclasses.replace(settings, metrics=True)
             rounds = [

@@ -11,6 +11,7 @@ plain baseline nodes run APScheduler alone.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import os
 import signal
@@ -28,6 +29,7 @@ class RunLog:
         self.node_id = node_id
         self._lines: collections.deque[str] = collections.deque()
         threading.Thread(target=self._flush_loop, name="scale-runs", daemon=True).start()
+        atexit.register(self.flush)
 
     def add(self, job: int, fire: float, started: float) -> None:
         self._lines.append(f"{job} {fire:.3f} {started:.6f} {self.node_id}\n")
@@ -35,10 +37,14 @@ class RunLog:
     def _flush_loop(self) -> None:
         while True:
             time.sleep(1.0)
-            batch = [self._lines.popleft() for _ in range(len(self._lines))]
-            if batch:
-                with open(self.path, "a") as fh:
-                    fh.write("".join(batch))
+            self.flush()
+
+    def flush(self) -> None:
+        """Append the runs recorded since the last flush (also at exit: a node stopped by SIGTERM keeps its last runs)."""
+        batch = [self._lines.popleft() for _ in range(len(self._lines))]
+        if batch:
+            with open(self.path, "a") as fh:
+                fh.write("".join(batch))
 
 
 @dataclass(frozen=True)

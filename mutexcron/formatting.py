@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .tasks.base import TaskRecord
 
-__all__ = ["age", "clip", "duration", "offset", "record_json", "when"]
+__all__ = ["age", "clip", "duration", "offset", "record_json", "share", "when"]
 
 
 def age(seconds: float | None) -> str:
@@ -22,6 +22,13 @@ def age(seconds: float | None) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.0f}m"
     return f"{seconds / 3600:.0f}h"
+
+
+def share(held: int, total: int) -> str:
+    """A node's share of the locks: ``100 of 300 (33%)``; ``-`` when there are no locks."""
+    if total <= 0:
+        return "-"
+    return f"{held} of {total} ({100 * held / total:.0f}%)"
 
 
 def when(value: datetime | None) -> str:

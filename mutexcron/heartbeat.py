@@ -44,12 +44,28 @@ from .locks.base import Presence
 from .locks.record import LockRecord
 from .observability.clock_offset import ClockOffset
 from .observability.sqlite_clocks import SQLiteClockCheck
+from .placement import FirstPlacement, Placement
 from .version import __version__
 
 log = logging.getLogger(__name__)
 
 #: Seconds between two presence records of a node that renews no lease (a standby).
 PRESENCE_EVERY = 10.0
+
+
+#: Seconds between two rounds while a lock placed on this node is still held by another one.
+HAND_OVER_POLL = 0.2
+
+#: At most this many locks are handed over in one heartbeat round (one release each), so that a
+#: rebalance never delays the round's renewals.
+MOVES_PER_ROUND = 64
+
+
+def _expired_holder(record: LockRecord | None, me: str) -> str | None:
+    """The holder whose lease ran out, from the last record seen of a free lock (None: released)."""
+    if record is None or record.holder in (None, me):
+        return None
+    return record.holder
 
 
 @dataclass
@@ -78,6 +94,7 @@ class LeaseManager:
         triggers: lock name -> its jobs on this node and their triggers (``{job: trigger text}``),
             written with the zone on taking the lock and compared with the holder's by the others
             (:mod:`mutexcron.guard.agreement`).
+        placement: which locks this node asks for (:mod:`mutexcron.placement`; default: every lock).
     """
 
     def __init__(
@@ -93,8 +110,10 @@ class LeaseManager:
         emit: Emit | None = None,
         zones: Mapping[str, str] | None = None,
         triggers: Mapping[str, Mapping[str, str]] | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.store = store
+        self.placement: Placement = placement or FirstPlacement(node.node_id)
         self.emit: Emit = emit or log_event
         self.node = node
         self._locks = dict(locks)
@@ -120,6 +139,7 @@ class LeaseManager:
         self._presence_at: float | None = None  # monotonic: when this node last published its presence
         self._retiring: set[str] = set()  # locks to release once their running jobs end (remove_lock)
         self._gave_up: str | None = None  # why this node can run no guarded job any more (give_up)
+        self._awaiting_hand_over = False  # a lock placed here is still held by another node
         self._zones: dict[str, str] = dict(zones or {})  # lock -> the zone this node computes its fire times in
         self._zone_refused: dict[str, str] = {}  # lock -> the other zone its live holder computes them in
         self._triggers: dict[str, dict[str, str]] = {k: dict(v) for k, v in (triggers or {}).items()}
@@ -271,10 +291,13 @@ class LeaseManager:
                 return None
         sent_at = self.clock()
         held_before = self.holds_any(name)
-        if not held_before:
+        # Placed here but held elsewhere: a hand-over under way, so ask the store, not the view.
+        if not held_before and not self.placement.placed_here(name, sent_at):
             elsewhere = self.views.held_elsewhere(name, sent_at)
             if elsewhere is not None:  # a standby that read the record a moment ago: no store call
                 return AcquireResult(False, elsewhere)
+            if not self.placement.asks(name, sent_at):  # placed on another node: it asks, not this one
+                return self._read_placed_elsewhere(name)
         if claim is not None:
             self.node_id_check.sent(name, claim)
         wall = time.time()
@@ -302,6 +325,17 @@ class LeaseManager:
         else:
             self._drop(name, f"held by {result.record.holder} (token {result.record.token})")
         return result
+
+    def _read_placed_elsewhere(self, name: str) -> AcquireResult | None:
+        """A tick of a free lock placed on another node: the record for ``lock_else``, no acquire
+        (the heartbeat thread takes the lock over if its placed node does not)."""
+        try:
+            record = self.store.read(name)
+        except (StoreUnavailableError, StoreError) as exc:
+            self.health.report(False, exc)
+            return None
+        self.health.report(True)
+        return AcquireResult(False, record or LockRecord(name))
 
     def claim_batch(self, claims: Sequence[HeldClaim]) -> set[str] | None:
         """One ``claim_many`` round trip for fire claims on locks this node holds.
@@ -604,7 +638,9 @@ class LeaseManager:
             if self._gave_up is not None:
                 self._release_all(self.held(), self.running(), quiet=True)
             self._renew()
+            self.placement.refresh(self.store, self.locks(), self.clock())
             if not self._stopping:
+                self._hand_over_surplus()
                 self._take_over()
             self.health.report(True)
             self.last_round_ok = self.clock()
@@ -631,7 +667,7 @@ class LeaseManager:
         wake up the moment a viewed lease runs out, to take it over then."""
         wait = self.period
         if len(self.held()) < len(self.locks()):
-            wait = min(wait, STANDBY_REFRESH)
+            wait = min(wait, HAND_OVER_POLL if self._awaiting_hand_over else STANDBY_REFRESH)
             expiry = self.views.next_expiry(self.clock())
             if expiry is not None:
                 wait = min(wait, expiry + 0.005)
@@ -657,8 +693,10 @@ class LeaseManager:
             self._drop(name, "another node holds it now", leases[name])
 
     def _presence(self, renewing: bool) -> Presence | None:
-        """This node's presence, published with every renewal, and every PRESENCE_EVERY s otherwise."""
-        due = self._presence_at is None or self.clock() - self._presence_at >= PRESENCE_EVERY
+        """This node's presence, published with every renewal, and every PRESENCE_EVERY s otherwise
+        (every lease/3 under balanced placement, which judges a node live by its presence)."""
+        every = PRESENCE_EVERY if self.placement.mode == "first" else self.period
+        due = self._presence_at is None or self.clock() - self._presence_at >= every
         if not renewing and not due:
             return None
         return Presence(__version__, self.offset.value)
@@ -671,6 +709,16 @@ class LeaseManager:
         if not wanted:
             return
         due, unknown = self.views.stale(wanted, self.clock())
+        # A record placed on another node is read every lease/3, not every second: only its expiry
+        # matters here, and its view wakes the round when the lease runs out.
+        now = self.clock()
+        recent = {n for n in unknown if self.placement.placed_elsewhere(n, now) and self.views.seen_within(n, self.period, now)}
+        unknown = [n for n in unknown if n not in recent]
+        # A lock placed here that another node holds: read again each round, and rounds come every
+        # HAND_OVER_POLL seconds, until it is handed over (a hand-over is noticed before the next fire time).
+        awaited = [n for n in wanted if n not in due and n not in unknown and self.placement.placed_here(n, self.clock())]
+        self._awaiting_hand_over = bool(awaited)
+        unknown += awaited
         before = {name: self.views.record(name) for name in due}
         if unknown:
             sent, wall = self.clock(), time.time()
@@ -689,13 +737,29 @@ class LeaseManager:
                 if record is None or record.state != "active" or record.holder == self.node.node_id:
                     due.append(name)
                     before[name] = record
-        for name in due:
+        free = {name: _expired_holder(before.get(name), self.node.node_id) for name in due}
+        asked = set(self.placement.to_take(self.store, free, self.clock()))
+        for name in [n for n in due if n in asked]:
             if self._stopping:
                 return
             with self._mutex:
                 refused = name in self._zone_refused
             if not refused:  # a node in another zone than the lock's holder never takes it over
                 self._try_take_over(name, locks[name], before.get(name))
+
+    def _hand_over_surplus(self) -> None:
+        """Release the held locks placed on another live node, each once no run of it is going
+        (the placed node takes it at its next refresh)."""
+        moves = self.placement.surplus(self.held(), self.clock())
+        for name, successor in list(moves.items())[:MOVES_PER_ROUND]:
+            with self._mutex:
+                held = self._held.get(name)
+                if held is None or self._running.get(name) or name in self._retiring:
+                    continue
+                del self._held[name]
+            log.info("lock %r: handed over to %s (placement rebalanced)", name, successor)
+            self.views.forget(name)
+            self._release(name, held.token)
 
     def _try_take_over(self, name: str, ttl: float, before: LockRecord | None) -> None:
         sent_at, wall = self.clock(), time.time()
@@ -745,6 +809,7 @@ class LeaseManager:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=15)  # longer than one store operation's timeout
+        self.placement.leave(self.store)  # before the releases: the others place its locks at once
         self._release_all(self.held(), busy)
         with self._mutex:
             self._held.clear()

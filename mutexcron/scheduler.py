@@ -36,6 +36,8 @@ from .mutex.lock import Mutex
 from .node import default_node_id, outbound_ip
 from .observability.feed.writer import start_feed
 from .observability.pings import register as register_pings
+from .placement import Placement, new_placement, placement_mode
+from .placement.standby import Standby
 from .readonly import only_reading
 from .tasks.pool import TaskPool
 from .tasks.retention import DEFAULT_RETENTION, PRUNE_LEASE, PRUNE_LOCK, Pruner, check_retention, retention_from_env
@@ -78,6 +80,9 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             ``$MUTEXCRON_METRICS_PORT`` sets it too. Default: none, nothing is served.
         metrics_host: the address it binds (``$MUTEXCRON_METRICS_HOST``; default 127.0.0.1, this host
             only: ``"0.0.0.0"`` exposes the endpoints on every interface).
+        placement: which locks this node asks for: ``"first"`` (the default: every node asks for
+            every lock, the first holds it) or ``"balanced"`` (a preview: every live node its fair
+            share; a move may still lose fire times); ``$MUTEXCRON_PLACEMENT`` sets it too.
         **kwargs: passed to the APScheduler scheduler. ``timezone`` is APScheduler's default (the
             host's zone); every node must compute a lock's cron and date fire times in the same zone,
             and a node in another zone than the lock's record refuses its jobs (the zone rule).
@@ -98,6 +103,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         triggers: bool = True,
         metrics_port: int | None = None,
         metrics_host: str | None = None,
+        placement: str | None = None,
         **kwargs: Any,
     ) -> None:
         self.lock_url = lock_url or default_lock_url()
@@ -120,6 +126,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         self.unactive_interval: float = default or DEFAULT_UNACTIVE_INTERVAL
         self._guard_context = GuardContext(self.unactive_interval, self.local_ip)
         self.shutdown_timeout = shutdown_timeout
+        self.placement = placement_mode(placement or os.environ.get("MUTEXCRON_PLACEMENT"))
         self.max_attrs_bytes = max_attrs_bytes
         self.triggers = triggers
         self._own_store = lock_store is None  # built from the URL here: closed by shutdown()
@@ -132,6 +139,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         self._pruner: Pruner | None = None
         self._claim_batch = ClaimBatch()
         self._leases: LeaseManager | None = None
+        self._standby: Standby | None = None  # balanced placement: the loop sees only held locks' jobs
         self._catch_up: CatchUp | None = None
         self._guarded: dict[str, GuardedJob] = {}  # job id -> guard
         self._user_misfire: set[str] = set()
@@ -156,6 +164,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         task_retention: timedelta | float | object | None = ...,
         metrics_port: int | None = None,
         metrics_host: str | None = None,
+        placement: str | None = None,
     ) -> None:
         """Override the lock settings before ``start()`` (the CLI's options use this).
 
@@ -175,6 +184,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             self.unactive_interval = self._guard_context.ttl = interval
         if shutdown_timeout is not None:
             self.shutdown_timeout = shutdown_timeout
+        if placement is not None:
+            self.placement = placement_mode(placement)
         if task_concurrency is not None:
             self._tasks.concurrency = task_concurrency
         if task_retention is not ...:
@@ -414,6 +425,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         self._guarded[job_id] = guard
         self._guard_context.jobs_per_lock[guard.lock] += 1
         if self._leases is not None and not guard.config.callable_lock:
+            self._leases.placement.restrict(guard.lock, guard.config.node_patterns)
             self._leases.set_zone(guard.lock, self._lock_zone(guard.lock), self._lock_triggers(guard.lock))
             self._leases.add_lock(guard.lock, guard.ttl)
 
@@ -473,19 +485,27 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
                 self._guard_context.run_stats = self._observability.metrics
             # A shared job's missed fire times are its loop's: the stored next run time stays due until
             # the holder runs it (by misfire_grace_time and coalesce), so no takeover catch-up for it.
-            self._catch_up = CatchUp(self, lambda: self._guarded, self._emit, self.node_id, skip=shared.owns)
+            # Balanced placement: a job left out of a standby's loop is caught up by the loop itself
+            # when its lock is taken (placement/standby.py), not by a second run of the catch-up.
+            skip = lambda job_id: shared.owns(job_id) or self._put_back(job_id)  # noqa: E731
+            self._catch_up = CatchUp(self, lambda: self._guarded, self._emit, self.node_id, skip=skip)
             self._leases = LeaseManager(
                 store,
                 self.node,
                 locks,
-                on_acquired=self._catch_up.queue,
+                on_acquired=self._lock_taken,
                 on_read=self._catch_up.check_missed,
                 max_attrs_bytes=self.max_attrs_bytes,
                 emit=self._emit,
                 zones={lock: zone for lock in locks if (zone := self._lock_zone(lock)) is not None},
                 triggers={lock: self._lock_triggers(lock) for lock in locks},
+                placement=self._new_placement(),
             )
             self._guard_context.leases = self._leases
+            if self.placement == "balanced":
+                self._standby = Standby(self, lambda: self._guarded, self._leases)
+                for alias, jobstore in list(aps.jobstores(self).items()):
+                    aps.jobstores(self)[alias] = self._standby.adopt(jobstore)
             for job in aps.pending_jobs(self):
                 guard = self._guarded.get(job.id)
                 if guard is not None and job.id not in self._user_misfire and not guard.config.callable_lock:
@@ -540,6 +560,31 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             self._tasks.rebind(url)
             log.info("no lock store configured: the locks and tasks go to the shared job store's database, %s", mask_url(url))
         refuse_local_lock_store(self._lock_store.url if self._lock_store is not None else self.lock_url, stores)
+
+    def _put_back(self, job_id: str) -> bool:
+        """True for a job the standby puts back in the loop when its lock is taken (balanced placement)."""
+        guard = self._guarded.get(job_id)
+        return self._standby is not None and guard is not None and not guard.ticks_on_standby
+
+    def _lock_taken(self, name: str, before: Any) -> None:
+        """This node just took ``name``: catch up a fire time missed meanwhile, and put its jobs back
+        in the loop (balanced placement)."""
+        if self._catch_up is not None:
+            self._catch_up.queue(name, before)
+        if self._standby is not None:
+            self._standby.taken(name, before)
+
+    def _create_default_jobstore(self) -> Any:
+        store = super()._create_default_jobstore()  # type: ignore[misc]
+        return self._standby.adopt(store) if self._standby is not None else store
+
+    def _new_placement(self) -> Placement:
+        """This node's placement, with the ``mutex(nodes=...)`` patterns of its guarded locks."""
+        placement = new_placement(self.placement, self.node_id)
+        for guard in self._guarded.values():
+            if not guard.config.callable_lock:
+                placement.restrict(guard.lock, guard.config.node_patterns)
+        return placement
 
     def _size_store_pool(self, store: LockStore) -> None:
         """Tell a SQL store how many threads can call it at once (the executors' threads, the

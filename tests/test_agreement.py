@@ -63,7 +63,10 @@ def made() -> Iterator[list[MutexScheduler]]:
 
 
 def node(made: list[MutexScheduler], url: str, node_id: str, lease: float, every: str) -> MutexScheduler:
-    sched = MutexScheduler(lock_url=url, node_id=node_id, timezone="UTC", unactive_interval=lease)
+    # placement="first": the node started first keeps the lock and the other ticks as its standby, which
+    # is what this test watches (balanced placement could hand the lock over, and keeps a standby's
+    # jobs without lock_else out of its loop).
+    sched = MutexScheduler(lock_url=url, node_id=node_id, timezone="UTC", unactive_interval=lease, placement="first")
     sched.add_job(print, "cron", id="report", mutex="reports", second=every, minute="*", hour="*", args=[""])
     made.append(sched)
     return sched

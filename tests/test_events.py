@@ -53,7 +53,10 @@ class Recorder:
 
 
 def _node(url: str, node_id: str, recorder: Recorder, fail: bool = False, lease: float = 2.0) -> MutexScheduler:
-    sched = MutexScheduler(lock_url=url, node_id=node_id)
+    # placement="first": the node started first keeps the lock and the other ticks as its standby, which
+    # is what this test watches (balanced placement could hand the lock over, and keeps a standby's
+    # jobs without lock_else out of its loop).
+    sched = MutexScheduler(lock_url=url, node_id=node_id, placement="first")
 
     @sched.mutex(lock="ev", unactive_interval=lease)
     @sched.interval_schedule(seconds=1)

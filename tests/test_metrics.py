@@ -273,7 +273,9 @@ def test_the_timed_store_times_its_calls_and_passes_everything_through() -> None
 )
 def test_scrape_after_known_runs(ctx: StoreCtx) -> None:
     assert ctx.url is not None
-    holder, standby = make(ctx.url, node_id="holder"), make(ctx.url, node_id="standby")
+    # placement="first": the node started first keeps the lock (balanced placement could hand it to
+    # the other one), so that the figures below are the holder's and the standby's.
+    holder, standby = make(ctx.url, node_id="holder", placement="first"), make(ctx.url, node_id="standby", placement="first")
     store = ctx.make()
     try:
         holder.start()
@@ -297,6 +299,8 @@ def test_scrape_after_known_runs(ctx: StoreCtx) -> None:
         assert (value(h, "mutexcron_last_success_timestamp_seconds", job_id="tick", lock="tick") or 0) > time.time() - 30
         assert value(h, "mutexcron_lease_held", lock="tick") == 1.0
         assert value(s, "mutexcron_lease_held", lock="tick") == 0.0
+        assert value(h, "mutexcron_locks_held", node="holder") == 1.0
+        assert value(s, "mutexcron_locks_held", node="standby") == 0.0
         assert value(s, "mutexcron_runs_total", job_id="tick", lock="tick", outcome="success") is None
         assert value(h, "mutexcron_store_up", store="lock") == 1.0
         assert value(s, "mutexcron_store_up", store="lock") == 1.0

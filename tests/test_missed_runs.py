@@ -133,7 +133,9 @@ def test_a_standby_reports_fire_times_the_holder_skips(kind: str, tmp_path: Path
     lock = threading.Lock()
 
     def node(name: str) -> MutexScheduler:
-        sched = MutexScheduler(lock_url=url, node_id=name)
+        # placement="first": the first node keeps the lock, so that the second one is the standby
+        # whose alarm this test is about (balanced placement could place the lock on it).
+        sched = MutexScheduler(lock_url=url, node_id=name, placement="first")
         # A 3 s lease: a renewal that meets a busy SQLite file on a loaded machine must not hand the
         # lock to the standby, which would then run the job itself and miss nothing.
         sched.mutex(lock="l", unactive_interval=3)(sched.interval_schedule(seconds=1, id="every")(lambda: None))

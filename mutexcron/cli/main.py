@@ -22,6 +22,7 @@ from ..console import URLS_HINT
 from ..dashboard.cli import dashboard
 from ..errors import MutexcronError
 from ..locks import DEFAULT_LOCK_URL, URL_ENV, defaulted_urls, lock_store_from_url
+from ..placement import PLACEMENTS
 from ..urls import mask_url
 from ..version import __version__
 from . import ops as cli_ops
@@ -117,6 +118,14 @@ def main(lock_url: str | None) -> None:
     "password, host or database name: the node fails visibly instead of staying up guarding nothing); 0: wait "
     "forever. Once the store has answered, an outage never stops the node [env MUTEXCRON_STARTUP_TIMEOUT].",
 )
+@click.option(
+    "--placement",
+    type=click.Choice(PLACEMENTS),
+    envvar="MUTEXCRON_PLACEMENT",
+    help="Which locks this node asks for: first, every node asks for every lock and the first holds it; balanced "
+    "(preview: a move may still lose fire times), every live node its fair share of the guarded locks "
+    "[env MUTEXCRON_PLACEMENT; default first].",
+)
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
 @click.pass_context
 def run(
@@ -131,6 +140,7 @@ def run(
     metrics_port: int | None,
     metrics_host: str | None,
     startup_timeout: float,
+    placement: str | None,
     log_level: str,
 ) -> None:
     """Run the scheduler in JOBS (a path to a .py file, or module:attr) until SIGTERM/SIGINT."""
@@ -157,6 +167,7 @@ def run(
                 ("task_retention", task_retention),
                 ("metrics_port", metrics_port),
                 ("metrics_host", metrics_host),
+                ("placement", placement),
             )
             if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
         }

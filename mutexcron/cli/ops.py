@@ -26,6 +26,7 @@ from ..backends.base import reading_only
 from ..errors import ConfigurationError, MutexcronError
 from ..formatting import duration as _duration
 from ..formatting import offset as _offset
+from ..formatting import share as _share
 from ..locks import DEFAULT_LOCK_URL, LockStore, lock_store_from_url
 from ..locks.base import FORGET_DELETED, FORGET_HELD, FORGET_MISSING
 from ..locks.record import LockRecord, NodePresence, RunRecord
@@ -67,13 +68,13 @@ def format_status(records: Sequence[LockRecord]) -> str:
     return _table(header, rows)
 
 
-def format_nodes(nodes: Sequence[NodePresence], live: Mapping[str, bool] | None = None) -> str:
+def format_nodes(nodes: Sequence[NodePresence], live: Mapping[str, bool] | None = None, total: int = 0) -> str:
     """One line per node: id, state (``live``/``stale``, see :func:`node_liveness`), IP, version,
-    last seen, clock offset, the locks it holds."""
-    header = ("NODE", "STATE", "IP", "VERSION", "LAST SEEN (UTC)", "AGO", "CLOCK OFFSET", "LOCKS")
+    last seen, clock offset, its share of the ``total`` locks, the locks it holds."""
+    header = ("NODE", "STATE", "IP", "VERSION", "LAST SEEN (UTC)", "AGO", "CLOCK OFFSET", "SHARE", "LOCKS")
     rows = [
         (_clip(n.node_id, 40), _node_state(live, n.node_id), n.ip or "-", n.version or "-", _when(n.last_seen),
-         _age(n.age), _offset(n.clock_offset), _clip(", ".join(n.locks) or "-", 60))
+         _age(n.age), _offset(n.clock_offset), _share(len(n.locks), total), _clip(", ".join(n.locks) or "-", 60))
         for n in nodes
     ]  # fmt: skip
     return _table(header, rows)
@@ -414,7 +415,7 @@ class StatusReport:
         }
 
     def _node_json(self, node: NodePresence) -> dict[str, Any]:
-        return {**node.to_json(), "state": _node_state(self.live, node.node_id)}
+        return {**node.to_json(), "state": _node_state(self.live, node.node_id), "share": len(node.locks)}
 
     def lines(self) -> Iterator[str]:
         count = len(self.records)
@@ -427,7 +428,7 @@ class StatusReport:
         if self.nodes is not None:
             if self.nodes:
                 yield f"nodes ({len(self.nodes)} seen in the last 10 minutes):"
-                yield format_nodes(self.nodes, self.live)
+                yield format_nodes(self.nodes, self.live, len(self.records))
             else:
                 yield "nodes: none seen in the last 10 minutes"
         if self.paused:

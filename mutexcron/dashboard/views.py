@@ -21,6 +21,7 @@ from ..formatting import age as _age
 from ..formatting import clip as _clip
 from ..formatting import offset as _offset
 from ..formatting import record_json
+from ..formatting import share as _share
 from ..formatting import when as _when
 from ..locks.record import LockRecord, NodePresence, RunRecord
 from ..names import printable
@@ -217,11 +218,12 @@ def _nodes(ctx: Context) -> str:
     rows = [
         (f'<a href="{ctx.link("", node=n.node_id)}">{_t(n.node_id)}</a>', _node_state(snap, n), _t(n.ip), _t(n.version),
          _ago(snap, n.last_seen), escape(_offset(n.clock_offset)),
+         escape(_share(len(held.get(n.node_id, [])), len(snap.locks or ()))),
          f'<span class="held">{_t(", ".join(held.get(n.node_id, [])) or None)}</span>')
         for n in snap.nodes
         if chosen in (None, "", n.node_id)
     ]  # fmt: skip
-    return _table(("node", "state", "IP", "version", "last seen", "clock offset", "locks held"), rows, "nodes")
+    return _table(("node", "state", "IP", "version", "last seen", "clock offset", "share", "locks held"), rows, "nodes")
 
 
 def _node_state(snap: Snapshot, node: NodePresence) -> str:

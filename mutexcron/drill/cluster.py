@@ -192,6 +192,17 @@ class Cluster:
             time.sleep(0.05)
         return None
 
+    def wait_stable_holder(self, count: int, timeout: float) -> None:
+        """Wait until the last ``count`` ticks ran on one node: placement has settled (a node that
+        joins or comes back may be handed the lock), so the node to strike holds it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            last = self.ticks()[-count:]
+            if len(last) == count and len({t.node for t in last}) == 1:
+                return
+            self.check_nodes()
+            time.sleep(0.05)
+
     def holder(self) -> str:
         """The node that ran the last tick."""
         ticks = self.ticks()

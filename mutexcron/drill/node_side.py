@@ -125,6 +125,9 @@ class TimedLockStore(LockStore):
     def nodes(self, *, prune: bool = True) -> list[NodePresence]:
         return self.inner.nodes(prune=prune)
 
+    def forget_node(self, node_id: str, *, min_age: float = 0.0) -> bool:
+        return self.inner.forget_node(node_id, min_age=min_age)
+
     def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
         with self._timed("claim_many"):
             return self.inner.claim_many(node, claims)

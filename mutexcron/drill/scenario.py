@@ -116,6 +116,7 @@ def _warm_up(cluster: Cluster, spread: float, progress: Progress) -> None:
 
 def _play(cluster: Cluster, report: DrillReport, phase: str, spread: float, progress: Progress) -> None:
     """Strike the holder, measure the gap to the next run on another node, let the cluster settle."""
+    cluster.wait_stable_holder(4, timeout=10 + 3 * cluster.unactive_interval + spread)
     # Strike at a random moment of the second, as a real crash or freeze would, not in the
     # few milliseconds after a tick line appears, when the holder is still saving its run.
     time.sleep(random.uniform(0.2, 0.8))

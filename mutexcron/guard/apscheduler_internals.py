@@ -14,6 +14,7 @@ from typing import Any
 
 from apscheduler.executors.base import run_job as _run_job
 from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.jobstores.base import JobLookupError
 from apscheduler.schedulers.base import STATE_PAUSED, STATE_RUNNING
 
 
@@ -128,6 +129,21 @@ def stop_processing(scheduler: Any) -> None:
 def dispatch_event(scheduler: Any, event: Any) -> None:
     """Deliver ``event`` to the scheduler's listeners whose mask matches its code."""
     scheduler._dispatch_event(event)
+
+
+def jobstores_lock(scheduler: Any) -> Any:
+    """``BaseScheduler._jobstores_lock``: held by the loop pass while it reads and updates the stores."""
+    return scheduler._jobstores_lock
+
+
+def lookup_stored_job(scheduler: Any, job_id: str) -> tuple[Any, Any] | None:
+    """The job and the job store that holds it, or None: ``BaseScheduler._lookup_job`` (the caller
+    holds :func:`jobstores_lock`)."""
+    try:
+        job, alias = scheduler._lookup_job(job_id, None)
+    except JobLookupError:
+        return None
+    return (job, scheduler._jobstores[alias]) if alias is not None else None
 
 
 def jobstores(scheduler: Any) -> dict[str, Any]:

@@ -8,7 +8,7 @@ schedule decorators (and APScheduler's ``scheduled_job``): below, it marks the f
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -48,6 +48,7 @@ class ScheduleDecorators:
         unactive_interval: timedelta | float | None = None,
         heartbeat: Callable[..., Any] | None = None,
         ping: str | None = None,
+        nodes: str | Sequence[str] | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Guard a job with a named lock. Works above or below ``cron_schedule``/``scheduled_job``.
 
@@ -63,8 +64,10 @@ class ScheduleDecorators:
                 it: healthchecks.io's ``https://hc-ping.com/<uuid>``, or a template with ``{state}``
                 (Cronitor's ``https://cronitor.link/p/<api-key>/{job}?state={state}``); ``{job}``
                 and ``{lock}`` are filled in. See :mod:`mutexcron.observability.pings`.
+            nodes: only nodes whose id matches this glob pattern (or one of a list) ever ask for
+                the lock, for example ``"reports-*"``; the others never run its jobs.
         """
-        config = MutexConfig(lock, lock_else, _seconds(unactive_interval, "unactive_interval"), heartbeat, ping)
+        config = MutexConfig(lock, lock_else, _seconds(unactive_interval, "unactive_interval"), heartbeat, ping, nodes)
 
         def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
             jobs = getattr(func, "__mutexcron_jobs__", None)

@@ -13,7 +13,7 @@ import contextvars
 import inspect
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
@@ -112,6 +112,14 @@ class MutexConfig:
     unactive_interval: float | None = None  # None: the scheduler's default
     heartbeat: Callable[..., Any] | None = None
     ping: str | None = None  # a monitor's ping URL or template: mutexcron.observability.pings
+    nodes: str | Sequence[str] | None = None  # glob patterns of the node ids that may hold the lock
+
+    @property
+    def node_patterns(self) -> tuple[str, ...] | None:
+        """``nodes`` as a tuple of glob patterns (None: every node may hold the lock)."""
+        if self.nodes is None:
+            return None
+        return (self.nodes,) if isinstance(self.nodes, str) else tuple(self.nodes)
 
     @property
     def callable_lock(self) -> bool:
@@ -136,6 +144,12 @@ class MutexConfig:
             check_name(self.lock, "lock name")
         if self.lock_else is not None and not callable(self.lock_else):
             raise ConfigurationError(f"mutex(lock_else=...) must be callable, not {self.lock_else!r}")
+        patterns = self.node_patterns
+        if patterns is not None and (self.callable_lock or not patterns or not all(isinstance(p, str) and p for p in patterns)):
+            raise ConfigurationError(
+                f"mutex(nodes=...) takes a node id pattern or a list of them, such as nodes='reports-*', not {self.nodes!r}"
+                " (and needs a lock name, not the callable-lock mode)"
+            )
         if self.ping is not None and self.callable_lock:
             raise ConfigurationError("mutex(ping=...) needs a lock name: the callable-lock mode has no run events to ping")
 
@@ -190,6 +204,9 @@ class GuardedJob:
             check_name(self.lock, f"lock name of job {job_id!r}")
         if config.ping is not None:
             check_ping(config.ping, job_id)
+        #: Ticks on a node that does not hold the lock: ``lock_else`` is called there at each fire
+        #: time (and the callable-lock mode decides at each tick); the others wait for the lock.
+        self.ticks_on_standby = config.lock_else is not None or config.callable_lock
         self.__name__ = getattr(func, "__name__", job_id)
         self.__qualname__ = getattr(func, "__qualname__", job_id)
         self.__module__ = getattr(func, "__module__", __name__)

@@ -89,6 +89,12 @@ class RecordViews:
             return None
         return view
 
+    def seen_within(self, lock: str, seconds: float, now: float) -> bool:
+        """True if another node's live lease on ``lock`` was read less than ``seconds`` ago."""
+        with self._lock:
+            view = self._views.get(lock)
+        return view is not None and now - view.received < seconds
+
     def stale(self, locks: list[str], now: float) -> tuple[list[str], list[str]]:
         """Split ``locks`` into (those whose holder's lease has run out by now at the latest, those
         with no recent view)."""

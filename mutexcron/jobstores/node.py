@@ -268,9 +268,11 @@ class SharedJobs:
             return
         with self._mutex:
             wanted = {g.lock: g.ttl for _func, g in self._guards.values()}
+            patterns = {g.lock: g.config.node_patterns for _func, g in self._guards.values()}
             new = {lock: ttl for lock, ttl in wanted.items() if lock not in self._leased}
             self._leased.update(new)
         for lock, ttl in new.items():
+            leases.placement.restrict(lock, patterns[lock])
             leases.add_lock(lock, ttl)
         if new:
             leases.wake()  # take them now, not after a round planned without them

@@ -463,10 +463,20 @@ class _StateCollector:
         up = GaugeMetricFamily(
             "mutexcron_store_up", "1 while the store answers this node, 0 while it does not.", labels=["store"]
         )
+        share = GaugeMetricFamily(
+            "mutexcron_locks_held", "How many of its guarded locks this node holds now (its share).", labels=["node"]
+        )
+        placed = GaugeMetricFamily(
+            "mutexcron_locks_placed", "How many guarded locks placement gives each live node, as this node computes it.",
+            labels=["node"],
+        )  # fmt: skip
         if leases is not None:
             now_held = leases.held()
             for lock in sorted(leases.locks()):
                 held.add_metric([lock], 1.0 if lock in now_held else 0.0)
+            share.add_metric([leases.node.node_id], float(len(now_held)))
+            for node_id, count in sorted(leases.placement.shares().items()):
+                placed.add_metric([node_id], float(count))
             if leases.health.up is not None:
                 up.add_metric(["lock"], 1.0 if leases.health.up else 0.0)
         runner = getattr(sched, "_tasks", None)
@@ -474,6 +484,8 @@ class _StateCollector:
         if worker is not None and worker.health.up is not None:
             up.add_metric(["task"], 1.0 if worker.health.up else 0.0)
         yield held
+        yield share
+        yield placed
         yield up
         offset = getattr(leases, "clock_offset", None)
         if isinstance(offset, (int, float)):

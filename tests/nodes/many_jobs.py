@@ -7,6 +7,7 @@ buffered and flushed twice a second so that recording costs the job almost nothi
 
 from __future__ import annotations
 
+import atexit
 import collections
 import os
 import threading
@@ -21,16 +22,21 @@ NODE = os.environ.get("MUTEXCRON_NODE_ID", str(os.getpid()))
 lines: collections.deque[str] = collections.deque()
 
 
+def flush() -> None:
+    batch = [lines.popleft() for _ in range(len(lines))]
+    if batch:
+        with open(OUT, "a", encoding="utf-8") as out:
+            out.write("".join(batch))
+
+
 def flush_forever() -> None:
     while True:
         time.sleep(0.5)
-        batch = [lines.popleft() for _ in range(len(lines))]
-        if batch:
-            with open(OUT, "a", encoding="utf-8") as out:
-                out.write("".join(batch))
+        flush()
 
 
 threading.Thread(target=flush_forever, daemon=True).start()
+atexit.register(flush)  # a node stopped by SIGTERM keeps its last runs
 sched = MutexScheduler()
 
 

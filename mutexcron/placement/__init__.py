@@ -1,0 +1,31 @@
+"""Placement: which node asks for which guarded lock (rendezvous hashing over the live nodes).
+
+Placement decides who *asks* for a lock, never who wins it: acquiring still goes only through
+the store's conditional, fenced operation, and a node not placed for a lock still takes it over
+once its placed owner is gone. ``first`` (the default) keeps the behaviour of earlier releases
+(every node asks for every lock); ``balanced`` (a preview) gives every live node a fair share.
+"""
+
+from __future__ import annotations
+
+from .balanced import BalancedPlacement
+from .base import PLACEMENTS, FirstPlacement, Placement, placement_mode
+from .rendezvous import assign, node_allowed
+
+__all__ = [
+    "PLACEMENTS",
+    "BalancedPlacement",
+    "FirstPlacement",
+    "Placement",
+    "assign",
+    "new_placement",
+    "node_allowed",
+    "placement_mode",
+]
+
+
+def new_placement(mode: str, node_id: str) -> Placement:
+    """The placement of ``mode`` (``balanced`` or ``first``) for the node ``node_id``."""
+    if placement_mode(mode) == "first":
+        return FirstPlacement(node_id)
+    return BalancedPlacement(node_id)

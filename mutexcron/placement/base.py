@@ -1,0 +1,108 @@
+"""The interface between the lease manager and a placement, and ``first`` (every node asks)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Protocol
+
+from ..errors import ConfigurationError
+from ..locks import LockStore
+from .rendezvous import node_allowed
+
+#: The placement modes: ``first`` (the default) and ``balanced`` (a preview: moves between live
+#: nodes may still lose fire times, see the Performance page).
+PLACEMENTS = ("first", "balanced")
+#: Until a move hands a lock over at a fire-time boundary without losing one, ``first`` stays the default.
+DEFAULT_PLACEMENT = "first"
+
+
+def placement_mode(mode: str | None) -> str:
+    """``mode`` checked (None: :data:`DEFAULT_PLACEMENT`); a ConfigurationError names the choices."""
+    value = (mode or DEFAULT_PLACEMENT).strip().lower()
+    if value not in PLACEMENTS:
+        choices = ", ".join(PLACEMENTS)
+        raise ConfigurationError(f"placement must be one of {choices}, not {mode!r} (--placement / MUTEXCRON_PLACEMENT)")
+    return value
+
+
+class Placement(Protocol):
+    """Who asks for which lock. The lease manager calls it from its heartbeat thread."""
+
+    mode: str
+
+    def restrict(self, lock: str, patterns: Sequence[str] | None) -> None:
+        """Only nodes whose id matches one of ``patterns`` may hold ``lock`` (None: every node)."""
+
+    def refresh(self, store: LockStore, locks: Mapping[str, float], now: float) -> None:
+        """Read the live nodes (at most once a second) and place ``locks`` (name -> lease) among them."""
+
+    def asks(self, lock: str, now: float) -> bool:
+        """True if this node asks the store for ``lock`` when it is free (a tick of its job)."""
+
+    def placed_here(self, lock: str, now: float) -> bool:
+        """True if ``lock`` is placed on this node (balanced only): while another node holds it, this
+        node reads it each round and asks for it at each tick, so that a hand-over is noticed at once."""
+
+    def placed_elsewhere(self, lock: str, now: float) -> bool:
+        """True if ``lock`` is placed on another node (balanced only): this node watches only its expiry."""
+
+    def to_take(self, store: LockStore, free: Mapping[str, str | None], now: float) -> list[str]:
+        """Which of the ``free`` locks (lock -> the holder whose lease ran out, or None if
+        released) this node tries to take over now (the live nodes may be read again first)."""
+
+    def surplus(self, held: Collection[str], now: float) -> dict[str, str]:
+        """The held locks placed on another live node: lock -> that node (the successor)."""
+
+    def leave(self, store: LockStore) -> None:
+        """This node stops: its presence is deleted, so the others place its locks at once."""
+
+    def shares(self) -> dict[str, int]:
+        """Node id -> how many locks it is placed for ({} when not placing)."""
+
+
+class Restrictions:
+    """The ``mutex(nodes=...)`` patterns of each lock: which nodes may hold it."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self._patterns: dict[str, tuple[str, ...]] = {}
+
+    def restrict(self, lock: str, patterns: Sequence[str] | None) -> None:
+        if patterns is None:
+            self._patterns.pop(lock, None)
+        else:
+            self._patterns[lock] = tuple(patterns)
+
+    def allows(self, lock: str, node_id: str) -> bool:
+        """True if ``node_id`` may hold ``lock``."""
+        return node_allowed(node_id, self._patterns.get(lock))
+
+
+class FirstPlacement(Restrictions):
+    """``--placement first``: every node asks for every lock it may hold; the first to ask holds it."""
+
+    mode = "first"
+
+    def refresh(self, store: LockStore, locks: Mapping[str, float], now: float) -> None:
+        return None
+
+    def asks(self, lock: str, now: float) -> bool:
+        return self.allows(lock, self.node_id)
+
+    def placed_here(self, lock: str, now: float) -> bool:
+        return False
+
+    def placed_elsewhere(self, lock: str, now: float) -> bool:
+        return False
+
+    def to_take(self, store: LockStore, free: Mapping[str, str | None], now: float) -> list[str]:
+        return [lock for lock in free if self.allows(lock, self.node_id)]
+
+    def surplus(self, held: Collection[str], now: float) -> dict[str, str]:
+        return {}
+
+    def leave(self, store: LockStore) -> None:
+        return None
+
+    def shares(self) -> dict[str, int]:
+        return {}
