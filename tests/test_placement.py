@@ -63,7 +63,7 @@ def test_nodes_patterns_keep_a_lock_on_the_matching_nodes() -> None:
 
 def test_placement_mode_names_the_fix() -> None:
     assert placement_mode(None) == "first" and placement_mode("Balanced") == "balanced"
-    with pytest.raises(ConfigurationError, match="balanced, first"):
+    with pytest.raises(ConfigurationError, match="first, balanced"):
         placement_mode("random")
     with pytest.raises(ConfigurationError, match="reports-"):
         MutexScheduler(lock_url="memory://").mutex(lock="x", nodes=[])
