@@ -129,3 +129,15 @@ def test_the_readme_snippet_runs_each_fire_time_once(kind: str, jobstore: JobSto
         admin.shutdown(wait=False)
         _drop_derived(derived)
         shared_jobs.clear_runs()
+
+
+def test_a_store_family_that_knows_its_database_names_the_lock_url() -> None:
+    """Django's shared store answers from ``DATABASES`` (a store with no engine or client URL to read)."""
+    from mutexcron.jobstores.lockstore import lock_url_of
+
+    class KnowsItsDatabase:
+        def lock_url(self) -> str:
+            return "postgresql://app@db/app"
+
+    assert lock_url_of(KnowsItsDatabase()) == "postgresql://app@db/app"
+    assert lock_url_of(object()) is None

@@ -115,6 +115,10 @@ class SharedDjangoJobStore(SharedJobStore, DjangoJobStore):  # type: ignore[misc
     def table(self) -> str:
         return str(DjangoJob._meta.db_table)
 
+    def lock_url(self) -> str:
+        """The lock store on the same Django database (a scheduler given no lock URL keeps its locks there)."""
+        return database_url(self.using)
+
     @property
     def where(self) -> str:
         try:

@@ -47,7 +47,14 @@ def _redis_lock_url(store: Any) -> str | None:
 
 
 def lock_url_of(store: Any) -> str | None:
-    """The lock store URL on the database of the shared job store ``store`` (None: it cannot be told)."""
+    """The lock store URL on the database of the shared job store ``store`` (None: it cannot be told).
+
+    A store family that knows its own database says so with a ``lock_url()`` method (Django's).
+    """
+    own = getattr(store, "lock_url", None)
+    if callable(own):
+        url: str = own()
+        return url
     if hasattr(store, "engine") and hasattr(store, "jobs_t"):
         return sql_lock_url(store.engine.url)
     if hasattr(store, "redis") and hasattr(store, "jobs_key"):
