@@ -27,7 +27,7 @@ import pytest
 
 from mutexcron import TaskPool
 from mutexcron.errors import StoreUnavailableError
-from tests.backends import backend_params, cleanup_redis, drop_tasks_table, require_server
+from tests.backends import backend_params, cleanup_redis, drop_store_tables, require_server
 from tests.redis_servers import REDIS_SERVER, PrivateRedis, wait_for_port
 
 pytestmark = pytest.mark.cluster
@@ -120,8 +120,9 @@ def _url(kind: str, tmp_path: Path) -> tuple[str, Callable[[], None] | None]:
     if kind == "redis":
         url = f"{base}{sep}namespace=taskcluster-{tag}"
         return url, lambda: cleanup_redis(url)
-    url = f"{base}{sep}tasks_table=mc_tc_{tag}"
-    return url, lambda: drop_tasks_table(url)
+    # A lock table of the test's own too: a node takes the pruner's lock and writes its event feed there.
+    url = f"{base}{sep}table=mc_tc_{tag}_locks&tasks_table=mc_tc_{tag}"
+    return url, lambda: drop_store_tables(url)
 
 
 @pytest.fixture
