@@ -332,7 +332,7 @@ class StoreReader:
             for counts in (*per_minute.values(), *cancelled.values()):
                 counts[:first] = [0] * first
         every_end = not self.task_store().keeps_tombstones
-        return Throughput(start, per_minute, complete_from, cancelled=cancelled, every_end=every_end)
+        return Throughput(start, per_minute, cancelled, every_end, complete_from)
 
     def tasks(self, code: str | None, state: str | None, key_contains: str | None, limit: int) -> list[TaskRecord]:
         if not self.has_tasks or self._missing_file():
