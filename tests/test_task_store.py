@@ -285,13 +285,13 @@ def test_every_way_a_cancel_ends_an_occurrence_is_recorded_as_a_cancel_not_a_fin
     assert store.cancel("running", "k") and store.cancel("handed", "k")
     assert store.complete(A, "running", "k", claimed["running"].token, Done())
     assert store.release(A, [("handed", "k", claimed["handed"].token)]) == 1
-    [dying] = store.claim(A, ["dead"], 10, LEASE)
+    assert len(store.claim(A, ["dead"], 10, LEASE)) == 1
     assert store.cancel("dead", "k")
     tasks_ctx.wait(LEASE * 1.5)
     assert store.claim(B, ["dead"], 10, 30) == []
     ended: dict[tuple[str, bool], int] = {}
     for end in finished_since(tasks_ctx.make(), since, 100):
-        ended[(end.code, end.cancelled)] = ended.get((end.code, end.cancelled), 0) + end.count
+        ended[(end.code, end.cancelled)] = ended.get((end.code, end.cancelled), 0) + end.occurrences
     assert ended == {("done", False): 1, **{(code, True): 1 for code in ("queued", "failed", "running", "handed", "dead")}}
     store.add("running", "k", SOON)  # a new occurrence after a cancelled one: the token goes on
     [again] = store.claim(A, ["running"], 10, 30)

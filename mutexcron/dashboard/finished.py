@@ -29,13 +29,13 @@ _FINISHED = (
 
 
 class Finish(NamedTuple):
-    """``count`` occurrences of ``code`` that ended at ``at`` (a tombstone's time, or the start of a
+    """``occurrences`` of ``code`` that ended at ``at`` (a tombstone's time, or the start of a
     counted minute), finished or ``cancelled``."""
 
     code: str
     at: datetime
     cancelled: bool
-    count: int = 1
+    occurrences: int = 1
 
 
 def finished_since(store: TaskStore, since: datetime, limit: int) -> list[Finish]:

@@ -319,12 +319,12 @@ class StoreReader:
             return Throughput(start, {}, note=f"finished tasks: {exc}")
         per_minute: dict[str, list[int]] = {}
         cancelled: dict[str, list[int]] = {}
-        for end in finished:
-            minute = int((end.at - start).total_seconds() // 60)
+        for ended in finished:
+            minute = int((ended.at - start).total_seconds() // 60)
             if 0 <= minute < THROUGHPUT_MINUTES:
-                per_minute.setdefault(end.code, [0] * THROUGHPUT_MINUTES)
-                cancelled.setdefault(end.code, [0] * THROUGHPUT_MINUTES)
-                (cancelled if end.cancelled else per_minute)[end.code][minute] += end.count
+                per_minute.setdefault(ended.code, [0] * THROUGHPUT_MINUTES)
+                cancelled.setdefault(ended.code, [0] * THROUGHPUT_MINUTES)
+                (cancelled if ended.cancelled else per_minute)[ended.code][minute] += ended.occurrences
         capped = finished[-1].at if len(finished) >= THROUGHPUT_ROWS else None
         complete_from = capped.replace(second=0, microsecond=0) + timedelta(minutes=1) if capped else None
         if complete_from is not None:  # the oldest minute read may be partial, and those before it unread

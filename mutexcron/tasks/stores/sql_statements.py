@@ -230,7 +230,8 @@ class TaskStatements:
     )
     #: A queued or failed task cancelled: its tombstone, marked cancelled (``cancel_requested = 1``).
     cancel_drop: str = (
-        "UPDATE {t} SET {tombstone}, cancel_requested = 1 WHERE code = :code AND task_key = :key AND state IN ('queued', 'failed')"
+        "UPDATE {t} SET {tombstone}, cancel_requested = 1 "
+        "WHERE code = :code AND task_key = :key AND state IN ('queued', 'failed')"
     )
     cancel_mark: str = (
         "UPDATE {t} SET cancel_requested = 1, pending_due = NULL, pending_payload = NULL, updated = {now} "
