@@ -72,10 +72,18 @@ local function queue(h, code, key, due)
 end
 -- Occurrences ended per minute of the server's clock (the dashboard's throughput): one hash per
 -- minute, <prefix>finished:<minute since the epoch>, field '<ended>:<code>' (ended: done or
--- cancelled), expiring FINISHED_TTL seconds after its first count.
+-- cancelled), expiring FINISHED_TTL seconds after its first count. A script counts its ends in
+-- `ends` and writes them once, at its end (save_ends): one HINCRBY per code and way, not per task.
+local ends = {}
 local function count_end(code, ended)
+  local field = ended .. ':' .. code
+  ends[field] = (ends[field] or 0) + 1
+end
+local function save_ends()
   local k = P .. 'finished:' .. string.format('%d', math.floor(now / 60000000))
-  if redis.call('HINCRBY', k, ended .. ':' .. code, 1) == 1 then redis.call('EXPIRE', k, {finished_ttl}) end
+  for field, n in pairs(ends) do
+    if redis.call('HINCRBY', k, field, n) == n then redis.call('EXPIRE', k, {finished_ttl}) end
+  end
 end
 -- Delete a task whose occurrence ended (ended: done or cancelled), raising the token floor to its token.
 local function drop(h, code, key, ended)
@@ -189,6 +197,7 @@ if state ~= 'running' then
 else
   redis.call('HSET', h, 'cancel_requested', '1', 'pending_due', '', 'pending_payload', '', 'updated', us(now))
 end
+save_ends()
 return 1
 """
 )
@@ -295,6 +304,7 @@ for i = 1, math.min(limit, #found) do
     redis.call('ZREM', zkey(code), key)  -- a member without its hash (never written so): drop it
   end
 end
+save_ends()
 return cjson.encode({us(now), out})
 """
 )
@@ -363,6 +373,7 @@ for i = 3, #ARGV, 8 do
   end
   out[#out + 1] = ok
 end
+save_ends()
 return out
 """
 )
@@ -413,6 +424,7 @@ for i = 3, #ARGV, 3 do
     end
   end
 end
+save_ends()
 return count
 """
 )
