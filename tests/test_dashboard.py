@@ -863,6 +863,27 @@ def test_a_redis_task_store_counts_finished_and_cancelled_per_minute_for_the_cha
         cleanup_redis(url)
 
 
+@pytest.mark.redis
+def test_a_redis_end_count_that_cannot_be_written_never_fails_the_completion() -> None:
+    """The count is the script's last write, and a failed one (a foreign value at the minute's key)
+    is skipped: the task still ends (a script is not rolled back: a raise would leave it half done)."""
+    from mutexcron.tasks import Done
+
+    url = f"{require_server('redis')}?namespace=dash-{secrets.token_hex(3)}"
+    tasks: Any = task_store_from_url(url)
+    try:
+        tasks.add("email.send", "k", timedelta(0))
+        [task] = tasks.claim("node-a", ["email.send"], 10, 30)
+        minute = int(tasks.now().timestamp() // 60)
+        for key in (minute, minute + 1):  # the next minute too: the completion may fall in it
+            tasks.backend.client.set(f"{tasks.backend.prefix}finished:{key}", "not a hash")
+        assert tasks.complete("node-a", "email.send", "k", task.token, Done())
+        assert tasks.get("email.send", "k") is None
+    finally:
+        tasks.close()
+        cleanup_redis(url)
+
+
 @pytest.mark.mongodb
 def test_the_ends_of_a_mongodb_task_store_are_read_without_a_write() -> None:
     from mutexcron.dashboard.finished import finished_since

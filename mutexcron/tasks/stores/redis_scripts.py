@@ -74,6 +74,8 @@ end
 -- minute, <prefix>finished:<minute since the epoch>, field '<ended>:<code>' (ended: done or
 -- cancelled), expiring FINISHED_TTL seconds after its first count. A script counts its ends in
 -- `ends` and writes them once, at its end (save_ends): one HINCRBY per code and way, not per task.
+-- pcall: a count that cannot be written (a foreign value at the key) never fails the script's
+-- writes before it (a script is not rolled back).
 local ends = {}
 local function count_end(code, ended)
   local field = ended .. ':' .. code
@@ -82,7 +84,7 @@ end
 local function save_ends()
   local k = P .. 'finished:' .. string.format('%d', math.floor(now / 60000000))
   for field, n in pairs(ends) do
-    if redis.call('HINCRBY', k, field, n) == n then redis.call('EXPIRE', k, {finished_ttl}) end
+    if redis.pcall('HINCRBY', k, field, n) == n then redis.pcall('EXPIRE', k, {finished_ttl}) end
   end
 end
 -- Delete a task whose occurrence ended (ended: done or cancelled), raising the token floor to its token.
