@@ -784,21 +784,22 @@ def test_a_holder_running_another_jobs_file_shows_on_the_overview(tmp_path: Path
 
 
 # -- the Tasks page: throughput ----------------------------------------------------------------------
-def test_the_tasks_page_charts_tasks_finished_per_minute_from_the_finished_tasks_the_store_keeps(
-    url: str, counted_statements: list[str]
-) -> None:
-    """Finished tasks leave their tombstone's time: three finished and a code whose every task finished
-    are charted; a failed task is not finished; the read writes nothing and serves pages for 30 s."""
+def test_the_tasks_page_charts_tasks_finished_and_cancelled_per_minute_apart(url: str, counted_statements: list[str]) -> None:
+    """Ended tasks leave their tombstone's time and how they ended: three finished, two cancelled (a
+    queued one, and a running one whose attempt then ended) and a code whose every task finished
+    are charted, finished and cancelled as two series; a failed task has not ended; the read writes
+    nothing and serves pages for 30 s."""
     from mutexcron.tasks import Done
 
     tasks = task_store_from_url(lock_store_from_url(url).url)
     try:
-        for key in ("k0", "k1", "k2", "k3"):
+        for key in ("k0", "k1", "k2", "k3", "k4"):
             tasks.add("email.send", key, timedelta(0))
         tasks.add("email.send", "later", timedelta(hours=1))
         tasks.add("report.build", "daily", timedelta(0))
         claimed = tasks.claim("node-a", ["email.send", "report.build"], 10, 30)
-        assert len(claimed) == 5
+        assert len(claimed) == 6
+        assert tasks.cancel("email.send", "later") and tasks.cancel("email.send", "k4")
         for task in claimed:
             outcome = Fail("no") if task.key == "k3" else Done()
             assert tasks.complete("node-a", task.code, task.key, task.token, outcome)
@@ -810,13 +811,17 @@ def test_the_tasks_page_charts_tasks_finished_per_minute_from_the_finished_tasks
         status, _, page = call(app, "/tasks")
         assert status == 200, page
         flow = app.reader.throughput(app.reader.snapshot().now)
-        assert flow is not None and flow.note is None and flow.complete_from is None
+        assert flow is not None and flow.note is None and flow.complete_from is None and not flow.every_end
         assert {code: sum(counts) for code, counts in flow.per_minute.items()} == {"email.send": 3, "report.build": 1}
-        assert all(len(counts) == 60 for counts in flow.per_minute.values())
-        assert "email.send: finished per minute" in page and "last 60 min: 3" in page
-        assert "report.build: finished per minute" in page and "last 60 min: 1" in page, "a code with no task left"
+        assert {code: sum(counts) for code, counts in flow.cancelled.items()} == {"email.send": 2, "report.build": 0}
+        assert all(len(counts) == 60 for counts in (*flow.per_minute.values(), *flow.cancelled.values()))
+        assert "email.send: finished and cancelled per minute" in page
+        assert "last 60 min: 3 finished, 2 cancelled" in page, "a cancel is counted as a cancel, not a finish"
+        assert "finished/min" in page and "cancelled/min" in page, "two series, one legend"
+        assert "report.build: finished and cancelled per minute" in page, "a code with no task left"
+        assert "last 60 min: 1 finished, 0 cancelled" in page
         for _ in range(3):
-            assert "last 60 min: 3" in json.loads(call(app, "/api/sections/tasks")[2])["sections"]["codes"]
+            assert "last 60 min: 3 finished, 2 cancelled" in json.loads(call(app, "/api/sections/tasks")[2])["sections"]["codes"]
     finally:
         app.close()
     assert not [s for s in counted_statements if _WRITES.match(s)], "a read wrote to the store"
@@ -824,25 +829,63 @@ def test_the_tasks_page_charts_tasks_finished_per_minute_from_the_finished_tasks
 
 
 @pytest.mark.redis
-def test_a_store_that_keeps_no_finished_task_says_so_instead_of_a_throughput_chart() -> None:
+def test_a_redis_task_store_counts_finished_and_cancelled_per_minute_for_the_chart() -> None:
+    """Redis keeps no tombstone: the scripts that end an occurrence count it per minute (finished or
+    cancelled), and the Tasks page charts those counts; the read creates no key."""
+    from mutexcron.tasks import Done
+
     url = f"{require_server('redis')}?namespace=dash-{secrets.token_hex(3)}"
     tasks = task_store_from_url(url)
     try:
-        tasks.add("email.send", "k", timedelta(hours=1))
+        for key in ("k0", "k1", "k2"):
+            tasks.add("email.send", key, timedelta(0))
+        tasks.add("email.send", "later", timedelta(hours=1))
+        for task in tasks.claim("node-a", ["email.send"], 10, 30):
+            assert tasks.complete("node-a", task.code, task.key, task.token, Done())
+        assert tasks.cancel("email.send", "later")
+        client = tasks.backend.client  # type: ignore[attr-defined]
+        keys_before = sorted(client.scan_iter(match=f"{tasks.backend.prefix}*"))  # type: ignore[attr-defined]
         app = create_app(url)
         try:
             page = call(app, "/tasks")[2]
+            flow = app.reader.throughput(app.reader.snapshot().now)
         finally:
             app.close()
-        assert "email.send: backlog" in page and "finished per minute" not in page
-        assert "no throughput chart" in page and "keeps no finished task" in page
+        assert flow is not None and flow.note is None and flow.every_end
+        assert sum(flow.per_minute["email.send"]) == 3 and sum(flow.cancelled["email.send"]) == 1
+        assert "email.send: finished and cancelled per minute" in page and "last 60 min: 3 finished, 1 cancelled" in page
+        assert "every end, as the store counts them" in page and "no throughput chart" not in page
+        assert sorted(client.scan_iter(match=f"{tasks.backend.prefix}*")) == keys_before, "a read wrote a key"  # type: ignore[attr-defined]
+        [counter] = [k for k in keys_before if ":finished:" in str(k)]
+        assert 0 < client.ttl(counter) <= 7200, "the per-minute counts expire"
+    finally:
+        tasks.close()
+        cleanup_redis(url)
+
+
+@pytest.mark.redis
+def test_a_redis_end_count_that_cannot_be_written_never_fails_the_completion() -> None:
+    """The count is the script's last write, and a failed one (a foreign value at the minute's key)
+    is skipped: the task still ends (a script is not rolled back: a raise would leave it half done)."""
+    from mutexcron.tasks import Done
+
+    url = f"{require_server('redis')}?namespace=dash-{secrets.token_hex(3)}"
+    tasks: Any = task_store_from_url(url)
+    try:
+        tasks.add("email.send", "k", timedelta(0))
+        [task] = tasks.claim("node-a", ["email.send"], 10, 30)
+        minute = int(tasks.now().timestamp() // 60)
+        for key in (minute, minute + 1):  # the next minute too: the completion may fall in it
+            tasks.backend.client.set(f"{tasks.backend.prefix}finished:{key}", "not a hash")
+        assert tasks.complete("node-a", "email.send", "k", task.token, Done())
+        assert tasks.get("email.send", "k") is None
     finally:
         tasks.close()
         cleanup_redis(url)
 
 
 @pytest.mark.mongodb
-def test_the_finish_times_of_a_mongodb_task_store_are_read_without_a_write() -> None:
+def test_the_ends_of_a_mongodb_task_store_are_read_without_a_write() -> None:
     from mutexcron.dashboard.finished import finished_since
     from mutexcron.tasks import Done
     from tests.mongomock_support import CLOCK_ORIGIN, open_mongomock_tasks
@@ -851,15 +894,19 @@ def test_the_finish_times_of_a_mongodb_task_store_are_read_without_a_write() -> 
     store = make()
     store.add("mail", "k1", timedelta(0))
     store.add("mail", "k2", timedelta(0))
+    store.add("mail", "k3", timedelta(hours=1))
     for task in store.claim("node-a", ["mail"], 2, 30):
         clock.advance(61)
         assert store.complete("node-a", task.code, task.key, task.token, Done())
+    clock.advance(61)
+    assert store.cancel("mail", "k3")
     reader = make()
     reader.backend.read_only = True
     found = finished_since(reader, CLOCK_ORIGIN, 10)
-    assert [code for code, _ in found] == ["mail", "mail"]
-    assert found[0][1] > found[1][1] >= CLOCK_ORIGIN, "newest first, by the store's clock"
-    assert finished_since(reader, found[0][1], 10) == found[:1]
+    ways = [(end.code, end.cancelled, end.occurrences) for end in found]
+    assert ways == [("mail", True, 1), ("mail", False, 1), ("mail", False, 1)], "the cancel is the newest"
+    assert found[0].at > found[1].at > found[2].at >= CLOCK_ORIGIN, "newest first, by the store's clock"
+    assert finished_since(reader, found[0].at, 10) == found[:1]
     assert finished_since(reader, CLOCK_ORIGIN, 1) == found[:1], "at most the limit"
 
 

@@ -265,6 +265,39 @@ def test_a_cancelled_task_whose_worker_died_is_dropped_never_run(tasks_ctx: Task
     assert store.get("c", "k") is None
 
 
+@every_backend
+def test_every_way_a_cancel_ends_an_occurrence_is_recorded_as_a_cancel_not_a_finish(tasks_ctx: TaskCtx) -> None:
+    """The write that ends an occurrence records how (the dashboard's finished and cancelled per
+    minute): a cancel of a queued or a failed task, a cancel asked during the attempt (whatever its
+    outcome) or before a dead worker's task is rescued, and a hand-back of a cancelled claim are
+    cancels; only an attempt done without a cancel is a finish. Tokens still go up across them."""
+    from mutexcron.dashboard.finished import finished_since
+
+    store = tasks_ctx.make()
+    since = store.now() - timedelta(minutes=1)
+    for code in ("done", "queued", "failed", "running", "handed", "dead"):
+        store.add(code, "k", timedelta(hours=1) if code == "queued" else SOON)
+    assert store.cancel("queued", "k")
+    claimed = {t.code: t for t in store.claim(A, ["done", "failed", "running", "handed"], 10, 30)}
+    assert store.complete(A, "done", "k", claimed["done"].token, Done())
+    assert store.complete(A, "failed", "k", claimed["failed"].token, Fail("no"))
+    assert store.cancel("failed", "k")
+    assert store.cancel("running", "k") and store.cancel("handed", "k")
+    assert store.complete(A, "running", "k", claimed["running"].token, Done())
+    assert store.release(A, [("handed", "k", claimed["handed"].token)]) == 1
+    assert len(store.claim(A, ["dead"], 10, LEASE)) == 1
+    assert store.cancel("dead", "k")
+    tasks_ctx.wait(LEASE * 1.5)
+    assert store.claim(B, ["dead"], 10, 30) == []
+    ended: dict[tuple[str, bool], int] = {}
+    for end in finished_since(tasks_ctx.make(), since, 100):
+        ended[(end.code, end.cancelled)] = ended.get((end.code, end.cancelled), 0) + end.occurrences
+    assert ended == {("done", False): 1, **{(code, True): 1 for code in ("queued", "failed", "running", "handed", "dead")}}
+    store.add("running", "k", SOON)  # a new occurrence after a cancelled one: the token goes on
+    [again] = store.claim(A, ["running"], 10, 30)
+    assert again.token > claimed["running"].token
+
+
 # -- claim -----------------------------------------------------------------------------------------
 @every_backend
 def test_claim_takes_only_due_tasks_of_the_given_codes_earliest_first(tasks_ctx: TaskCtx) -> None:

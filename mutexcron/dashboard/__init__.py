@@ -10,7 +10,7 @@
 
 Modules: :mod:`.app` (routes, the WSGI app), :mod:`.asgi` (the ASGI adapter), :mod:`.views`
 (the pages, :data:`.views.PAGES`), :mod:`.charts` (inline SVG), :mod:`.reads` (the store's
-reads, never a write), :mod:`.finished` (the finish times the task stores keep), :mod:`.alarms`,
+reads, never a write), :mod:`.finished` (the ends the task stores keep, cancels apart), :mod:`.alarms`,
 :mod:`.actions`, :mod:`.security` (token and CSRF), :mod:`.jobsfile`, :mod:`.server` (connection
 cap, request deadline) and :mod:`.cli` (the command); ``static/`` the stylesheet and script.
 """

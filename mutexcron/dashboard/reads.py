@@ -67,11 +67,16 @@ class TaskSample:
 
 @dataclass(frozen=True)
 class Throughput:
-    """Tasks finished per minute and code, from the finish times the store keeps (:mod:`.finished`)."""
+    """Tasks finished and cancelled per minute and code, from the ends the store keeps (:mod:`.finished`)."""
 
     #: The start of the first minute (the store's clock); each list has :data:`THROUGHPUT_MINUTES` counts.
     start: datetime
+    #: Occurrences that finished (not cancelled), per code.
     per_minute: dict[str, list[int]]
+    #: Occurrences a cancel ended, per code (a code in either dict is in both).
+    cancelled: dict[str, list[int]] = field(default_factory=dict)
+    #: The store counts every end (Redis, memory), rather than keeping each (code, key)'s latest.
+    every_end: bool = False
     #: The read stopped at :data:`THROUGHPUT_ROWS`: the minutes before this one are not complete.
     complete_from: datetime | None = None
     #: Why there is no throughput to show (a store that keeps no finished task, a store error).
@@ -287,7 +292,7 @@ class StoreReader:
         return []
 
     def throughput(self, now: datetime) -> Throughput | None:
-        """Tasks finished per minute over the :data:`THROUGHPUT_MINUTES` before ``now`` (the
+        """Tasks finished and cancelled per minute over the :data:`THROUGHPUT_MINUTES` before ``now`` (the
         snapshot's store clock), read at most every :data:`THROUGHPUT_EVERY` seconds; None if there
         is no task table to read."""
         if not self.has_tasks or self._missing_file():
@@ -313,17 +318,21 @@ class StoreReader:
         except MutexcronError as exc:  # masked by the store
             return Throughput(start, {}, note=f"finished tasks: {exc}")
         per_minute: dict[str, list[int]] = {}
-        for code, at in finished:
-            minute = int((at - start).total_seconds() // 60)
+        cancelled: dict[str, list[int]] = {}
+        for ended in finished:
+            minute = int((ended.at - start).total_seconds() // 60)
             if 0 <= minute < THROUGHPUT_MINUTES:
-                per_minute.setdefault(code, [0] * THROUGHPUT_MINUTES)[minute] += 1
-        capped = finished[-1][1] if len(finished) >= THROUGHPUT_ROWS else None
+                per_minute.setdefault(ended.code, [0] * THROUGHPUT_MINUTES)
+                cancelled.setdefault(ended.code, [0] * THROUGHPUT_MINUTES)
+                (cancelled if ended.cancelled else per_minute)[ended.code][minute] += ended.occurrences
+        capped = finished[-1].at if len(finished) >= THROUGHPUT_ROWS else None
         complete_from = capped.replace(second=0, microsecond=0) + timedelta(minutes=1) if capped else None
         if complete_from is not None:  # the oldest minute read may be partial, and those before it unread
             first = min(THROUGHPUT_MINUTES, max(0, int((complete_from - start).total_seconds() // 60)))
-            for counts in per_minute.values():
+            for counts in (*per_minute.values(), *cancelled.values()):
                 counts[:first] = [0] * first
-        return Throughput(start, per_minute, complete_from)
+        every_end = not self.task_store().keeps_tombstones
+        return Throughput(start, per_minute, cancelled, every_end, complete_from)
 
     def tasks(self, code: str | None, state: str | None, key_contains: str | None, limit: int) -> list[TaskRecord]:
         if not self.has_tasks or self._missing_file():

@@ -616,14 +616,15 @@ def _codes(ctx: Context) -> str:
 
 
 def _throughput_chart(code: str, flow: Throughput | None) -> str:
-    """Tasks of ``code`` finished per minute (its tombstones' times), the current minute last."""
+    """Tasks of ``code`` finished and cancelled per minute, two series on one grid, the current minute last."""
     if flow is None or flow.note is not None:
         return ""
-    counts = flow.per_minute.get(code, [0] * THROUGHPUT_MINUTES)
-    last = len(counts) - 1
-    bars = [Bar(f"{_when(flow.start + timedelta(minutes=i))[11:16]} UTC: {n} finished{' (so far)' if i == last else ''}",
-                n, "ok", flow.start + timedelta(minutes=i)) for i, n in enumerate(counts)]  # fmt: skip
-    return bar_chart(f"{code}: finished per minute", bars, f"last {THROUGHPUT_MINUTES} min: {sum(counts)}", count, 1.0)
+    finished = flow.per_minute.get(code, [0] * THROUGHPUT_MINUTES)
+    cancelled = flow.cancelled.get(code, [0] * THROUGHPUT_MINUTES)
+    minutes = [flow.start + timedelta(minutes=i) for i in range(len(finished))]
+    series = [Series("finished/min", "finished", finished), Series("cancelled/min", "cancelled", cancelled)]
+    note = f"last {THROUGHPUT_MINUTES} min: {sum(finished)} finished, {sum(cancelled)} cancelled"
+    return line_chart(f"{code}: finished and cancelled per minute", series, note, count, minutes)
 
 
 def _throughput_note(flow: Throughput | None) -> str:
@@ -631,10 +632,13 @@ def _throughput_note(flow: Throughput | None) -> str:
         return ""
     if flow.note is not None:
         return escape(f" · no throughput chart: {flow.note}")
-    text = (" · finished per minute: each (code, key) once, at its latest finish or cancel, as the store keeps it"
-            " (a key run again since is not counted)")  # fmt: skip
+    if flow.every_end:
+        text = " · finished and cancelled per minute: every end, as the store counts them (kept 2 h)"
+    else:
+        text = (" · finished and cancelled per minute: each (code, key) once, at its latest end, as the store keeps it"
+                " (a key run again since is not counted)")  # fmt: skip
     if flow.complete_from is not None:
-        text += f"; more finished than were read: counted from {_when(flow.complete_from)} UTC"
+        text += f"; more ended than were read: counted from {_when(flow.complete_from)} UTC"
     return escape(text)
 
 

@@ -37,6 +37,7 @@ from ..checks import (
     resolve_due,
 )
 from ..wakeups.base import DEFAULT_POLL, PollWaker, Waker
+from . import FINISHED_TTL
 
 __all__ = ["MemoryTaskStore"]
 
@@ -104,6 +105,8 @@ class MemoryTaskStore(TaskStore):
         self._wakers = cast("dict[str, list[Waker]]", backend.table("tasks_wakers"))
         # The highest token of a deleted task: a task added again starts from it (tokens only go up).
         self._floor = cast("dict[str, int]", backend.table("tasks_token_floor"))
+        # Occurrences ended per minute, code and way (cancelled or not): the dashboard's throughput.
+        self._ended = cast("dict[tuple[datetime, str, bool], int]", backend.table("tasks_finished"))
         origin = backend.table("tasks_clock")
         with backend.mutex:
             origin.setdefault("origin", (datetime.now(timezone.utc), backend.clock()))
@@ -135,9 +138,24 @@ class MemoryTaskStore(TaskStore):
         )
 
     def _drop(self, key: tuple[str, str]) -> None:
-        """Delete a task (under the mutex), raising the store's token floor to its token."""
+        """Delete a task whose occurrence ended (under the mutex), raising the store's token floor to
+        its token, and count the end in its minute: cancelled if a cancel was asked."""
         row = self._rows.pop(key)
         self._floor["token"] = max(self._floor.get("token", 0), row.token)
+        minute = self._now().replace(second=0, microsecond=0)
+        counted = (minute, key[0], row.cancel_requested)
+        if counted not in self._ended:  # a new minute's first count: forget the minutes older than the keep
+            oldest = minute - timedelta(seconds=FINISHED_TTL)
+            for old in [k for k in self._ended if k[0] < oldest]:
+                del self._ended[old]
+        self._ended[counted] = self._ended.get(counted, 0) + 1
+
+    def finished_per_minute(self, since: datetime) -> builtins.list[tuple[str, bool, datetime, int]]:
+        """``(code, cancelled, minute, count)``: the occurrences that ended in each minute of the
+        store's clock from the one holding ``since`` (kept :data:`~mutexcron.tasks.stores.FINISHED_TTL` seconds). A read."""
+        first = check_time(since, "since").replace(second=0, microsecond=0)
+        with self.backend.mutex:
+            return [(code, cancelled, minute, n) for (minute, code, cancelled), n in self._ended.items() if minute >= first]
 
     # -- producers ---------------------------------------------------------------------------
     def add_many(self, tasks: Iterable[NewTask | tuple[Any, ...]], *, on_conflict: str = "replace") -> builtins.list[AddResult]:
@@ -177,6 +195,7 @@ class MemoryTaskStore(TaskStore):
             if row is None:
                 return False
             if row.state != "running":
+                row.cancel_requested = True  # counted as cancelled
                 self._drop((code, key))
             else:
                 row.cancel_requested, row.pending_due, row.pending_payload, row.updated = True, None, None, self._now()

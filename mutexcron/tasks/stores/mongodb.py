@@ -402,7 +402,7 @@ class MongoDBTaskStore(TaskStore):
         code, key = check_task(code, key)
         task = {"code": code, "key": key}
         pipeline = cancel_pipeline(self.now_expr())
-        tombstone = tombstone_pipeline(self.now_expr())
+        tombstone = tombstone_pipeline(self.now_expr(), cancelled=True)
         for _ in range(_ROUNDS):
             dropped = self._write(
                 "cancel", lambda: self._tasks().update_one({**task, "state": {"$in": ["queued", "failed"]}}, tombstone)

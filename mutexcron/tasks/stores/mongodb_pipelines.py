@@ -213,11 +213,16 @@ def _queue(now: Expr, due: Expr) -> dict[str, Expr]:
     return {**_wait(now, due), "due": due, "occurrence": "$token"}
 
 
-def tombstone_pipeline(now: Expr) -> Pipeline:
+def tombstone_pipeline(now: Expr, *, cancelled: bool = False) -> Pipeline:
     """A finished or cancelled task: a *tombstone* (state ``done``) that keeps only its token, so a
-    task added again goes on from it. Every read skips it; ``run_at`` null keeps it out of claims."""
+    task added again goes on from it. Every read skips it; ``run_at`` null keeps it out of claims.
+
+    Its ``cancel_requested`` says whether a cancel ended the occurrence (the dashboard counts it as
+    cancelled, not finished): set by a cancel of a queued or failed task (``cancelled``), kept from
+    the running task otherwise (a cancel asked during its attempt)."""
     cleared = ("run_at", "owner", "lease_until", "last_error", "pending_due", "pending_payload")
-    return [{"$set": {"state": "done", "payload": "null", "cancel_requested": False, "updated": now, **dict.fromkeys(cleared)}}]
+    marked = {"cancel_requested": True} if cancelled else {}
+    return [{"$set": {"state": "done", "payload": "null", **marked, "updated": now, **dict.fromkeys(cleared)}}]
 
 
 def _apply_pending(now: Expr) -> dict[str, Expr]:

@@ -53,6 +53,7 @@ from .redis_scripts import (
     CANCEL_LUA,
     CLAIM_LUA,
     COMPLETE_LUA,
+    FINISHED_LUA,
     INDEX_DUES_LUA,
     LIST_LUA,
     NEXT_DUE_LUA,
@@ -207,6 +208,7 @@ class RedisTaskStore(TaskStore):
                 ("next_due", NEXT_DUE_LUA),
                 ("now", NOW_LUA),
                 ("summary", SUMMARY_LUA),
+                ("finished", FINISHED_LUA),
             )
         }
 
@@ -422,6 +424,17 @@ class RedisTaskStore(TaskStore):
                 policy,
             )
         return policy
+
+    def finished_per_minute(self, since: datetime) -> builtins.list[tuple[str, bool, datetime, int]]:
+        """``(code, cancelled, minute, count)``: the occurrences that ended (finished, or ended by a
+        cancel) in each minute of the server's clock from the one holding ``since``, as the scripts
+        that end them counted them (kept :data:`~mutexcron.tasks.stores.FINISHED_TTL` seconds). A read."""
+        rows = json.loads(self._run("finished", _to_us(check_time(since, "since")) // 60_000_000))
+        counts = []
+        for minute, field, count in rows:
+            ended, _, code = str(field).partition(":")
+            counts.append((code, ended == "cancelled", _EPOCH + timedelta(minutes=int(minute)), int(count)))
+        return counts
 
     def now(self) -> datetime:
         at = _from_us(self._run("now"))

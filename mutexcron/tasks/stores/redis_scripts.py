@@ -21,12 +21,15 @@ due ZSET (see ``wake``), at most once per code and call: the sleeping workers' n
 
 from __future__ import annotations
 
+from . import FINISHED_TTL
+
 __all__ = [
     "ADD_LUA",
     "ADD_MANY_LUA",
     "CANCEL_LUA",
     "CLAIM_LUA",
     "COMPLETE_LUA",
+    "FINISHED_LUA",
     "INDEX_DUES_LUA",
     "LIST_LUA",
     "NEXT_DUE_LUA",
@@ -67,12 +70,31 @@ local function queue(h, code, key, due)
   redis.call('ZADD', dkey(code), due, key)
   wait_at(h, code, key, due)
 end
-local function drop(h, code, key)
+-- Occurrences ended per minute of the server's clock (the dashboard's throughput): one hash per
+-- minute, <prefix>finished:<minute since the epoch>, field '<ended>:<code>' (ended: done or
+-- cancelled), expiring FINISHED_TTL seconds after its first count. A script counts its ends in
+-- `ends` and writes them once, at its end (save_ends): one HINCRBY per code and way, not per task.
+-- pcall: a count that cannot be written (a foreign value at the key) never fails the script's
+-- writes before it (a script is not rolled back).
+local ends = {}
+local function count_end(code, ended)
+  local field = ended .. ':' .. code
+  ends[field] = (ends[field] or 0) + 1
+end
+local function save_ends()
+  local k = P .. 'finished:' .. string.format('%d', math.floor(now / 60000000))
+  for field, n in pairs(ends) do
+    if redis.pcall('HINCRBY', k, field, n) == n then redis.pcall('EXPIRE', k, {finished_ttl}) end
+  end
+end
+-- Delete a task whose occurrence ended (ended: done or cancelled), raising the token floor to its token.
+local function drop(h, code, key, ended)
   local token = tonumber(redis.call('HGET', h, 'token')) or 0
   if token > floor() then redis.call('SET', FLOOR, us(token)) end
   redis.call('DEL', h)
   redis.call('ZREM', zkey(code), key)
   redis.call('ZREM', dkey(code), key)
+  count_end(code, ended)
 end
 -- A task queued at `due` wakes the sleeping workers of its code (tasks.wakeup_redis) only if it
 -- is due before the head of the code's due ZSET was claimable (`before`: read before the write;
@@ -96,7 +118,7 @@ local function apply_pending(h, code, key)
   redis.call('HSET', h, 'payload', p[2], 'attempt', '0', 'last_error', '', 'pending_due', '', 'pending_payload', '')
   return due
 end
-"""
+""".replace("{finished_ttl}", str(FINISHED_TTL))
 
 #: One task's add, as a Lua function of ``a = {code, key, due_us or '', delay_us or '', payload, mode}``
 #: (ADD_LUA runs it once, ADD_MANY_LUA once per task). Needs LUA_NOW_US's helpers.
@@ -173,10 +195,11 @@ local h = hkey(ARGV[2], ARGV[3])
 local state = redis.call('HGET', h, 'state')
 if not state then return 0 end
 if state ~= 'running' then
-  drop(h, ARGV[2], ARGV[3])
+  drop(h, ARGV[2], ARGV[3], 'cancelled')
 else
   redis.call('HSET', h, 'cancel_requested', '1', 'pending_due', '', 'pending_payload', '', 'updated', us(now))
 end
+save_ends()
 return 1
 """
 )
@@ -269,7 +292,7 @@ for i = 1, math.min(limit, #found) do
   local h = hkey(code, key)
   local f = redis.call('HMGET', h, 'state', 'cancel_requested', 'started')
   if f[1] == 'running' and f[2] == '1' then
-    drop(h, code, key)  -- its worker died after a cancel: nothing is left to finish
+    drop(h, code, key, 'cancelled')  -- its worker died after a cancel: nothing is left to finish
   elseif f[1] then
     redis.call('HINCRBY', h, 'token', 1)
     if f[1] ~= 'running' or f[3] == '1' then  -- a rescued claim that never started is not counted twice
@@ -283,6 +306,7 @@ for i = 1, math.min(limit, #found) do
     redis.call('ZREM', zkey(code), key)  -- a member without its hash (never written so): drop it
   end
 end
+save_ends()
 return cjson.encode({us(now), out})
 """
 )
@@ -326,8 +350,10 @@ for i = 3, #ARGV, 8 do
     local before = head(code)
     local f = redis.call('HMGET', h, 'cancel_requested', 'pending_due')
     local pending = f[2] and f[2] ~= ''
-    if f[1] == '1' or (kind == 'done' and not pending) then
-      drop(h, code, key)
+    if f[1] == '1' then
+      drop(h, code, key, 'cancelled')  -- a cancel asked during the attempt ends the occurrence
+    elseif kind == 'done' and not pending then
+      drop(h, code, key, 'done')
     elseif pending then
       wake(code, apply_pending(h, code, key), before)
     elseif kind == 'fail' then
@@ -349,6 +375,7 @@ for i = 3, #ARGV, 8 do
   end
   out[#out + 1] = ok
 end
+save_ends()
 return out
 """
 )
@@ -385,7 +412,7 @@ for i = 3, #ARGV, 3 do
     count = count + 1
     local f = redis.call('HMGET', h, 'cancel_requested', 'pending_due')
     if f[1] == '1' then
-      drop(h, code, key)
+      drop(h, code, key, 'cancelled')
     else
       local before = head(code)
       redis.call('HINCRBY', h, 'token', 1)  -- a claim made with the old token can no longer write
@@ -399,6 +426,7 @@ for i = 3, #ARGV, 3 do
     end
   end
 end
+save_ends()
 return count
 """
 )
@@ -458,6 +486,24 @@ for _, code in ipairs(codes) do
 end
 return cjson.encode({us(now), out})
 """
+)
+
+# finished: the counts of ended occurrences (see count_end) of the minutes from since_minute (no earlier
+# than FINISHED_TTL ago) to the current one, a read. KEYS: codes set. ARGV: prefix, since_minute
+# (minutes since the epoch). Returns JSON: [[minute, '<ended>:<code>', count], ...].
+FINISHED_LUA = (
+    LUA_NOW_US
+    + """
+local last = math.floor(now / 60000000)
+local first = math.max(tonumber(ARGV[2]), last - math.floor({finished_ttl} / 60))
+local out = {}
+for minute = first, last do
+  local flat = redis.call('HGETALL', P .. 'finished:' .. string.format('%d', minute))
+  for j = 1, #flat, 2 do out[#out + 1] = {minute, flat[j], tonumber(flat[j + 1])} end
+end
+if #out == 0 then return '[]' end  -- cjson encodes an empty table as {}
+return cjson.encode(out)
+""".replace("{finished_ttl}", str(FINISHED_TTL))
 )
 
 # now: the server's clock (on a cluster: the clock of the primary that owns the namespace).

@@ -48,10 +48,12 @@ COLUMNS = (
 #: A finished or cancelled task: a *tombstone* in state ``done`` that keeps only its token, so a task
 #: added again goes on from it (tokens only go up across occurrences). Every read but the add's
 #: lock skips it; ``run_at`` NULL keeps it out of claims. One UPDATE: the same cost as the DELETE it
-#: replaces, and one small row per finished (code, key).
+#: replaces, and one small row per finished (code, key). Its ``cancel_requested`` is kept: 1 says a
+#: cancel ended the occurrence (the dashboard counts it as cancelled, not finished); ``cancel_drop``
+#: sets it, every other end keeps the running row's (a cancel asked during the attempt).
 TOMBSTONE = (
     "state = 'done', run_at = NULL, payload = 'null', owner = NULL, lease_until = NULL, last_error = NULL, "
-    "pending_due = NULL, pending_payload = NULL, cancel_requested = 0, updated = {now}"
+    "pending_due = NULL, pending_payload = NULL, updated = {now}"
 )
 #: The store-wide token floor: the highest token of every tombstone purged so far (see ``floor_*`` and
 #: ``purge`` below). It lives in the task table itself, as the tombstone of the ``('', '')`` task (a code
@@ -226,7 +228,11 @@ class TaskStatements:
         "UPDATE {t} SET pending_due = :due, pending_payload = :payload, cancel_requested = 0, updated = {now} "
         "WHERE code = :code AND task_key = :key"
     )
-    cancel_drop: str = "UPDATE {t} SET {tombstone} WHERE code = :code AND task_key = :key AND state IN ('queued', 'failed')"
+    #: A queued or failed task cancelled: its tombstone, marked cancelled (``cancel_requested = 1``).
+    cancel_drop: str = (
+        "UPDATE {t} SET {tombstone}, cancel_requested = 1 "
+        "WHERE code = :code AND task_key = :key AND state IN ('queued', 'failed')"
+    )
     cancel_mark: str = (
         "UPDATE {t} SET cancel_requested = 1, pending_due = NULL, pending_payload = NULL, updated = {now} "
         "WHERE code = :code AND task_key = :key AND state = 'running'"
