@@ -603,7 +603,7 @@ def _codes(ctx: Context) -> str:
                              fmt=count, times=[s.at for s in samples])  # fmt: skip
         lag = line_chart(f"{c.code}: lag of the oldest due task", [Series("lag", "lag", [s.lag for s in samples])],
                          times=[s.at for s in samples])  # fmt: skip
-        charts.append(f'<div class="charts">{_throughput_chart(code, flow)}{backlog}{lag}</div>')
+        charts.append(f'<div class="charts three">{_throughput_chart(code, flow)}{backlog}{lag}</div>')
     table = _table(("code", "queued", "due now", "running", "failed", "oldest due waiting"), rows)
     span = ""
     if any(ctx.reader.samples.values()):
