@@ -55,12 +55,13 @@ import re
 import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from json.encoder import encode_basestring
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..node import NodeTraits
 from ..timeutil import MICROSECONDS, as_utc, us_from_datetime
 from ..urls import mask_url, pop_query
 from .record import LockRecord, NodePresence, RunRecord, newest_first
@@ -218,6 +219,8 @@ class Presence:
     clock_offset: float | None = None
     #: The locks the node holds; None: the names in the same call's ``leases``.
     locks: tuple[str, ...] | None = None
+    #: The node's placement weight and tags (every node places the locks from them).
+    traits: NodeTraits = field(default_factory=NodeTraits)
 
     def held(self, leases: Mapping[str, int]) -> list[str]:
         """The lock names to publish, sorted."""
@@ -356,12 +359,7 @@ def claim_won(fires: Mapping[str, Any] | None, claim: FireClaim | None) -> bool:
     if claim is None or not fires:
         return False
     value = fires.get(claim.job_id)
-    return (
-        isinstance(value, (list, tuple))
-        and len(value) == 2
-        and int(value[0]) == claim.fire_us
-        and value[1] == claim.nonce
-    )
+    return isinstance(value, (list, tuple)) and len(value) == 2 and int(value[0]) == claim.fire_us and value[1] == claim.nonce
 
 
 class LockStore(ABC):
@@ -388,9 +386,7 @@ class LockStore(ABC):
         return f"{type(self).__name__}({self.masked_url!r})"
 
     @abstractmethod
-    def acquire_or_renew(
-        self, name: str, node: Node, ttl: float, claim: FireClaim | None = None
-    ) -> AcquireResult:
+    def acquire_or_renew(self, name: str, node: Node, ttl: float, claim: FireClaim | None = None) -> AcquireResult:
         """Take the lock if it is free, released or stale, or renew it if ``node`` holds it.
 
         Args:
@@ -510,9 +506,7 @@ class LockStore(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot pause locks")
 
-    def set_zone(
-        self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None
-    ) -> bool:
+    def set_zone(self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None) -> bool:
         """Record the time zone the holder computes the lock's fire times in, and its jobs of the
         lock with their triggers (``{job: trigger text}``): one write, conditional on holder and
         token (nothing else changes). False if ``node`` does not hold ``name`` with ``token``."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends.memory import MemoryBackend
+from ..node import NodeTraits
 from .base import (
     FORGET_CLEARED,
     FORGET_DELETED,
@@ -66,6 +67,7 @@ class _NodeRow:
     seen: float
     clock_offset: float | None
     locks: tuple[str, ...]
+    traits: NodeTraits
 
 
 class MemoryLockStore(LockStore):
@@ -123,9 +125,7 @@ class MemoryLockStore(LockStore):
         )
 
     # -- LockStore ---------------------------------------------------------------------------
-    def acquire_or_renew(
-        self, name: str, node: Node, ttl: float, claim: FireClaim | None = None
-    ) -> AcquireResult:
+    def acquire_or_renew(self, name: str, node: Node, ttl: float, claim: FireClaim | None = None) -> AcquireResult:
         with self.backend.mutex:
             now = self.clock()
             row = self._rows.get(name)
@@ -195,7 +195,7 @@ class MemoryLockStore(LockStore):
                     renewed.add(name)
             if presence is not None:
                 held = tuple(presence.held(leases))
-                self._nodes[node.node_id] = _NodeRow(node.ip, presence.version, now, presence.clock_offset, held)
+                self._nodes[node.node_id] = _NodeRow(node.ip, presence.version, now, presence.clock_offset, held, presence.traits)
                 self._prune(now)
         return renewed
 
@@ -210,7 +210,9 @@ class MemoryLockStore(LockStore):
                 self._prune(now)
             wall = self.backend.wall
             return [
-                NodePresence(node_id, r.ip, r.version, wall(r.seen, now), max(0.0, now - r.seen), r.clock_offset, r.locks)
+                NodePresence(
+                    node_id, r.ip, r.version, wall(r.seen, now), max(0.0, now - r.seen), r.clock_offset, r.locks, r.traits
+                )
                 for node_id, r in sorted(self._nodes.items())
                 if now - r.seen <= PRESENCE_TTL
             ]
@@ -284,9 +286,7 @@ class MemoryLockStore(LockStore):
             row.holder = None
             return True
 
-    def set_zone(
-        self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None
-    ) -> bool:
+    def set_zone(self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None) -> bool:
         with self.backend.mutex:
             row = self._rows.get(name)
             if row is None or row.holder != node.node_id or row.token != token:

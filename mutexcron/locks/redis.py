@@ -24,6 +24,7 @@ from redis.cluster import RedisCluster
 from redis.sentinel import Sentinel
 
 from ..backends.redis import RedisBackend, now_ms
+from ..node import NodeTraits
 from ..timeutil import MILLISECONDS, as_utc
 from .base import (
     PRESENCE_TTL,
@@ -184,9 +185,7 @@ class RedisLockStore(LockStore):
         with self._floor_mutex:
             return self._floor.get(name, 0)
 
-    def _record(
-        self, name: str, fields: Mapping[str, str], now: int, fires: Mapping[str, Any] | None = None
-    ) -> LockRecord:
+    def _record(self, name: str, fields: Mapping[str, str], now: int, fires: Mapping[str, Any] | None = None) -> LockRecord:
         hb = fields.get("hb")
         token = int(fields.get("token") or 0)
         self._seen(name, token)
@@ -221,9 +220,7 @@ class RedisLockStore(LockStore):
         return dict(zip(flat[::2], flat[1::2], strict=True))
 
     # -- LockStore ---------------------------------------------------------------------------
-    def acquire_or_renew(
-        self, name: str, node: Node, ttl: float, claim: FireClaim | None = None
-    ) -> AcquireResult:
+    def acquire_or_renew(self, name: str, node: Node, ttl: float, claim: FireClaim | None = None) -> AcquireResult:
         ttl_ms = max(1, round(ttl * 1000))
         args: list[str | int] = [node.node_id, node.ip, ttl_ms, self.token_floor(name), name]
         if claim is not None:
@@ -296,6 +293,7 @@ class RedisLockStore(LockStore):
         """The presence as stored, but for ``seen`` (the script adds it)."""
         fields: dict[str, Any] = {"ip": node.ip, "version": presence.version, "clock_offset": presence.clock_offset}
         fields["locks"] = presence.held(leases)
+        fields["traits"] = presence.traits.to_json()
         return json.dumps(fields, ensure_ascii=False, separators=(",", ":"))
 
     def nodes(self, *, prune: bool = True) -> list[NodePresence]:
@@ -318,6 +316,7 @@ class RedisLockStore(LockStore):
             age=None if seen is None else max(0.0, (now - int(seen)) / 1000),
             clock_offset=optional_float(value.get("clock_offset")),
             locks=load_locks(value.get("locks")),
+            traits=NodeTraits.from_json(value.get("traits")),
         )
 
     def set_paused(self, name: str, paused: bool, by: str, *, catch_up: bool = False) -> LockRecord:
@@ -382,9 +381,7 @@ class RedisLockStore(LockStore):
         with self.backend.errors("release"):
             return bool(self._release(keys=[self._lock_key(name)], args=[node.node_id, token], client=self.backend.client))
 
-    def set_zone(
-        self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None
-    ) -> bool:
+    def set_zone(self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None) -> bool:
         with self.backend.errors("set_zone"):
             args: list[str | int] = [node.node_id, token, zone or "", dump_triggers(triggers) or ""]
             return bool(self._set_zone(keys=[self._lock_key(name)], args=args, client=self.backend.client))
