@@ -354,8 +354,7 @@ def test_run_records_from_every_stored_form() -> None:
     }
     lines = newest_first("l", stored, job="m")
     assert [(r.token, r.outcome, r.error, r.node, r.ip) for r in lines] == [
-        (8, "error", "KeyError: 'x'", "p", None),
-        (7, "success", None, "p", "10.0.0.1"),
+        (8, "error", "KeyError: 'x'", "p", None), (7, "success", None, "p", "10.0.0.1")
     ]
     assert lines[1].ended == datetime(2030, 1, 1, 0, 0, 10, tzinfo=timezone.utc) and lines[1].duration == 1.5
     assert lines[1].fire_time == datetime(2030, 1, 1, 0, 0, 9, tzinfo=timezone.utc) and lines[0].fire_time is None

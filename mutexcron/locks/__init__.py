@@ -84,10 +84,11 @@ def store_scope_note(url: str, *, defaulted: bool) -> tuple[int, str] | None:
         )
     return logging.INFO, f"{scope}; for several servers use MySQL, PostgreSQL, Redis or MongoDB"
 
-
 #: URL scheme -> ("module:Class", extra to install for its driver, or None), from the one
 #: registry of store families (:data:`mutexcron.backends.FAMILIES`).
-SCHEMES: dict[str, tuple[str, str | None]] = {scheme: (row.lock_store, row.extra) for row in FAMILIES for scheme in row.schemes}
+SCHEMES: dict[str, tuple[str, str | None]] = {
+    scheme: (row.lock_store, row.extra) for row in FAMILIES for scheme in row.schemes
+}
 
 
 def lock_store_from_url(url: str, **options: Any) -> LockStore:

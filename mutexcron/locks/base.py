@@ -359,7 +359,12 @@ def claim_won(fires: Mapping[str, Any] | None, claim: FireClaim | None) -> bool:
     if claim is None or not fires:
         return False
     value = fires.get(claim.job_id)
-    return isinstance(value, (list, tuple)) and len(value) == 2 and int(value[0]) == claim.fire_us and value[1] == claim.nonce
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and int(value[0]) == claim.fire_us
+        and value[1] == claim.nonce
+    )
 
 
 class LockStore(ABC):
@@ -386,7 +391,9 @@ class LockStore(ABC):
         return f"{type(self).__name__}({self.masked_url!r})"
 
     @abstractmethod
-    def acquire_or_renew(self, name: str, node: Node, ttl: float, claim: FireClaim | None = None) -> AcquireResult:
+    def acquire_or_renew(
+        self, name: str, node: Node, ttl: float, claim: FireClaim | None = None
+    ) -> AcquireResult:
         """Take the lock if it is free, released or stale, or renew it if ``node`` holds it.
 
         Args:
@@ -506,7 +513,9 @@ class LockStore(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot pause locks")
 
-    def set_zone(self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None) -> bool:
+    def set_zone(
+        self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None
+    ) -> bool:
         """Record the time zone the holder computes the lock's fire times in, and its jobs of the
         lock with their triggers (``{job: trigger text}``): one write, conditional on holder and
         token (nothing else changes). False if ``node`` does not hold ``name`` with ``token``."""

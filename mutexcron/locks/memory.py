@@ -125,7 +125,9 @@ class MemoryLockStore(LockStore):
         )
 
     # -- LockStore ---------------------------------------------------------------------------
-    def acquire_or_renew(self, name: str, node: Node, ttl: float, claim: FireClaim | None = None) -> AcquireResult:
+    def acquire_or_renew(
+        self, name: str, node: Node, ttl: float, claim: FireClaim | None = None
+    ) -> AcquireResult:
         with self.backend.mutex:
             now = self.clock()
             row = self._rows.get(name)
@@ -195,7 +197,9 @@ class MemoryLockStore(LockStore):
                     renewed.add(name)
             if presence is not None:
                 held = tuple(presence.held(leases))
-                self._nodes[node.node_id] = _NodeRow(node.ip, presence.version, now, presence.clock_offset, held, presence.traits)
+                self._nodes[node.node_id] = _NodeRow(
+                    node.ip, presence.version, now, presence.clock_offset, held, presence.traits
+                )
                 self._prune(now)
         return renewed
 
@@ -286,7 +290,9 @@ class MemoryLockStore(LockStore):
             row.holder = None
             return True
 
-    def set_zone(self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None) -> bool:
+    def set_zone(
+        self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None
+    ) -> bool:
         with self.backend.mutex:
             row = self._rows.get(name)
             if row is None or row.holder != node.node_id or row.token != token:

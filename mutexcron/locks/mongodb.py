@@ -512,7 +512,9 @@ class MongoDBLockStore(LockStore):
         paused = frozenset(doc["_id"] for doc in ours if doc.get("paused"))
         return BatchClaimResult(frozenset(fires), won_claims(groups, fires), paused)
 
-    def set_zone(self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None) -> bool:
+    def set_zone(
+        self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None
+    ) -> bool:
         query = {"_id": name, "holder": node.node_id, "token": token}
         fields = {"zone": zone, "triggers": dump_triggers(triggers)}
         try:

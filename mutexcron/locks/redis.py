@@ -185,7 +185,9 @@ class RedisLockStore(LockStore):
         with self._floor_mutex:
             return self._floor.get(name, 0)
 
-    def _record(self, name: str, fields: Mapping[str, str], now: int, fires: Mapping[str, Any] | None = None) -> LockRecord:
+    def _record(
+        self, name: str, fields: Mapping[str, str], now: int, fires: Mapping[str, Any] | None = None
+    ) -> LockRecord:
         hb = fields.get("hb")
         token = int(fields.get("token") or 0)
         self._seen(name, token)
@@ -220,7 +222,9 @@ class RedisLockStore(LockStore):
         return dict(zip(flat[::2], flat[1::2], strict=True))
 
     # -- LockStore ---------------------------------------------------------------------------
-    def acquire_or_renew(self, name: str, node: Node, ttl: float, claim: FireClaim | None = None) -> AcquireResult:
+    def acquire_or_renew(
+        self, name: str, node: Node, ttl: float, claim: FireClaim | None = None
+    ) -> AcquireResult:
         ttl_ms = max(1, round(ttl * 1000))
         args: list[str | int] = [node.node_id, node.ip, ttl_ms, self.token_floor(name), name]
         if claim is not None:
@@ -381,7 +385,9 @@ class RedisLockStore(LockStore):
         with self.backend.errors("release"):
             return bool(self._release(keys=[self._lock_key(name)], args=[node.node_id, token], client=self.backend.client))
 
-    def set_zone(self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None) -> bool:
+    def set_zone(
+        self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None
+    ) -> bool:
         with self.backend.errors("set_zone"):
             args: list[str | int] = [node.node_id, token, zone or "", dump_triggers(triggers) or ""]
             return bool(self._set_zone(keys=[self._lock_key(name)], args=args, client=self.backend.client))

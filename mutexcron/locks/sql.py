@@ -274,7 +274,9 @@ class SQLLockStore(LockStore):
         return self._parse(row)[0]
 
     # -- LockStore ---------------------------------------------------------------------------
-    def acquire_or_renew(self, name: str, node: Node, ttl: float, claim: FireClaim | None = None) -> AcquireResult:
+    def acquire_or_renew(
+        self, name: str, node: Node, ttl: float, claim: FireClaim | None = None
+    ) -> AcquireResult:
         job = claim.job_id if claim else ""
         self._ensure_table()
         if self._pads:  # a name ending with a space would be another lock's row
@@ -585,7 +587,9 @@ class SQLLockStore(LockStore):
         _, count = self._write(self._sql.release, {"name": name, "me": node.node_id, "token": token}, "release")
         return bool(count == 1)
 
-    def set_zone(self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None) -> bool:
+    def set_zone(
+        self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None
+    ) -> bool:
         params = {"name": name, "me": node.node_id, "token": token, "zone": zone, "triggers": dump_triggers(triggers)}
         _, count = self._write(self._sql.set_zone, params, "set_zone")
         return count == 1

@@ -157,7 +157,9 @@ def _pg_last_runs(old: str) -> str:
 
 
 _PG_HISTORY = (
-    "jsonb_set(COALESCE(history, '{{}}'::jsonb), ARRAY[CAST(:hjob AS text)], to_jsonb(" + _pg_last_runs(_PG_OLD_RUNS) + "))"
+    "jsonb_set(COALESCE(history, '{{}}'::jsonb), ARRAY[CAST(:hjob AS text)], to_jsonb("
+    + _pg_last_runs(_PG_OLD_RUNS)
+    + "))"
 )
 # MySQL/MariaDB: SUBSTRING_INDEX keeps the last :hn lines. No subquery: MariaDB runs an UPDATE with
 # one (even one never evaluated) much more slowly, so a job's runs in the earlier form (an array)
@@ -167,22 +169,16 @@ _MY_ENTRY = "CONCAT('[', FLOOR(UNIX_TIMESTAMP({now}) * 1000), :htail)"  # the se
 _MY_LAST_RUNS = f"SUBSTRING_INDEX(CONCAT_WS({_MY_NEWLINE}, {{old}}, {_MY_ENTRY}), {_MY_NEWLINE}, -:hn)"
 # MySQL 8: JSON_VALUE returns at most 512 characters unless told a type: the job's text is
 # JSON_UNQUOTE(JSON_EXTRACT()) of a string value.
-_MY_HISTORY = (
-    "JSON_SET(COALESCE(history, '{{}}'), :hpath, "
-    + _MY_LAST_RUNS.replace(
-        "{old}",
-        """CASE WHEN JSON_TYPE(JSON_EXTRACT(history, :hpath)) = 'STRING'
+_MY_HISTORY = "JSON_SET(COALESCE(history, '{{}}'), :hpath, " + _MY_LAST_RUNS.replace(
+    "{old}",
+    """CASE WHEN JSON_TYPE(JSON_EXTRACT(history, :hpath)) = 'STRING'
          THEN NULLIF(JSON_UNQUOTE(JSON_EXTRACT(history, :hpath)), '') END""",
-    )
-    + ")"
-)
+) + ")"
 # MariaDB: JSON_VALUE gives a string value of any length, unescaped (NULL for an array or no value):
 # the usual write parses the row's object twice (JSON_VALUE, JSON_SET).
-_MARIADB_HISTORY = (
-    "JSON_SET(COALESCE(history, '{{}}'), :hpath, "
-    + _MY_LAST_RUNS.replace("{old}", "NULLIF(JSON_VALUE(history, :hpath), '')")
-    + ")"
-)
+_MARIADB_HISTORY = "JSON_SET(COALESCE(history, '{{}}'), :hpath, " + _MY_LAST_RUNS.replace(
+    "{old}", "NULLIF(JSON_VALUE(history, :hpath), '')"
+) + ")"
 # SQLite: no JSON path for the job (its paths cannot quote every key): the job's text is found by
 # key (json_each) and written back by a merge patch (json_patch replaces a value whole). The text
 # and the entry are computed once (derived rows; LIMIT keeps SQLite from inlining them into each
