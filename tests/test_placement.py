@@ -16,7 +16,8 @@ from mutexcron.errors import ConfigurationError
 from mutexcron.heartbeat import LeaseManager
 from mutexcron.locks import Node
 from mutexcron.locks.memory import MemoryLockStore
-from mutexcron.placement import BalancedPlacement, FirstPlacement, assign, new_placement, placement_mode
+from mutexcron.node import NodeTraits
+from mutexcron.placement import BalancedPlacement, FirstPlacement, assign, new_placement, node_allowed, placement_mode
 from mutexcron.placement.balanced import FREE_GRACE
 from tests.backends import FakeClock
 
@@ -79,8 +80,8 @@ class Cluster:
         self.locks = {lock: ttl for lock in locks}
         self.nodes: dict[str, LeaseManager] = {}
 
-    def join(self, node_id: str, locks: dict[str, float] | None = None) -> LeaseManager:
-        placement = BalancedPlacement(node_id)
+    def join(self, node_id: str, locks: dict[str, float] | None = None, traits: NodeTraits | None = None) -> LeaseManager:
+        placement = BalancedPlacement(node_id, traits)
         manager = LeaseManager(self.store, Node(node_id, "ip"), locks or self.locks, clock=self.clock, placement=placement)
         self.nodes[node_id] = manager
         return manager
@@ -184,3 +185,88 @@ def test_a_node_kept_off_a_lock_by_its_patterns_never_asks_for_it() -> None:
     reports.placement.restrict("reports", ["reports-*"])
     cluster.rounds(2)
     assert "reports" in reports.held()
+
+
+# -- weights, tags and the reasons of moves (issue 33, part 4) ----------------------------------------
+def test_a_node_of_weight_2_is_placed_for_about_twice_the_locks() -> None:
+    owners = assign(LOCKS, ["a", "b", "c"], weights={"a": 2.0})
+    assert counts(owners) == {"a": 150, "b": 75, "c": 75}
+    assert assign(LOCKS, ["a", "b", "c"], weights={"a": 1.0, "b": 1.0}) == assign(LOCKS, ["a", "b", "c"]), "1 is the default"
+    light = counts(assign(LOCKS, ["a", "b", "c"], weights={"c": 0.5}))
+    assert light["c"] == math.ceil(300 * 0.5 / 2.5) and light["a"] + light["b"] == 300 - light["c"]
+    # Only the locks whose place a new weight changes move.
+    before, after = assign(LOCKS, ["a", "b", "c"]), assign(LOCKS, ["a", "b", "c"], weights={"a": 2.0})
+    moved = [lock for lock in LOCKS if before[lock] != after[lock]]
+    assert 50 <= len(moved) <= 75, len(moved)  # 50 to a, and a few between b and c as their room shrinks
+
+
+def test_patterns_match_node_ids_or_tags_and_tag_patterns_tags_only() -> None:
+    assert node_allowed("reports-1", ["reports-*"]) and node_allowed("web-1", ["reports-*"], ["reports-eu"])
+    assert not node_allowed("web-1", ["reports-*"], ["eu"])
+    assert node_allowed("web-1", ["tag:eu"], ["eu", "big"]) and node_allowed("web-1", ["tag:e*"], ["eu"])
+    assert not node_allowed("eu", ["tag:eu"]), "tag: never matches the node id"
+    assert node_allowed("x", None) and not node_allowed("x", [])
+
+
+def test_weights_and_tags_come_from_the_nodes_presences() -> None:
+    cluster = Cluster([*LOCKS[:30], "eu-only"])
+    big = cluster.join("big", traits=NodeTraits(2.0))
+    cluster.join("small-1")
+    eu = cluster.join("small-2", traits=NodeTraits(1.0, ("eu",)))
+    for manager in cluster.nodes.values():
+        manager.placement.restrict("eu-only", ["tag:eu"])
+    cluster.rounds(5)
+    assert cluster.holders()["eu-only"] == "small-2", "only the node tagged eu is placed for it"
+    assert cluster.held() == {"big": 15, "small-1": 8, "small-2": 8}
+    assert big.placement.nodes_traits() == {"big": NodeTraits(2.0), "small-1": NodeTraits(), "small-2": NodeTraits(1.0, ("eu",))}
+    assert eu.placement.shares() == {"big": 15, "small-1": 8, "small-2": 8}, "every node computes the same shares"
+
+
+def test_a_tag_pattern_nobody_matches_keeps_its_lock_unheld(caplog: pytest.LogCaptureFixture) -> None:
+    cluster = Cluster(["eu-only", "other"])
+    for node_id in ("a", "b"):
+        cluster.join(node_id).placement.restrict("eu-only", ["tag:eu"])
+    cluster.rounds(int(FREE_GRACE) + 2)
+    assert cluster.holders()["eu-only"] is None and cluster.holders()["other"] in ("a", "b")
+
+
+def test_every_move_is_logged_once_with_its_reason(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="mutexcron")
+    cluster = Cluster(LOCKS[:12])
+    cluster.join("n1")
+    cluster.rounds(2)
+    caplog.clear()
+    cluster.join("n2")
+    cluster.rounds(4)
+    joined = [r.getMessage() for r in caplog.records if "n2 joined" in r.getMessage()]
+    moved = sum(1 for lock, holder in cluster.holders().items() if holder == "n2")
+    assert moved == 6
+    assert len([m for m in joined if m.startswith("acquired lock")]) == moved, joined
+    assert len([m for m in joined if "handed over to n2 (placement: n2 joined)" in m]) == moved, joined
+    caplog.clear()
+    cluster.nodes.pop("n2").stop(timeout=0)
+    cluster.rounds(2)
+    left = [r.getMessage() for r in caplog.records if "placement moved it here: n2 left" in r.getMessage()]
+    assert len(left) == moved, [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    cluster.join("n3")
+    cluster.rounds(4)
+    cluster.nodes.pop("n3")  # kill -9
+    cluster.rounds(8, every=0.5)
+    taken = [r for r in caplog.records if r.getMessage().startswith("took over lock")]
+    assert len(taken) == 6 and all("from n3 (ip), whose heartbeat was 3.0s old" in r.getMessage() for r in taken)
+
+
+def test_a_change_of_weight_rebalances_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="mutexcron")
+    cluster = Cluster(LOCKS[:12])
+    a = cluster.join("a")
+    cluster.join("b")
+    cluster.rounds(4)
+    assert cluster.held() == {"a": 6, "b": 6}
+    caplog.clear()
+    a.placement.traits = NodeTraits(2.0)  # as a restart with --weight 2 would publish
+    cluster.rounds(4)
+    assert cluster.held() == {"a": 8, "b": 4}
+    assert any("weights or tags changed: rebalanced" in r.getMessage() for r in caplog.records)
+    assert sum("handed over to a (placement: rebalanced)" in r.getMessage() for r in caplog.records) == 2

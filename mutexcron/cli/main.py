@@ -126,6 +126,21 @@ def main(lock_url: str | None) -> None:
     "(preview: a move may still lose fire times), every live node its fair share of the guarded locks "
     "[env MUTEXCRON_PLACEMENT; default first].",
 )
+@click.option(
+    "--weight",
+    metavar="NUMBER",
+    envvar="MUTEXCRON_WEIGHT",
+    help="This node's weight under balanced placement: a node of weight 2 is placed for about twice the locks of a "
+    "node of weight 1 (0.01 to 1000) [env MUTEXCRON_WEIGHT; default 1].",
+)
+@click.option(
+    "--tag",
+    "tags",
+    multiple=True,
+    metavar="TAG",
+    help="A tag of this node, matched by mutex(nodes='tag:TAG') (plain patterns match tags as well as node ids); "
+    "repeat it for several [env MUTEXCRON_TAGS, comma-separated].",
+)
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
 @click.pass_context
 def run(
@@ -141,6 +156,8 @@ def run(
     metrics_host: str | None,
     startup_timeout: float,
     placement: str | None,
+    weight: str | None,
+    tags: tuple[str, ...],
     log_level: str,
 ) -> None:
     """Run the scheduler in JOBS (a path to a .py file, or module:attr) until SIGTERM/SIGINT."""
@@ -168,9 +185,12 @@ def run(
                 ("metrics_port", metrics_port),
                 ("metrics_host", metrics_host),
                 ("placement", placement),
+                ("weight", weight),
             )
             if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
         }
+        if tags:
+            explicit["tags"] = tags
         if store is not None:
             explicit["lock_store"] = store
         sched.configure_mutex(shutdown_timeout=shutdown_timeout, **explicit)

@@ -16,6 +16,7 @@ from collections.abc import Collection, Mapping
 
 from ..errors import StoreError, StoreUnavailableError
 from ..locks import LockStore
+from ..node import NodeTraits
 from .base import Restrictions
 from .rendezvous import assign, shares
 
@@ -43,14 +44,17 @@ class BalancedPlacement(Restrictions):
 
     mode = "balanced"
 
-    def __init__(self, node_id: str) -> None:
-        super().__init__(node_id)
+    def __init__(self, node_id: str, traits: NodeTraits | None = None) -> None:
+        super().__init__(node_id, traits)
         self._mutex = threading.Lock()
         self._read_at: float | None = None  # monotonic: the last read of the live nodes
         self._seen: dict[str, float] = {}  # live node id -> its presence's age at the read
         self._gone: dict[str, float] = {}  # holder whose lease ran out -> monotonic time noticed
         self._locks: frozenset[str] = frozenset()
         self._placed_over: frozenset[str] = frozenset()  # the nodes of the current placement
+        self._traits: dict[str, NodeTraits] = {node_id: self.traits}  # live node -> its weight and tags, as last read
+        self._placed_traits: dict[str, NodeTraits] = {}  # the traits of the current placement
+        self._reasons: dict[str, str] = {}  # lock -> why it moved at the last change of placement (said once)
         self._owners: dict[str, str | None] = {}
         self._free_since: dict[str, tuple[float, float]] = {}  # lock -> (first, last) seen free, without a gap
         self._kept: dict[str, float] = {}  # lock -> monotonic time until it is kept here anyway
@@ -68,6 +72,9 @@ class BalancedPlacement(Restrictions):
                 self._read_at = now
                 live_within = min(locks.values(), default=10.0) + LIVE_MARGIN
                 self._seen = {p.node_id: p.age or 0.0 for p in presences if (p.age or 0.0) <= live_within}
+                self._traits = {p.node_id: p.traits for p in presences if p.node_id in self._seen}
+                self._traits[self.node_id] = self.traits
+                self._tags = {node_id: traits.tags for node_id, traits in self._traits.items()}
                 # A holder noticed gone that has published its presence since is back.
                 self._gone = {n: at for n, at in self._gone.items() if n in self._seen and self._seen[n] >= now - at}
         with self._mutex:
@@ -77,25 +84,34 @@ class BalancedPlacement(Restrictions):
         return frozenset(n for n in self._seen if n not in self._gone) | {self.node_id}
 
     def _place(self, locks: frozenset[str], now: float) -> None:
-        """Recompute the owners if the locks or the live nodes changed; log the change once."""
+        """Recompute the owners if the locks, the live nodes or their weights and tags changed; log
+        the change once, and keep why each lock moved (:meth:`move_reason`)."""
         live = self._live()
-        if locks == self._locks and live == self._placed_over:
+        traits = {n: self._traits.get(n, NodeTraits()) for n in live}
+        if locks == self._locks and live == self._placed_over and traits == self._placed_traits:
             return
         joined, left = sorted(live - self._placed_over), sorted(self._placed_over - live)
-        self._owners = assign(locks, live, self.allows)
+        expired = [n for n in left if n in self._gone]
+        before = self._owners
+        self._owners = assign(locks, live, self.allows, {n: t.weight for n, t in traits.items()})
         nodes_changed = live != self._placed_over
-        self._locks, self._placed_over = locks, live
-        if nodes_changed:
+        traits_changed = bool(self._placed_traits) and any(self._placed_traits.get(n, t) != t for n, t in traits.items())
+        self._locks, self._placed_over, self._placed_traits = locks, live, traits
+        moves = {lock: _why_moved(before.get(lock), owner, joined, left, expired) for lock, owner in self._owners.items()}
+        self._reasons = {lock: why for lock, why in moves.items() if why is not None and self._owners[lock] != before.get(lock)}
+        if nodes_changed or traits_changed:
             mine = sum(1 for owner in self._owners.values() if owner == self.node_id)
-            expired = [n for n in left if n in self._gone]
             log.info(
-                "placement: %d live node(s)%s%s%s; this node is placed for %d of %d lock(s)",
+                "placement: %d live node(s)%s%s%s%s; this node is placed for %d of %d lock(s) (weight %g); %d lock(s) move",
                 len(live),
                 f"; joined: {', '.join(joined)}" if joined else "",
                 f"; left: {', '.join(n for n in left if n not in expired)}" if len(left) > len(expired) else "",
                 f"; lease ran out: {', '.join(expired)}" if expired else "",
+                "; weights or tags changed: rebalanced" if traits_changed else "",
                 mine,
                 len(locks),
+                self.traits.weight,
+                sum(1 for lock, owner in self._owners.items() if before.get(lock) not in (None, owner)),
             )
 
     # -- decisions -----------------------------------------------------------------------------
@@ -173,3 +189,27 @@ class BalancedPlacement(Restrictions):
     def shares(self) -> dict[str, int]:
         with self._mutex:
             return shares(self._owners)
+
+    def nodes_traits(self) -> dict[str, NodeTraits]:
+        with self._mutex:
+            return {n: self._traits.get(n, NodeTraits()) for n in sorted(self._live())}
+
+    def move_reason(self, lock: str) -> str | None:
+        with self._mutex:
+            return self._reasons.pop(lock, None)
+
+
+def _why_moved(
+    was: str | None, now: str | None, joined: Collection[str], left: Collection[str], expired: Collection[str]
+) -> str | None:
+    """Why a lock placed on ``was`` (None: not placed before) is now placed on ``now``: the change of
+    nodes behind it (None for a lock placed for the first time, but on a node that just joined)."""
+    if was is None:
+        return f"{now} joined" if now in joined else None
+    if was in expired:
+        return f"the lease of {was} ran out"
+    if was in left:
+        return f"{was} left"
+    if now in joined:
+        return f"{now} joined"
+    return "rebalanced"
