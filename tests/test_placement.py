@@ -241,8 +241,8 @@ def test_every_move_is_logged_once_with_its_reason(caplog: pytest.LogCaptureFixt
     joined = [r.getMessage() for r in caplog.records if "n2 joined" in r.getMessage()]
     moved = sum(1 for lock, holder in cluster.holders().items() if holder == "n2")
     assert moved == 6
-    assert len([m for m in joined if m.startswith("acquired lock")]) == moved, joined
-    assert len([m for m in joined if "handed over to n2 (placement: n2 joined)" in m]) == moved, joined
+    # Once per move: by the node that hands the lock over (the joiner's own start is one line).
+    assert len(joined) == moved and all("handed over to n2 (placement: n2 joined)" in m for m in joined), joined
     caplog.clear()
     cluster.nodes.pop("n2").stop(timeout=0)
     cluster.rounds(2)

@@ -112,13 +112,13 @@ class PlacementDrillReport:
         return not self.failures
 
     def count_runs(self, runs: Iterable[tuple[int, float]], since: float, until: float) -> None:
-        """Count the runs, the doubled ones, and the fire times in ``[since, until)`` (whole seconds,
-        wall clock) that ran on no node, in all and per change (from it to the next)."""
+        """Count the fire times run twice (any), and in ``[since, until)`` (whole seconds, wall clock)
+        the runs and the fire times that ran on no node, in all and per change (from it to the next)."""
         counted = Counter(runs)
-        self.runs = sum(counted.values())
         self.doubled = sorted(key for key, n in counted.items() if n > 1)
         ran = set(counted)
         seconds = range(math.ceil(since), math.floor(until))
+        self.runs = sum(n for (_job, fire), n in counted.items() if seconds.start <= fire < seconds.stop)
         missing = [fire for fire in seconds for job in range(self.locks) if (job, float(fire)) not in ran]
         self.expected, self.missed = len(seconds) * self.locks, len(missing)
         starts = [change.wall for change in self.changes]

@@ -96,9 +96,9 @@ class BalancedPlacement(Restrictions):
         self._owners = assign(locks, live, self.allows, {n: t.weight for n, t in traits.items()})
         nodes_changed = live != self._placed_over
         traits_changed = bool(self._placed_traits) and any(self._placed_traits.get(n, t) != t for n, t in traits.items())
+        first = not self._placed_over  # this node's own start: its moves are the others' to log
+        self._reasons = {} if first else self._moves(before, live, joined, left, expired)
         self._locks, self._placed_over, self._placed_traits = locks, live, traits
-        moves = {lock: _why_moved(before.get(lock), owner, joined, left, expired) for lock, owner in self._owners.items()}
-        self._reasons = {lock: why for lock, why in moves.items() if why is not None and self._owners[lock] != before.get(lock)}
         if nodes_changed or traits_changed:
             mine = sum(1 for owner in self._owners.values() if owner == self.node_id)
             log.info(
@@ -113,6 +113,20 @@ class BalancedPlacement(Restrictions):
                 self.traits.weight,
                 sum(1 for lock, owner in self._owners.items() if before.get(lock) not in (None, owner)),
             )
+
+    def _moves(
+        self, before: Mapping[str, str | None], live: Collection[str], joined: list[str], left: list[str], expired: list[str]
+    ) -> dict[str, str]:
+        """Why each lock moved, for the node that logs the move: the one that hands it over, or the
+        one that takes it when its last node is gone (left, or its lease ran out)."""
+        reasons = {}
+        for lock, owner in self._owners.items():
+            was = before.get(lock)
+            if was is None or owner == was:
+                continue
+            if was == self.node_id or (owner == self.node_id and was not in live):
+                reasons[lock] = _why_moved(was, owner, joined, left, expired)
+        return reasons
 
     # -- decisions -----------------------------------------------------------------------------
     def asks(self, lock: str, now: float) -> bool:
@@ -199,13 +213,8 @@ class BalancedPlacement(Restrictions):
             return self._reasons.pop(lock, None)
 
 
-def _why_moved(
-    was: str | None, now: str | None, joined: Collection[str], left: Collection[str], expired: Collection[str]
-) -> str | None:
-    """Why a lock placed on ``was`` (None: not placed before) is now placed on ``now``: the change of
-    nodes behind it (None for a lock placed for the first time, but on a node that just joined)."""
-    if was is None:
-        return f"{now} joined" if now in joined else None
+def _why_moved(was: str, now: str | None, joined: Collection[str], left: Collection[str], expired: Collection[str]) -> str:
+    """Why a lock placed on ``was`` is now placed on ``now``: the change of nodes behind it."""
     if was in expired:
         return f"the lease of {was} ran out"
     if was in left:
