@@ -69,7 +69,9 @@ def run_placement_drill(
     try:
         with cluster:
             watch = Watch(cluster, store, names, report)
-            progress(f"join: {nodes} nodes one by one, {locks} every-second jobs on locks {names[0]}..{names[-1]}")
+            progress(
+                f"join: {nodes} nodes one by one, {locks} every-second jobs on locks {names[0]}..{names[-1]} in {cluster.workdir}"
+            )
             watch.join(cluster.alive()[0])
             for index in range(1, nodes):
                 watch.join(cluster.start_node(index))
