@@ -200,6 +200,17 @@ def test_a_node_of_weight_2_is_placed_for_about_twice_the_locks() -> None:
     assert 50 <= len(moved) <= 75, len(moved)  # 50 to a, and a few between b and c as their room shrinks
 
 
+def test_the_locks_kept_on_some_nodes_are_placed_first_so_the_shares_stay_fair() -> None:
+    locks = [*LOCKS[:60], "zz-eu-0", "zz-eu-1", "zz-eu-2"]  # named to sort last: placed first anyway
+
+    def allowed(lock: str, node: str) -> bool:
+        return not lock.startswith("zz-eu") or node == "big"
+
+    owners = assign(locks, ["big", "small"], allowed, {"big": 2.0})
+    assert counts(owners) == {"big": 42, "small": 21}, "ceil(63 * 2/3) and ceil(63 / 3), the 3 kept locks included"
+    assert all(owners[f"zz-eu-{i}"] == "big" for i in range(3))
+
+
 def test_patterns_match_node_ids_or_tags_and_tag_patterns_tags_only() -> None:
     assert node_allowed("reports-1", ["reports-*"]) and node_allowed("web-1", ["reports-*"], ["reports-eu"])
     assert not node_allowed("web-1", ["reports-*"], ["eu"])

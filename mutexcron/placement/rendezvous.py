@@ -66,22 +66,23 @@ def assign(
     """The owner of each lock among ``nodes`` (None: no node may hold it).
 
     Every node gets at most its fair share (:func:`capacities`: ``ceil(len(locks) / len(nodes))``
-    with equal weights), unless the ``allowed`` rule leaves a lock no other choice. A node missing
-    from ``weights`` weighs 1.
+    with equal weights), unless the ``allowed`` rule leaves a lock no other choice; the locks with
+    the fewest allowed nodes are placed first. A node missing from ``weights`` weighs 1.
     """
     ranked_nodes = sorted(nodes)
     room = capacities(ranked_nodes, len(locks), weights)
     weight = {n: (weights or {}).get(n, 1.0) for n in ranked_nodes}
     load = dict.fromkeys(ranked_nodes, 0)
+    allowed_nodes = {lock: [n for n in ranked_nodes if allowed is None or allowed(lock, n)] for lock in locks}
     owners: dict[str, str | None] = {}
-    for lock in sorted(locks):
-        candidates = [n for n in ranked_nodes if allowed is None or allowed(lock, n)]
-        candidates.sort(key=lambda n: _score(lock, n, weight[n]), reverse=True)
+    # The most restricted locks first (then by name), so that the nodes a lock is kept on have room for it.
+    for lock in sorted(locks, key=lambda name: (len(allowed_nodes[name]), name)):
+        candidates = sorted(allowed_nodes[lock], key=lambda n: _score(lock, n, weight[n]), reverse=True)
         owner = next((n for n in candidates if load[n] < room[n]), candidates[0] if candidates else None)
         if owner is not None:
             load[owner] += 1
         owners[lock] = owner
-    return owners
+    return dict(sorted(owners.items()))
 
 
 def shares(owners: Mapping[str, str | None]) -> dict[str, int]:
