@@ -434,9 +434,7 @@ def drill(
     try:
         with shown:
             if placement_mode:
-                report = run_placement_drill(
-                    lock_url, nodes=nodes, lease=unactive_interval, duration=duration, progress=progress
-                )
+                report = run_placement_drill(lock_url, nodes=nodes, lease=unactive_interval, duration=duration, progress=progress)
             elif shared_mode:
                 report = run_shared_drill(
                     lock_url, jobstore=jobstore, nodes=nodes, lease=unactive_interval, duration=duration, progress=progress
