@@ -315,6 +315,40 @@ def test_an_older_table_gets_the_new_columns_and_keeps_its_rows(old_table_url: t
             store.close()
 
 
+@pytest.mark.parametrize(
+    "old_table_url",
+    [
+        pytest.param("sqlite", marks=pytest.mark.sqlite, id="sqlite"),
+        pytest.param("postgresql", marks=pytest.mark.postgresql, id="postgresql"),
+    ],
+    indirect=True,
+)
+def test_a_reader_reads_an_older_presence_table_without_altering_it(old_table_url: tuple[str, str]) -> None:
+    """A reader upgraded before the nodes (the dashboard's read-only store) reads their presences
+    (weight 1, no tags) from a presence table without the traits column, and adds no column."""
+    from mutexcron.backends.base import reading_only
+
+    _, url = old_table_url
+    table = url.split("table=")[1]
+    engine = sqlalchemy.create_engine(SQLLockStore(url).backend.engine.url)
+    reader = reading_only(lock_store_from_url(url))
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                sqlalchemy.text(f"INSERT INTO {table}_nodes (node_id, ip, version, seen, clock_offset, locks) "
+                                "VALUES ('old-node', '10.0.0.1', '0.1.0', :seen, NULL, '[]')"),
+                {"seen": datetime.now(timezone.utc).replace(tzinfo=None)},
+            )  # fmt: skip
+        (node,) = reader.nodes(prune=False)
+        assert (node.node_id, node.traits) == ("old-node", NodeTraits())
+        with engine.connect() as conn:
+            columns = {c["name"] for c in sqlalchemy.inspect(conn).get_columns(f"{table}_nodes")}
+        assert "traits" not in columns, "a reader alters nothing"
+    finally:
+        reader.close()
+        engine.dispose()
+
+
 @pytest.mark.sqlite
 def test_ddl_has_the_presence_table_and_the_upgrade(tmp_path: Path) -> None:
     store = lock_store_from_url(f"sqlite:///{tmp_path}/d.db?table=my_locks")

@@ -160,6 +160,7 @@ class SQLLockStore(LockStore):
         #: The presence table (the lock table's name + ``_nodes``).
         self.nodes_table = f"{self.table}_nodes"
         self._presence_rows: set[str] = set()  # nodes whose presence row this store object has written
+        self._nodes_sql: str | None = None  # the presence read, chosen at its first use (:meth:`_nodes_read`)
         self._pads = False  # set when the table is first used: a MySQL table whose collation ignores trailing spaces
 
     @property
@@ -494,7 +495,7 @@ class SQLLockStore(LockStore):
         params = {"dur": float(PRESENCE_TTL), "dur_us": PRESENCE_TTL * 1_000_000}
         if prune:  # the read below skips the old rows either way
             self._write(self._sql.presence_prune, params, "nodes (prune)")
-        rows, _ = self._execute(self._sql.nodes_read, params, "nodes")
+        rows, _ = self._execute(self._nodes_read(), params, "nodes")
         return [
             NodePresence(
                 node_id=node_id,
@@ -508,6 +509,19 @@ class SQLLockStore(LockStore):
             )
             for node_id, ip, version, seen, offset, locks, traits, age in rows
         ]
+
+    def _nodes_read(self) -> str:
+        """The presence read. A reader alters nothing: on a presence table from before the nodes'
+        weight and tags (a cluster not upgraded yet), it reads none (every node weighs 1)."""
+        self._ensure_table()  # first: it picks MariaDB's statements once it knows the server
+        if self._nodes_sql is None:
+            sql = self._sql.nodes_read
+            if self.backend.read_only:
+                columns = self.backend.run(lambda conn: self._columns(conn, self.nodes_table), "checking columns")
+                if columns and "traits" not in columns:
+                    sql = sql.replace("locks, traits,", "locks, NULL AS traits,")
+            self._nodes_sql = sql
+        return self._nodes_sql
 
     # -- pause and history -------------------------------------------------------------------
     def set_paused(self, name: str, paused: bool, by: str, *, catch_up: bool = False) -> LockRecord:
