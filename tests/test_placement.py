@@ -8,6 +8,7 @@ heartbeat round of every node, in turn.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -281,3 +282,52 @@ def test_a_change_of_weight_rebalances_and_says_so(caplog: pytest.LogCaptureFixt
     assert cluster.held() == {"a": 8, "b": 4}
     assert any("weights or tags changed: rebalanced" in r.getMessage() for r in caplog.records)
     assert sum("handed over to a (placement: rebalanced)" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_first_placement_honours_this_nodes_own_tags() -> None:
+    tagged, plain = FirstPlacement("web-1", NodeTraits(tags=("eu",))), FirstPlacement("web-2")
+    for placement in (tagged, plain):
+        placement.restrict("eu-only", ["tag:eu"])
+    assert tagged.asks("eu-only", 0.0) and not plain.asks("eu-only", 0.0)
+    assert tagged.to_take(MemoryLockStore(), {"eu-only": None}, 0.0) == ["eu-only"]
+    assert plain.to_take(MemoryLockStore(), {"eu-only": None}, 0.0) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--weight", "0"], {}, "bad node weight '0': use a number from 0.01 to 1000"),
+        (["--weight", "heavy"], {}, "bad node weight 'heavy'"),
+        ([], {"MUTEXCRON_WEIGHT": "-2"}, "bad node weight '-2'"),
+        (["--tag", "eu west"], {}, "bad node tag 'eu west': a tag is a letter or digit"),
+        (["--tag", "tag:eu"], {}, "bad node tag 'tag:eu'"),
+        ([], {"MUTEXCRON_TAGS": "eu,*"}, "bad node tag '*'"),
+    ],
+    ids=["zero", "not-a-number", "env-negative", "space", "prefix", "env-glob"],
+)
+def test_a_bad_weight_or_tag_stops_run_with_the_fix_and_creates_nothing(
+    args: list[str], env: dict[str, str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from mutexcron.cli.main import main
+
+    jobs = tmp_path / "jobs.py"
+    jobs.write_text("from mutexcron import MutexScheduler\nsched = MutexScheduler()\n")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(main, ["run", str(jobs), "--lock-url", f"sqlite:///{tmp_path}/locks.db", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "locks.db").exists(), "bad input changes nothing"
+
+
+def test_the_scheduler_takes_weight_and_tags_and_says_what_is_wrong() -> None:
+    sched = MutexScheduler(lock_url="memory://", weight=2, tags=["reports", "eu", "eu"])
+    assert sched.traits == NodeTraits(2.0, ("eu", "reports"))
+    sched.configure_mutex(tags=["batch"])
+    assert sched.traits == NodeTraits(2.0, ("batch",)), "the weight stays"
+    with pytest.raises(ConfigurationError, match="MUTEXCRON_WEIGHT"):
+        MutexScheduler(lock_url="memory://", weight=5000)
+    with pytest.raises(ConfigurationError, match="tag:eu"):
+        MutexScheduler(lock_url="memory://").mutex(lock="x", nodes="tag:")
