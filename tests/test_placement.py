@@ -19,7 +19,7 @@ from mutexcron.locks import Node
 from mutexcron.locks.memory import MemoryLockStore
 from mutexcron.node import NodeTraits
 from mutexcron.placement import BalancedPlacement, FirstPlacement, assign, new_placement, node_allowed, placement_mode
-from mutexcron.placement.balanced import FREE_GRACE
+from mutexcron.placement.balanced import FREE_GRACE, REASON_KEPT
 from tests.backends import FakeClock
 
 pytestmark = pytest.mark.memory
@@ -267,6 +267,22 @@ def test_every_move_is_logged_once_with_its_reason(caplog: pytest.LogCaptureFixt
     cluster.rounds(8, every=0.5)
     taken = [r for r in caplog.records if r.getMessage().startswith("took over lock")]
     assert len(taken) == 6 and all("from n3 (ip), whose heartbeat was 3.0s old" in r.getMessage() for r in taken)
+
+
+def test_a_move_reason_is_said_once_and_not_long_after_its_change() -> None:
+    cluster = Cluster(LOCKS[:4])
+    a = cluster.join("a")
+    cluster.join("b")
+    cluster.rounds(4)
+    placement = a.placement
+    assert isinstance(placement, BalancedPlacement)
+    cluster.nodes.pop("b").stop(timeout=0)
+    placement.refresh(cluster.store, cluster.locks, cluster.clock(), force=True)  # b left: its locks are placed on a
+    moved = [lock for lock in LOCKS[:4] if lock not in a.held()]
+    assert placement.move_reason(moved[0]) == "b left" and placement.move_reason(moved[0]) is None, "said once"
+    cluster.clock.advance(REASON_KEPT + 1)
+    placement.refresh(cluster.store, cluster.locks, cluster.clock(), force=True)  # no change: the reasons are old
+    assert placement.move_reason(moved[1]) is None
 
 
 def test_a_change_of_weight_rebalances_and_says_so(caplog: pytest.LogCaptureFixture) -> None:

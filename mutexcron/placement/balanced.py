@@ -37,6 +37,8 @@ FREE_GRACE = 3.0
 #: Seconds a lock taken that way is kept before placement may move it again (no back and forth
 #: with a placed node that does not take it).
 KEEP_AFTER_GRACE = 60.0
+#: Seconds the reason of a move is kept for the log line of the acquire or hand-over that makes it.
+REASON_KEPT = 30.0
 
 
 class BalancedPlacement(Restrictions):
@@ -55,6 +57,7 @@ class BalancedPlacement(Restrictions):
         self._traits: dict[str, NodeTraits] = {node_id: self.traits}  # live node -> its weight and tags, as last read
         self._placed_traits: dict[str, NodeTraits] = {}  # the traits of the current placement
         self._reasons: dict[str, str] = {}  # lock -> why it moved at the last change of placement (said once)
+        self._reasons_at = 0.0  # monotonic: when they were found
         self._owners: dict[str, str | None] = {}
         self._free_since: dict[str, tuple[float, float]] = {}  # lock -> (first, last) seen free, without a gap
         self._kept: dict[str, float] = {}  # lock -> monotonic time until it is kept here anyway
@@ -98,6 +101,7 @@ class BalancedPlacement(Restrictions):
         traits_changed = bool(self._placed_traits) and any(self._placed_traits.get(n, t) != t for n, t in traits.items())
         first = not self._placed_over  # this node's own start: its moves are the others' to log
         self._reasons = {} if first else self._moves(before, live, joined, left, expired)
+        self._reasons_at = now
         self._locks, self._placed_over, self._placed_traits = locks, live, traits
         if nodes_changed or traits_changed:
             mine = sum(1 for owner in self._owners.values() if owner == self.node_id)
@@ -210,7 +214,10 @@ class BalancedPlacement(Restrictions):
 
     def move_reason(self, lock: str) -> str | None:
         with self._mutex:
-            return self._reasons.pop(lock, None)
+            reason = self._reasons.pop(lock, None)
+            # A move follows its change within a few rounds: a reason older than that is not this acquire's.
+            fresh = self._read_at is not None and self._read_at - self._reasons_at <= REASON_KEPT
+            return reason if fresh else None
 
 
 def _why_moved(was: str, now: str | None, joined: Collection[str], left: Collection[str], expired: Collection[str]) -> str:
