@@ -42,7 +42,7 @@ def assert_every_change_was_followed(report: dict[str, Any]) -> None:
 @pytest.mark.cluster
 @pytest.mark.sqlite
 def test_placement_drill_follows_every_change_on_sqlite(tmp_path: Path) -> None:
-    report, stderr = run_drill_cli(f"sqlite:///{tmp_path}/drill.db", "--placement", cwd=tmp_path)
+    report, stderr = run_drill_cli(f"sqlite:///{tmp_path}/drill.db", "--placement", cwd=tmp_path, timeout=300)
     assert_every_change_was_followed(report)
     assert report["lease"] == UNACTIVE_INTERVAL
     if report["verdict"] == "PASS":
@@ -54,7 +54,7 @@ def test_placement_drill_follows_every_change_on_sqlite(tmp_path: Path) -> None:
 def test_placement_drill_follows_every_change_on_postgresql(tmp_path: Path) -> None:
     url = sql_url(require_server("postgresql"), "mc_drill_placement")
     try:
-        report, stderr = run_drill_cli(url, "--placement", cwd=tmp_path)
+        report, stderr = run_drill_cli(url, "--placement", cwd=tmp_path, timeout=300)
         assert_every_change_was_followed(report)
         if report["verdict"] == "PASS":
             assert_cleaned_up(stderr)
