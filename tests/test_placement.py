@@ -212,6 +212,14 @@ def test_the_locks_kept_on_some_nodes_are_placed_first_so_the_shares_stay_fair()
     assert all(owners[f"zz-eu-{i}"] == "big" for i in range(3))
 
 
+def test_the_weighted_rank_is_finite_at_the_ends_of_the_hash(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mutexcron.placement import rendezvous
+
+    for extreme in (0, 2**64 - 1):
+        monkeypatch.setattr(rendezvous, "_hash", lambda _lock, _node, value=extreme: value)
+        assert 0 < rendezvous._score("x", "a", 2.0) < math.inf  # never ln(0) or ln(1)
+
+
 def test_patterns_match_node_ids_or_tags_and_tag_patterns_tags_only() -> None:
     assert node_allowed("reports-1", ["reports-*"]) and node_allowed("web-1", ["reports-*"], ["reports-eu"])
     assert not node_allowed("web-1", ["reports-*"], ["eu"])

@@ -45,8 +45,9 @@ def _hash(lock: str, node_id: str) -> int:
 
 
 def _score(lock: str, node_id: str, weight: float = 1.0) -> float:
-    """The node's rank for ``lock``: ``-weight / ln(h)``, ``h`` the hash mapped into (0, 1)."""
-    unit = (_hash(lock, node_id) + 0.5) / 2.0**64
+    """The node's rank for ``lock``: ``-weight / ln(h)``, ``h`` the hash's top 52 bits mapped into
+    (0, 1), exactly as a float (never 0 or 1)."""
+    unit = ((_hash(lock, node_id) >> 12) + 0.5) / 2.0**52
     return -weight / math.log(unit)
 
 
