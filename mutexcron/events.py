@@ -43,7 +43,8 @@ __all__ = [
 
 log = logging.getLogger("mutexcron")
 
-#: This node became the holder of a lock that was free, released or its own.
+#: This node became the holder of a lock that was free, released or its own (``moved``: why
+#: placement moved it here, when it did: a node joined, left, its lease ran out, or rebalanced).
 EVENT_LOCK_ACQUIRED = 2**17
 #: This node no longer holds a lock (another node holds it, or no renewal succeeded within the lease).
 EVENT_LOCK_LOST = 2**18
@@ -167,7 +168,8 @@ def log_event(event: MutexEvent) -> None:
 
 
 def _acquired(e: MutexEvent) -> None:
-    log.info("acquired lock %r (token %d)", e.lock, e.token)
+    moved = e.details.get("moved")
+    log.info("acquired lock %r (token %d)%s", e.lock, e.token, f"; placement moved it here: {moved}" if moved else "")
 
 
 def _taken_over(e: MutexEvent) -> None:

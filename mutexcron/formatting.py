@@ -1,16 +1,17 @@
 """How the command line and the dashboard show values: ages, times, durations, clock offsets,
-clipped text, a task's fields. Plain functions of plain values: no store, no terminal."""
+clipped text, a node's share, weight and tags, a task's fields. Plain functions of plain values: no store, no terminal."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .tasks.base import TaskRecord
 
-__all__ = ["age", "clip", "duration", "offset", "record_json", "share", "when"]
+__all__ = ["age", "clip", "duration", "offset", "record_json", "share", "tags", "weight", "when"]
 
 
 def age(seconds: float | None) -> str:
@@ -29,6 +30,16 @@ def share(held: int, total: int) -> str:
     if total <= 0:
         return "-"
     return f"{held} of {total} ({100 * held / total:.0f}%)"
+
+
+def weight(value: float) -> str:
+    """A node's placement weight: ``1``, ``2.5``."""
+    return f"{value:g}"
+
+
+def tags(values: Iterable[str]) -> str:
+    """A node's tags: ``eu, reports``; ``-`` for none."""
+    return ", ".join(values) or "-"
 
 
 def when(value: datetime | None) -> str:

@@ -243,6 +243,7 @@ class LeaseManager:
             # the loop may have looked meanwhile and found nothing held, so this wakes it like a new lock.
             self._emit(EVENT_LOCK_LOST, name, old.token, reason="no renewal within the lease; held again now")
         self.node_id_check.took(name, sent_at)
+        moved = {"moved": why} if (why := self.placement.move_reason(name)) else {}
         if previous is not None and previous.holder and previous.holder != self.node.node_id:
             self._emit(
                 EVENT_LOCK_TAKEN_OVER,
@@ -251,9 +252,10 @@ class LeaseManager:
                 previous_holder=previous.holder,
                 previous_ip=previous.active_ip,
                 stale_for=previous.heartbeat_age or 0.0,
+                **moved,
             )
         else:
-            self._emit(EVENT_LOCK_ACQUIRED, name, token)
+            self._emit(EVENT_LOCK_ACQUIRED, name, token, **moved)
         return True
 
     def _emit(self, code: int, lock: str, token: int | None, **details: Any) -> None:
@@ -699,7 +701,7 @@ class LeaseManager:
         due = self._presence_at is None or self.clock() - self._presence_at >= every
         if not renewing and not due:
             return None
-        return Presence(__version__, self.offset.value)
+        return Presence(__version__, self.offset.value, traits=self.placement.traits)
 
     def _take_over(self) -> None:
         held = self.held()
@@ -757,7 +759,8 @@ class LeaseManager:
                 if held is None or self._running.get(name) or name in self._retiring:
                     continue
                 del self._held[name]
-            log.info("lock %r: handed over to %s (placement rebalanced)", name, successor)
+            why = self.placement.move_reason(name) or "rebalanced"
+            log.info("lock %r: handed over to %s (placement: %s)", name, successor, why)
             self.views.forget(name)
             self._release(name, held.token)
 

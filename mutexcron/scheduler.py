@@ -9,7 +9,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +33,7 @@ from .jobstores.lockstore import refuse_local_lock_store, shared_lock_url
 from .locks import DEFAULT_LOCK_URL, URL_ENV, LockStore, Node, default_lock_url, lock_store_from_url, store_scope_note
 from .locks.record import DEFAULT_MAX_ATTRS_BYTES
 from .mutex.lock import Mutex
-from .node import default_node_id, outbound_ip
+from .node import NodeTraits, default_node_id, outbound_ip
 from .observability.feed.writer import start_feed
 from .observability.pings import register as register_pings
 from .placement import Placement, new_placement, placement_mode
@@ -83,6 +83,10 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         placement: which locks this node asks for: ``"first"`` (the default: every node asks for
             every lock, the first holds it) or ``"balanced"`` (a preview: every live node its fair
             share; a move may still lose fire times); ``$MUTEXCRON_PLACEMENT`` sets it too.
+        weight: this node's weight under balanced placement (default 1: a node of weight 2 is placed
+            for about twice the locks); ``$MUTEXCRON_WEIGHT`` sets it too.
+        tags: this node's tags, matched by ``mutex(nodes="tag:eu")`` (and by plain patterns, as
+            node ids are); ``$MUTEXCRON_TAGS`` (comma-separated) sets them too.
         **kwargs: passed to the APScheduler scheduler. ``timezone`` is APScheduler's default (the
             host's zone); every node must compute a lock's cron and date fire times in the same zone,
             and a node in another zone than the lock's record refuses its jobs (the zone rule).
@@ -104,6 +108,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         metrics_port: int | None = None,
         metrics_host: str | None = None,
         placement: str | None = None,
+        weight: float | None = None,
+        tags: Sequence[str] | None = None,
         **kwargs: Any,
     ) -> None:
         self.lock_url = lock_url or default_lock_url()
@@ -127,6 +133,11 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         self._guard_context = GuardContext(self.unactive_interval, self.local_ip)
         self.shutdown_timeout = shutdown_timeout
         self.placement = placement_mode(placement or os.environ.get("MUTEXCRON_PLACEMENT"))
+        #: This node's weight and tags (placement reads every node's from its presence).
+        self.traits = NodeTraits.checked(
+            weight if weight is not None else os.environ.get("MUTEXCRON_WEIGHT"),
+            tags if tags is not None else os.environ.get("MUTEXCRON_TAGS"),
+        )
         self.max_attrs_bytes = max_attrs_bytes
         self.triggers = triggers
         self._own_store = lock_store is None  # built from the URL here: closed by shutdown()
@@ -165,6 +176,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         metrics_port: int | None = None,
         metrics_host: str | None = None,
         placement: str | None = None,
+        weight: float | str | None = None,
+        tags: Sequence[str] | None = None,
     ) -> None:
         """Override the lock settings before ``start()`` (the CLI's options use this).
 
@@ -186,6 +199,10 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             self.shutdown_timeout = shutdown_timeout
         if placement is not None:
             self.placement = placement_mode(placement)
+        if weight is not None or tags is not None:
+            self.traits = NodeTraits.checked(
+                self.traits.weight if weight is None else weight, self.traits.tags if tags is None else tags
+            )
         if task_concurrency is not None:
             self._tasks.concurrency = task_concurrency
         if task_retention is not ...:
@@ -580,7 +597,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
 
     def _new_placement(self) -> Placement:
         """This node's placement, with the ``mutex(nodes=...)`` patterns of its guarded locks."""
-        placement = new_placement(self.placement, self.node_id)
+        placement = new_placement(self.placement, self.node_id, self.traits)
         for guard in self._guarded.values():
             if not guard.config.callable_lock:
                 placement.restrict(guard.lock, guard.config.node_patterns)

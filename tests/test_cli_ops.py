@@ -7,6 +7,7 @@ checked on every backend by ``tests/test_contract.py``.
 from __future__ import annotations
 
 import json
+import re
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,6 +19,7 @@ from click.testing import CliRunner
 from mutexcron.cli import ops as cli_ops
 from mutexcron.cli.main import main
 from mutexcron.locks import FireClaim, Node, Presence, RunInfo, lock_store_from_url
+from mutexcron.node import NodeTraits
 
 pytestmark = pytest.mark.sqlite
 
@@ -121,6 +123,30 @@ def test_status_shows_pauses_nodes_and_each_jobs_last_run(url: str) -> None:
         ("reports", "jobs.report"),
     }
     assert next(lock for lock in data["locks"] if lock["name"] == "reports")["paused"] is True
+
+
+def test_status_shows_each_nodes_share_fair_share_weight_and_tags(tmp_path: Path) -> None:
+    """Issue 33: a node's share of the locks, its fair share by weight among the live nodes, its weight and tags."""
+    url = f"sqlite:///{tmp_path}/locks.db"
+    store = lock_store_from_url(url)
+    tokens = {name: store.acquire_or_renew(name, WEB1, ttl=30).token for name in ("a", "b", "c", "d", "e")}
+    store.renew_many(WEB1, tokens, presence=Presence("1.2.3", traits=NodeTraits(2.0, ("eu", "reports"))))
+    store.acquire_or_renew("f", WEB2, ttl=30)
+    store.renew_many(WEB2, {"f": 1}, presence=Presence("1.2.3"))
+    store.close()
+    result = invoke("status", "--lock-url", url)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    header = lines[lines.index("nodes (2 seen in the last 10 minutes):") + 1]
+    assert header.split()[-5:] == ["SHARE", "FAIR", "WEIGHT", "TAGS", "LOCKS"]
+    web1 = next(line for line in lines if line.startswith(WEB1.node_id))
+    assert re.split(r"\s{2,}", web1.strip())[-5:] == ["5 of 6 (83%)", "4", "2", "eu, reports", "a, b, c, d, e"], web1
+    web2 = next(line for line in lines if line.startswith(WEB2.node_id))
+    assert re.split(r"\s{2,}", web2.strip())[-5:] == ["1 of 6 (17%)", "2", "1", "-", "f"], web2
+    data = {n["node_id"]: n for n in json.loads(invoke("status", "--lock-url", url, "--json").output)["nodes"]}
+    one, two = data[WEB1.node_id], data[WEB2.node_id]
+    assert (one["weight"], one["tags"], one["share"], one["fair_share"]) == (2.0, ["eu", "reports"], 5, 4)
+    assert (two["weight"], two["tags"], two["share"], two["fair_share"]) == (1.0, [], 1, 2)
 
 
 def test_status_watch_prints_once_off_a_terminal(url: str) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from mutexcron.errors import AttrsError
 from mutexcron.locks import FireClaim, HeldClaim, Node, Presence, RunInfo
+from mutexcron.node import NodeTraits
 from tests import workers
 from tests.backends import ALL_BACKENDS, StoreCtx, backend_params
 from tests.test_batch_claims import counted
@@ -467,6 +468,21 @@ def test_presence_is_published_with_the_renewals(ctx: StoreCtx) -> None:
     assert (na.clock_offset, na.locks) == (-0.5, ("x",))
     assert a.renew_many(A, {"x": 1}) == {"x"}, "renew_many without a presence works as before"
     assert na.to_json()["locks"] == ["x"]
+
+
+def test_a_presence_carries_the_nodes_weight_and_tags(ctx: StoreCtx) -> None:
+    """Placement reads every node's weight and tags from its presence (issue 33): each store keeps them."""
+    a, viewer = ctx.make(), ctx.make()
+    assert a.acquire_or_renew("x", A, ttl=60).acquired
+    traits = NodeTraits.checked(2.5, ["reports", "eu"])
+    assert a.renew_many(A, {"x": 1}, presence=Presence("1.2.3", traits=traits)) == {"x"}
+    assert a.renew_many(B, {}, presence=Presence("1.2.3")) == set()
+    nodes = {n.node_id: n for n in viewer.nodes(prune=False)}
+    assert nodes[A.node_id].traits == NodeTraits(2.5, ("eu", "reports"))
+    assert nodes[B.node_id].traits == NodeTraits(), "a node without --weight or --tag: weight 1, no tags"
+    assert nodes[A.node_id].to_json()["weight"] == 2.5 and nodes[A.node_id].to_json()["tags"] == ["eu", "reports"]
+    assert a.renew_many(A, {"x": 1}, presence=Presence("1.2.3")) == {"x"}, "a later presence replaces them"
+    assert next(n for n in viewer.nodes() if n.node_id == A.node_id).traits == NodeTraits()
 
 
 def test_presence_older_than_its_ttl_is_pruned(ctx: StoreCtx, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,6 +27,7 @@ from mutexcron.dashboard.app import Dashboard
 from mutexcron.errors import ConfigurationError
 from mutexcron.locks import lock_store_from_url
 from mutexcron.locks.base import FireClaim, Node, Presence, RunInfo
+from mutexcron.node import NodeTraits
 from mutexcron.observability.feed import FeedEvent, feed_store_for
 from mutexcron.tasks import Fail, task_store_from_url
 from tests.backends import backend_params, cleanup_redis, drop_store_tables, require_server
@@ -1007,3 +1008,21 @@ def test_the_event_feed_node_states_and_folded_tracebacks_on_the_overview_job_an
     assert '<details class="error"><summary>ValueError: boom</summary><pre>Traceback' in job_page
     assert "<h1>Recent runs</h1>" in recent and "in send_reminders" in recent and "success</span>" not in recent
     assert "<h3>attempts</h3>" in task_page and "in send_email" in task_page and "failed</span>" in task_page
+
+
+def test_the_nodes_table_shows_each_nodes_share_fair_share_weight_and_tags(tmp_path: Path) -> None:
+    """Issue 33: the Overview's nodes, each with its share, its fair share by weight, its weight and tags."""
+    url = f"sqlite:///{tmp_path}/dash.db"
+    populate(url)
+    locks = lock_store_from_url(url)
+    try:
+        assert locks.renew_many(NODE, {"billing": 1, "reports": 1}, presence=Presence("0.1.0", traits=NodeTraits(3.0, ("eu",))))
+        assert locks.renew_many(Node("node-b:2:bb", "10.0.0.9"), {}, presence=Presence("0.1.0")) == set()
+    finally:
+        locks.close()
+    (overview,) = pages(url, "/")
+    nodes = overview.split('id="s-nodes"')[1].split("</table>")[0]
+    assert "<th>fair share</th><th>weight</th><th>tags</th>" in nodes.replace("\n", ""), nodes
+    row_a, row_b = (nodes.split(f">{name}</a>")[1].split("</tr>")[0] for name in (NODE.node_id, "node-b:2:bb"))
+    assert "<td>2 of 2 (100%)</td><td>2</td><td>3</td><td>eu</td>" in row_a, row_a
+    assert "<td>0 of 2 (0%)</td><td>1</td><td>1</td><td>-</td>" in row_b, row_b

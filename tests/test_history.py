@@ -24,6 +24,7 @@ from mutexcron.locks import LockStore, Node, Presence, RunInfo, RunRecord, lock_
 from mutexcron.locks.base import DEFAULT_HISTORY, history_option
 from mutexcron.locks.record import NodePresence, newest_first
 from mutexcron.locks.sql import SQLLockStore
+from mutexcron.node import NodeTraits
 from tests import test_contract as contract
 from tests.backends import ALL_BACKENDS, StoreCtx, backend_params, cleanup_sql, require_server
 from tests.mongomock_support import open_mongomock
@@ -251,9 +252,21 @@ OLD_TABLES = {
 }
 
 
+#: The presence table as mutexcron created it before the nodes' weight and tags (issue 33).
+OLD_NODE_TABLES = {
+    "sqlite": "CREATE TABLE {t}_nodes (node_id TEXT NOT NULL PRIMARY KEY, ip TEXT, version TEXT, seen TEXT NOT NULL, "
+    "clock_offset REAL, locks TEXT NOT NULL DEFAULT '[]')",
+    "mysql": "CREATE TABLE {t}_nodes (node_id VARCHAR(255) NOT NULL PRIMARY KEY, ip VARCHAR(64) NULL, version VARCHAR(64) NULL, "
+    "seen DATETIME(6) NOT NULL, clock_offset DOUBLE NULL, locks LONGTEXT NOT NULL) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 "
+    "COLLATE=utf8mb4_bin",
+    "postgresql": "CREATE TABLE {t}_nodes (node_id varchar(255) PRIMARY KEY, ip varchar(64), version varchar(64), "
+    "seen timestamptz NOT NULL, clock_offset double precision, locks text NOT NULL DEFAULT '[]')",
+}
+
+
 @pytest.fixture
 def old_table_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str]]:
-    """(kind, URL) of a lock table created by an earlier mutexcron, holding one released lock."""
+    """(kind, URL) of a lock table (and its presence table) created by an earlier mutexcron, holding one released lock."""
     kind: str = request.param
     table = f"mc_old_{secrets.token_hex(4)}"
     base = f"sqlite:///{tmp_path}/old.db" if kind == "sqlite" else require_server(kind)
@@ -261,6 +274,7 @@ def old_table_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tu
     engine = sqlalchemy.create_engine(SQLLockStore(url).backend.engine.url)
     with engine.begin() as conn:
         conn.execute(sqlalchemy.text(OLD_TABLES[kind].format(t=table)))
+        conn.execute(sqlalchemy.text(OLD_NODE_TABLES[kind].format(t=table)))
         insert = f"INSERT INTO {table} (name, token, ttl_ms, attrs, fires) VALUES ('old', 3, 1000, :attrs, '{{}}')"
         conn.execute(sqlalchemy.text(insert), {"attrs": '{"k": 1}'})
     engine.dispose()
@@ -293,11 +307,46 @@ def test_an_older_table_gets_the_new_columns_and_keeps_its_rows(old_table_url: t
         assert second.hand_off("old", A, 4, None, RunInfo(0.1, "boom", job="j"))
         assert [r.error for r in first.history("old")] == ["boom"]
         assert first.set_paused("old", True, "ops").paused
-        assert second.renew_many(A, {"old": 4}, presence=Presence("x")) == {"old"}
-        assert [n.locks for n in first.nodes()] == [("old",)]
+        assert second.renew_many(A, {"old": 4}, presence=Presence("x", traits=NodeTraits(2.0, ("eu",)))) == {"old"}
+        assert [(n.locks, n.traits) for n in first.nodes()] == [(("old",), NodeTraits(2.0, ("eu",)))]
+        assert second.renew_many(A, {"old": 4}, presence=Presence("x")) == {"old"}, "the second write: one statement"
     finally:
         for store in stores:
             store.close()
+
+
+@pytest.mark.parametrize(
+    "old_table_url",
+    [
+        pytest.param("sqlite", marks=pytest.mark.sqlite, id="sqlite"),
+        pytest.param("postgresql", marks=pytest.mark.postgresql, id="postgresql"),
+    ],
+    indirect=True,
+)
+def test_a_reader_reads_an_older_presence_table_without_altering_it(old_table_url: tuple[str, str]) -> None:
+    """A reader upgraded before the nodes (the dashboard's read-only store) reads their presences
+    (weight 1, no tags) from a presence table without the traits column, and adds no column."""
+    from mutexcron.backends.base import reading_only
+
+    _, url = old_table_url
+    table = url.split("table=")[1]
+    engine = sqlalchemy.create_engine(SQLLockStore(url).backend.engine.url)
+    reader = reading_only(lock_store_from_url(url))
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                sqlalchemy.text(f"INSERT INTO {table}_nodes (node_id, ip, version, seen, clock_offset, locks) "
+                                "VALUES ('old-node', '10.0.0.1', '0.1.0', :seen, NULL, '[]')"),
+                {"seen": datetime.now(timezone.utc).replace(tzinfo=None)},
+            )  # fmt: skip
+        (node,) = reader.nodes(prune=False)
+        assert (node.node_id, node.traits) == ("old-node", NodeTraits())
+        with engine.connect() as conn:
+            columns = {c["name"] for c in sqlalchemy.inspect(conn).get_columns(f"{table}_nodes")}
+        assert "traits" not in columns, "a reader alters nothing"
+    finally:
+        reader.close()
+        engine.dispose()
 
 
 @pytest.mark.sqlite

@@ -300,6 +300,7 @@ def test_scrape_after_known_runs(ctx: StoreCtx) -> None:
         assert value(h, "mutexcron_lease_held", lock="tick") == 1.0
         assert value(s, "mutexcron_lease_held", lock="tick") == 0.0
         assert value(h, "mutexcron_locks_held", node="holder") == 1.0
+        assert value(h, "mutexcron_node_weight", node="holder", tags="") == 1.0, "first placement: this node alone"
         assert value(s, "mutexcron_locks_held", node="standby") == 0.0
         assert value(s, "mutexcron_runs_total", job_id="tick", lock="tick", outcome="success") is None
         assert value(h, "mutexcron_store_up", store="lock") == 1.0
@@ -642,3 +643,28 @@ def test_idle_and_trickling_clients_are_capped_and_cut_off(tmp_path: Path, monke
         for client in clients:
             client.close()
         obs.stop()
+
+
+@pytest.mark.sqlite
+def test_the_share_gauges_show_every_live_nodes_weight_and_tags(tmp_path: Path) -> None:
+    """Issue 33: under balanced placement each node's scrape shows every live node's placed share,
+    weight and tags, as it read them from the presences."""
+    url = f"sqlite:///{tmp_path}/m.db"
+    big = make(url, node_id="big", placement="balanced", weight=2, tags=["eu", "reports"])
+    small = make(url, node_id="small", placement="balanced")
+    try:
+        big.start()
+        small.start()
+
+        def both_seen() -> bool:
+            scraped = scrape(port_of(small))
+            return value(scraped, "mutexcron_node_weight", node="big", tags="eu,reports") == 2.0
+
+        wait_for("small to read big's weight and tags", both_seen)
+        scraped = scrape(port_of(small))
+        assert value(scraped, "mutexcron_node_weight", node="small", tags="") == 1.0
+        placed = {node: value(scraped, "mutexcron_locks_placed", node=node) for node in ("big", "small")}
+        assert placed in ({"big": 1.0, "small": None}, {"big": None, "small": 1.0}), placed
+    finally:
+        small.shutdown()
+        big.shutdown()

@@ -9,6 +9,7 @@ may run twice at any point.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -18,11 +19,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from mutexcron.locks import lock_store_from_url
 from mutexcron.locks.base import LockStore
+from mutexcron.placement.balanced import FREE_GRACE
 from tests.backends import backend_params, cleanup_redis, cleanup_sql, require_server, sql_url
 
 pytestmark = pytest.mark.cluster
@@ -49,12 +52,12 @@ class Nodes:
         self.env = {**os.environ, "MANY_JOBS": str(JOBS), "MANY_JOBS_DIR": str(tmp_path), "MUTEXCRON_LOCK_URL": url,
                     "MUTEXCRON_PLACEMENT": "balanced"}
 
-    def start(self, node_id: str) -> None:
+    def start(self, node_id: str, *options: str) -> None:
         jobs_file = Path(__file__).parent / "nodes" / "many_jobs.py"
         ready = set(self.tmp_path.glob("ready-*"))
         self.procs[node_id] = subprocess.Popen(
             [sys.executable, "-m", "mutexcron", "run", str(jobs_file), "--node-id", node_id,
-             "--unactive-interval", str(LEASE), "--log-level", "warning"],
+             "--unactive-interval", str(LEASE), "--log-level", "warning", *options],
             env={**self.env, "MUTEXCRON_NODE_ID": node_id}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         wait(f"{node_id} to start", lambda: len(set(self.tmp_path.glob("ready-*")) - ready) == 1, START_DEADLINE)
@@ -79,9 +82,9 @@ def wait(what: str, condition: Callable[[], bool], timeout: float) -> float:
     return time.monotonic() - start
 
 
-def held_by(store: LockStore) -> Counter[str | None]:
+def held_by(store: LockStore, prefix: str = "many-") -> Counter[str | None]:
     """Active leases per holder (None: a lock free or stale now)."""
-    return Counter(r.holder if r.state == "active" else None for r in store.list() if r.name.startswith("many-"))
+    return Counter(r.holder if r.state == "active" else None for r in store.list() if r.name.startswith(prefix))
 
 
 def balanced(store: LockStore, nodes: list[str]) -> bool:
@@ -175,3 +178,45 @@ def test_a_rolling_restart_runs_every_fire_time_once(kind: str, tmp_path: Path) 
     # reported (-s), not asserted, until a move hands a lock over at a fire-time boundary; nothing
     # running twice is asserted above.
     assert len(missed) < len(expected), "no fire time ran at all"
+
+
+@pytest.mark.parametrize("kind", backend_params("sqlite", "postgresql"))
+def test_a_heavier_node_holds_twice_the_share_and_tagged_locks_stay_on_tagged_nodes(kind: str, tmp_path: Path) -> None:
+    """Issue 33 part 4: `run --weight 2 --tag eu` against a plain node: 60 locks and 3 kept on tag eu
+    (tests/nodes/many_jobs.py) split 42/21 (ceil(63 * 2/3), the eu locks on the tagged node); `status`
+    shows the weights and tags; once the tagged node leaves, its eu locks wait for a tagged node."""
+    from click.testing import CliRunner
+
+    from mutexcron.cli.main import main
+
+    url = _url(kind, tmp_path)
+    store = lock_store_from_url(url)
+    nodes = Nodes(url, tmp_path)
+    nodes.env["MANY_JOBS_TAGGED"] = "3"
+    try:
+        nodes.start("big", "--weight", "2", "--tag", "eu")
+        nodes.start("small")
+        wait("42 and 21", lambda: held_by(store) == Counter({"big": 42, "small": 21}), 6 * LEASE)
+        assert held_by(store, "many-eu-") == Counter({"big": 3})
+
+        def status() -> dict[str, Any]:
+            shown = CliRunner().invoke(main, ["status", "--lock-url", url, "--json"]).output
+            return {n["node_id"]: n for n in json.loads(shown)["nodes"]}
+
+        # A node's presence lists its locks at its next renewal (within lease/3).
+        wait("status to show 42 and 21", lambda: {n: v["share"] for n, v in status().items()} == {"big": 42, "small": 21}, LEASE)
+        shown = status()
+        assert {n: (v["weight"], v["tags"]) for n, v in shown.items()} == {"big": (2.0, ["eu"]), "small": (1.0, [])}
+        fair = {n: v["fair_share"] for n, v in shown.items()}
+        assert abs(fair["big"] - 2 * fair["small"]) <= 1, fair  # of every lock record (internal locks too)
+        nodes.stop("big", signal.SIGTERM)
+        wait("small holds the 60 others", lambda: held_by(store)["small"] == JOBS, 4 * LEASE)
+        time.sleep(FREE_GRACE + 2.0)  # longer than a free lock placed elsewhere waits before anyone takes it
+        assert held_by(store, "many-eu-")["small"] == 0, "no node tagged eu: its locks stay free"
+    finally:
+        nodes.close()
+        store.close()
+        if kind == "postgresql":
+            cleanup_sql(url)
+    runs = _fire_times(tmp_path)
+    assert not [k for k, n in runs.items() if n > 1], "no fire time ran twice"

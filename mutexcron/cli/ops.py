@@ -27,10 +27,13 @@ from ..errors import ConfigurationError, MutexcronError
 from ..formatting import duration as _duration
 from ..formatting import offset as _offset
 from ..formatting import share as _share
+from ..formatting import tags as _tags
+from ..formatting import weight as _weight
 from ..locks import DEFAULT_LOCK_URL, LockStore, lock_store_from_url
 from ..locks.base import FORGET_DELETED, FORGET_HELD, FORGET_MISSING
 from ..locks.record import LockRecord, NodePresence, RunRecord
 from ..names import check_name, printable
+from ..placement.rendezvous import capacities
 from .common import EXIT_FAILURE, _age, _clip, _did_you_mean, _fail, _fail_on, _lock_url_option, _setup_logging, _when
 
 __all__ = [
@@ -70,14 +73,25 @@ def format_status(records: Sequence[LockRecord]) -> str:
 
 def format_nodes(nodes: Sequence[NodePresence], live: Mapping[str, bool] | None = None, total: int = 0) -> str:
     """One line per node: id, state (``live``/``stale``, see :func:`node_liveness`), IP, version,
-    last seen, clock offset, its share of the ``total`` locks, the locks it holds."""
-    header = ("NODE", "STATE", "IP", "VERSION", "LAST SEEN (UTC)", "AGO", "CLOCK OFFSET", "SHARE", "LOCKS")
+    last seen, clock offset, its share of the ``total`` locks and its fair share (:func:`fair_shares`),
+    its weight and tags, the locks it holds."""
+    header = ("NODE", "STATE", "IP", "VERSION", "LAST SEEN (UTC)", "AGO", "CLOCK OFFSET", "SHARE", "FAIR", "WEIGHT", "TAGS",
+              "LOCKS")  # fmt: skip
+    fair = fair_shares(nodes, live, total)
     rows = [
         (_clip(n.node_id, 40), _node_state(live, n.node_id), n.ip or "-", n.version or "-", _when(n.last_seen),
-         _age(n.age), _offset(n.clock_offset), _share(len(n.locks), total), _clip(", ".join(n.locks) or "-", 60))
+         _age(n.age), _offset(n.clock_offset), _share(len(n.locks), total), str(fair.get(n.node_id, "-")),
+         _weight(n.traits.weight), _clip(_tags(n.traits.tags), 30), _clip(", ".join(n.locks) or "-", 60))
         for n in nodes
     ]  # fmt: skip
     return _table(header, rows)
+
+
+def fair_shares(nodes: Sequence[NodePresence], live: Mapping[str, bool] | None, total: int) -> dict[str, int]:
+    """Live node id -> its fair share of ``total`` locks under balanced placement:
+    ``ceil(total * weight / the live nodes' total weight)`` (``mutex(nodes=...)`` patterns aside)."""
+    weights = {n.node_id: n.traits.weight for n in nodes if live is None or live.get(n.node_id, False)}
+    return capacities(weights, total, weights) if total > 0 else {}
 
 
 def _node_state(live: Mapping[str, bool] | None, node_id: str) -> str:
@@ -415,7 +429,8 @@ class StatusReport:
         }
 
     def _node_json(self, node: NodePresence) -> dict[str, Any]:
-        return {**node.to_json(), "state": _node_state(self.live, node.node_id), "share": len(node.locks)}
+        fair = fair_shares(self.nodes or [], self.live, len(self.records)).get(node.node_id)
+        return {**node.to_json(), "state": _node_state(self.live, node.node_id), "share": len(node.locks), "fair_share": fair}
 
     def lines(self) -> Iterator[str]:
         count = len(self.records)

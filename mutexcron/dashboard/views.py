@@ -22,10 +22,13 @@ from ..formatting import clip as _clip
 from ..formatting import offset as _offset
 from ..formatting import record_json
 from ..formatting import share as _share
+from ..formatting import tags as _tags
+from ..formatting import weight as _weight
 from ..formatting import when as _when
 from ..locks.record import LockRecord, NodePresence, RunRecord
 from ..names import printable
 from ..observability.feed import FEED_KINDS, FeedEvent
+from ..placement.rendezvous import capacities
 from ..tasks import STATES, CodeSummary, TaskRecord
 from ..tasks.handlers import INTERNAL_PREFIX
 from ..version import __version__
@@ -215,15 +218,21 @@ def _nodes(ctx: Context) -> str:
         if record.holder is not None and record.state == "active":
             held.setdefault(record.holder, []).append(record.name)
     chosen = ctx.query.get("node")
+    total = len(snap.locks or ())
+    live_weights = {n.node_id: n.traits.weight for n in snap.nodes if snap.live(n)}
+    fair = capacities(live_weights, total, live_weights) if total else {}
     rows = [
         (f'<a href="{ctx.link("", node=n.node_id)}">{_t(n.node_id)}</a>', _node_state(snap, n), _t(n.ip), _t(n.version),
          _ago(snap, n.last_seen), escape(_offset(n.clock_offset)),
-         escape(_share(len(held.get(n.node_id, [])), len(snap.locks or ()))),
+         escape(_share(len(held.get(n.node_id, [])), total)), _t(str(fair.get(n.node_id, "-"))),
+         _t(_weight(n.traits.weight)), _t(_tags(n.traits.tags)),
          f'<span class="held">{_t(", ".join(held.get(n.node_id, [])) or None)}</span>')
         for n in snap.nodes
         if chosen in (None, "", n.node_id)
     ]  # fmt: skip
-    return _table(("node", "state", "IP", "version", "last seen", "clock offset", "share", "locks held"), rows, "nodes")
+    header = ("node", "state", "IP", "version", "last seen", "clock offset", "share", "fair share", "weight", "tags",
+              "locks held")  # fmt: skip
+    return _table(header, rows, "nodes")
 
 
 def _node_state(snap: Snapshot, node: NodePresence) -> str:

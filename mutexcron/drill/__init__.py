@@ -22,6 +22,11 @@ nodes sharing one APScheduler job store: :mod:`~mutexcron.drill.shared_scenario`
 :mod:`~mutexcron.drill.shared_node_jobs` (the nodes' scheduler), :mod:`~mutexcron.drill.shared_jobs`
 (the job store and the job, importable without side effects) and :mod:`~mutexcron.drill.shared_report`
 (:func:`format_shared_report`).
+
+The placement drill (``mutexcron drill --placement``), nodes under balanced placement joining,
+leaving, killed and coming back: :mod:`~mutexcron.drill.placement_scenario` (:func:`run_placement_drill`),
+:mod:`~mutexcron.drill.placement_node_jobs` (the nodes' every-second jobs, one lock each) and
+:mod:`~mutexcron.drill.placement_report` (:func:`format_placement_report`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from __future__ import annotations
 from .analysis import percentile
 from .cluster import NODE_JOBS, Cluster, libfaketime
 from .node_side import TimedLockStore, die_with_parent, timed_store_from_env
+from .placement_report import PlacementDrillReport, format_placement_report
+from .placement_scenario import PLACEMENT_NODE_JOBS, run_placement_drill
 from .records import NodeOps, Tick
 from .report import DrillReport, PhaseMark, format_report
 from .scenario import PHASES, check_drill_url, run_drill
@@ -40,24 +47,28 @@ from .tasks_scenario import TASK_NODE_JOBS, run_task_drill
 __all__ = [
     "NODE_JOBS",
     "PHASES",
+    "PLACEMENT_NODE_JOBS",
     "SHARED_NODE_JOBS",
     "TASK_NODE_JOBS",
     "Cluster",
     "DrillReport",
     "NodeOps",
     "PhaseMark",
+    "PlacementDrillReport",
     "SharedDrillReport",
     "TaskDrillReport",
     "Tick",
     "TimedLockStore",
     "check_drill_url",
     "die_with_parent",
+    "format_placement_report",
     "format_report",
     "format_shared_report",
     "format_task_report",
     "libfaketime",
     "percentile",
     "run_drill",
+    "run_placement_drill",
     "run_shared_drill",
     "run_task_drill",
     "timed_store_from_env",

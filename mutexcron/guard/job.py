@@ -145,10 +145,12 @@ class MutexConfig:
         if self.lock_else is not None and not callable(self.lock_else):
             raise ConfigurationError(f"mutex(lock_else=...) must be callable, not {self.lock_else!r}")
         patterns = self.node_patterns
-        if patterns is not None and (self.callable_lock or not patterns or not all(isinstance(p, str) and p for p in patterns)):
+        if patterns is not None and (
+            self.callable_lock or not patterns or not all(isinstance(p, str) and p.strip() not in ("", "tag:") for p in patterns)
+        ):
             raise ConfigurationError(
-                f"mutex(nodes=...) takes a node id pattern or a list of them, such as nodes='reports-*', not {self.nodes!r}"
-                " (and needs a lock name, not the callable-lock mode)"
+                "mutex(nodes=...) takes a node id or tag pattern or a list of them, such as nodes='reports-*' or "
+                f"nodes='tag:eu', not {self.nodes!r} (and needs a lock name, not the callable-lock mode)"
             )
         if self.ping is not None and self.callable_lock:
             raise ConfigurationError("mutex(ping=...) needs a lock name: the callable-lock mode has no run events to ping")

@@ -55,12 +55,13 @@ import re
 import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from json.encoder import encode_basestring
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..node import NodeTraits
 from ..timeutil import MICROSECONDS, as_utc, us_from_datetime
 from ..urls import mask_url, pop_query
 from .record import LockRecord, NodePresence, RunRecord, newest_first
@@ -218,6 +219,8 @@ class Presence:
     clock_offset: float | None = None
     #: The locks the node holds; None: the names in the same call's ``leases``.
     locks: tuple[str, ...] | None = None
+    #: The node's placement weight and tags (every node places the locks from them).
+    traits: NodeTraits = field(default_factory=NodeTraits)
 
     def held(self, leases: Mapping[str, int]) -> list[str]:
         """The lock names to publish, sorted."""

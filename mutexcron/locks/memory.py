@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends.memory import MemoryBackend
+from ..node import NodeTraits
 from .base import (
     FORGET_CLEARED,
     FORGET_DELETED,
@@ -66,6 +67,7 @@ class _NodeRow:
     seen: float
     clock_offset: float | None
     locks: tuple[str, ...]
+    traits: NodeTraits
 
 
 class MemoryLockStore(LockStore):
@@ -195,7 +197,9 @@ class MemoryLockStore(LockStore):
                     renewed.add(name)
             if presence is not None:
                 held = tuple(presence.held(leases))
-                self._nodes[node.node_id] = _NodeRow(node.ip, presence.version, now, presence.clock_offset, held)
+                self._nodes[node.node_id] = _NodeRow(
+                    node.ip, presence.version, now, presence.clock_offset, held, presence.traits
+                )
                 self._prune(now)
         return renewed
 
@@ -210,7 +214,9 @@ class MemoryLockStore(LockStore):
                 self._prune(now)
             wall = self.backend.wall
             return [
-                NodePresence(node_id, r.ip, r.version, wall(r.seen, now), max(0.0, now - r.seen), r.clock_offset, r.locks)
+                NodePresence(
+                    node_id, r.ip, r.version, wall(r.seen, now), max(0.0, now - r.seen), r.clock_offset, r.locks, r.traits
+                )
                 for node_id, r in sorted(self._nodes.items())
                 if now - r.seen <= PRESENCE_TTL
             ]

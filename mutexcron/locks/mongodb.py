@@ -48,6 +48,7 @@ from pymongo import ReturnDocument, UpdateMany, UpdateOne
 
 from ..backends.base import UncertainOutcome
 from ..backends.mongodb import MongoDBBackend
+from ..node import NodeTraits
 from ..timeutil import EPOCH, as_utc
 from .base import (
     FORGET_CLEARED,
@@ -389,6 +390,7 @@ class MongoDBLockStore(LockStore):
             "version": presence.version,
             "clock_offset": presence.clock_offset,
             "locks": presence.held(leases),
+            "traits": presence.traits.to_json(),
         }
         values = {k: {"$literal": v} for k, v in fields.items()}
         return UpdateOne({"_id": {"node": node.node_id}}, [{"$set": {**values, "seen": now}}], upsert=True)
@@ -575,4 +577,5 @@ def _presence(doc: Mapping[str, Any]) -> NodePresence:
         age=None if age_ms is None else max(0.0, float(age_ms) / 1000),
         clock_offset=optional_float(doc.get("clock_offset")),
         locks=load_locks(doc.get("locks")),
+        traits=NodeTraits.from_json(doc.get("traits")),
     )

@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..errors import AttrsError
+from ..node import NodeTraits
 from ..timeutil import MICROSECONDS, MILLISECONDS, as_utc
 from ..timeutil import us_from_datetime as us_from_datetime  # re-exported: guard/job.py and guard/firetimes.py use it
 
@@ -344,6 +345,8 @@ class NodePresence:
         clock_offset: the node's wall clock minus the store's, in seconds, as the node measured it
             (None until it knows).
         locks: the locks it held then, sorted.
+        traits: its placement weight and tags (``mutexcron run --weight/--tag``; defaults for a
+            node of an earlier mutexcron).
     """
 
     node_id: str
@@ -353,6 +356,7 @@ class NodePresence:
     age: float | None = None
     clock_offset: float | None = None
     locks: tuple[str, ...] = ()
+    traits: NodeTraits = field(default_factory=NodeTraits)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict, as ``status --json`` prints."""
@@ -364,6 +368,7 @@ class NodePresence:
             "age": None if self.age is None else round(self.age, 3),
             "clock_offset": self.clock_offset,
             "locks": list(self.locks),
+            **self.traits.to_json(),
         }
 
 

@@ -24,6 +24,7 @@ from redis.cluster import RedisCluster
 from redis.sentinel import Sentinel
 
 from ..backends.redis import RedisBackend, now_ms
+from ..node import NodeTraits
 from ..timeutil import MILLISECONDS, as_utc
 from .base import (
     PRESENCE_TTL,
@@ -296,6 +297,7 @@ class RedisLockStore(LockStore):
         """The presence as stored, but for ``seen`` (the script adds it)."""
         fields: dict[str, Any] = {"ip": node.ip, "version": presence.version, "clock_offset": presence.clock_offset}
         fields["locks"] = presence.held(leases)
+        fields["traits"] = presence.traits.to_json()
         return json.dumps(fields, ensure_ascii=False, separators=(",", ":"))
 
     def nodes(self, *, prune: bool = True) -> list[NodePresence]:
@@ -318,6 +320,7 @@ class RedisLockStore(LockStore):
             age=None if seen is None else max(0.0, (now - int(seen)) / 1000),
             clock_offset=optional_float(value.get("clock_offset")),
             locks=load_locks(value.get("locks")),
+            traits=NodeTraits.from_json(value.get("traits")),
         )
 
     def set_paused(self, name: str, paused: bool, by: str, *, catch_up: bool = False) -> LockRecord:

@@ -48,6 +48,7 @@ from sqlalchemy.engine import Connection, Engine
 from ..backends.base import UncertainOutcome
 from ..backends.sql import SQLBackend
 from ..errors import StoreError
+from ..node import NodeTraits
 from ..timeutil import as_utc
 from .base import (
     FORGET_CLEARED,
@@ -159,6 +160,7 @@ class SQLLockStore(LockStore):
         #: The presence table (the lock table's name + ``_nodes``).
         self.nodes_table = f"{self.table}_nodes"
         self._presence_rows: set[str] = set()  # nodes whose presence row this store object has written
+        self._nodes_sql: str | None = None  # the presence read, chosen at its first use (:meth:`_nodes_read`)
         self._pads = False  # set when the table is first used: a MySQL table whose collation ignores trailing spaces
 
     @property
@@ -172,20 +174,19 @@ class SQLLockStore(LockStore):
         Then the presence table's, and, as a ``--`` comment, the ``ALTER TABLE`` statements that
         bring a lock table created by an earlier mutexcron up to date (the store runs them itself).
         """
-        upgrade = "\n".join(f"--   {statement};" for statement in self._add_column_statements())
-        note = f"-- a lock table created before the run history and the pause flag gets these columns:\n{upgrade}"
+        statements = [*self._add_column_statements(), *self._add_column_statements(nodes=True)]
+        upgrade = "\n".join(f"--   {statement};" for statement in statements)
+        note = f"-- lock and presence tables created by an earlier mutexcron get these columns:\n{upgrade}"
         tables = [s.replace("COLLATE=utf8mb4_bin", "COLLATE=utf8mb4_nopad_bin") for s in (*self._sql.ddl, *self._sql.nodes_ddl)]
         if self._sql.dialect == "mysql":
             tables.append("-- on MySQL 8, COLLATE=utf8mb4_0900_bin (a binary collation that does not ignore trailing spaces)")
         return [*tables, note]
 
-    def _add_column_statements(self, names: Iterable[str] | None = None) -> list[str]:
+    def _add_column_statements(self, names: Iterable[str] | None = None, *, nodes: bool = False) -> list[str]:
         wanted = None if names is None else set(names)
-        return [
-            f"ALTER TABLE {self.table} ADD COLUMN {name} {definition}"
-            for name, definition in self._sql.added_columns
-            if wanted is None or name in wanted
-        ]
+        table, columns = (self.nodes_table, self._sql.added_node_columns) if nodes else (self.table, self._sql.added_columns)
+        wanted_columns = [(name, definition) for name, definition in columns if wanted is None or name in wanted]
+        return [f"ALTER TABLE {table} ADD COLUMN {name} {definition}" for name, definition in wanted_columns]
 
     # -- plumbing ----------------------------------------------------------------------------
     def _ensure_table(self) -> None:
@@ -205,20 +206,23 @@ class SQLLockStore(LockStore):
         self._add_columns(conn)
         self._pads = self.backend.pads_spaces(conn, self.table, "name")
 
-    def _columns(self, conn: Connection) -> set[str]:
-        return {str(column["name"]).lower() for column in sqlalchemy.inspect(conn).get_columns(self.table)}
+    def _columns(self, conn: Connection, table: str) -> set[str]:
+        return {str(column["name"]).lower() for column in sqlalchemy.inspect(conn).get_columns(table)}
 
     def _add_columns(self, conn: Connection) -> None:
-        """Add the columns a table created by an earlier mutexcron lacks (another node may add them at the same time)."""
-        missing = {name for name, _ in self._sql.added_columns} - self._columns(conn)
-        for statement in self._add_column_statements(missing):
-            try:
-                conn.execute(self.backend.text(statement))
-            except sa_exc.DBAPIError:
-                if missing - self._columns(conn):  # not a concurrent ALTER that added them: a real failure
-                    raise
-                return
-            log.info("%s: %s", self.masked_url, statement)
+        """Add the columns the lock and presence tables created by an earlier mutexcron lack (another
+        node may add them at the same time)."""
+        tables = ((self.table, self._sql.added_columns), (self.nodes_table, self._sql.added_node_columns))
+        for nodes, (table, added) in enumerate(tables):
+            missing = {name for name, _ in added} - self._columns(conn, table)
+            for statement in self._add_column_statements(missing, nodes=bool(nodes)):
+                try:
+                    conn.execute(self.backend.text(statement))
+                except sa_exc.DBAPIError:
+                    if missing - self._columns(conn, table):  # not a concurrent ALTER that added them: a real failure
+                        raise
+                    break
+                log.info("%s: %s", self.masked_url, statement)
 
     def _run(self, work: Callable[[Connection], _T], what: str) -> _T:
         self._ensure_table()
@@ -440,6 +444,7 @@ class SQLLockStore(LockStore):
             "version": presence.version[:64],
             "offset": presence.clock_offset,
             "locks": presence.locks_text(leases),
+            "traits": presence.traits.json_text(),
             "dur": float(PRESENCE_TTL),
             "dur_us": PRESENCE_TTL * 1_000_000,
         }
@@ -490,7 +495,7 @@ class SQLLockStore(LockStore):
         params = {"dur": float(PRESENCE_TTL), "dur_us": PRESENCE_TTL * 1_000_000}
         if prune:  # the read below skips the old rows either way
             self._write(self._sql.presence_prune, params, "nodes (prune)")
-        rows, _ = self._execute(self._sql.nodes_read, params, "nodes")
+        rows, _ = self._execute(self._nodes_read(), params, "nodes")
         return [
             NodePresence(
                 node_id=node_id,
@@ -500,9 +505,23 @@ class SQLLockStore(LockStore):
                 age=None if age is None else max(0.0, float(age)),
                 clock_offset=optional_float(offset),
                 locks=load_locks(locks),
+                traits=NodeTraits.from_json(traits),
             )
-            for node_id, ip, version, seen, offset, locks, age in rows
+            for node_id, ip, version, seen, offset, locks, traits, age in rows
         ]
+
+    def _nodes_read(self) -> str:
+        """The presence read. A reader alters nothing: on a presence table from before the nodes'
+        weight and tags (a cluster not upgraded yet), it reads none (every node weighs 1)."""
+        self._ensure_table()  # first: it picks MariaDB's statements once it knows the server
+        if self._nodes_sql is None:
+            sql = self._sql.nodes_read
+            if self.backend.read_only:
+                columns = self.backend.run(lambda conn: self._columns(conn, self.nodes_table), "checking columns")
+                if columns and "traits" not in columns:
+                    sql = sql.replace("locks, traits,", "locks, NULL AS traits,")
+            self._nodes_sql = sql
+        return self._nodes_sql
 
     # -- pause and history -------------------------------------------------------------------
     def set_paused(self, name: str, paused: bool, by: str, *, catch_up: bool = False) -> LockRecord:

@@ -32,7 +32,7 @@ COLUMNS = (
     "paused, paused_at, paused_by, resume_catch_up, zone, triggers"
 )
 #: The presence columns ``nodes`` reads (then the age of ``seen``).
-NODE_COLUMNS = "node_id, ip, version, seen, clock_offset, locks"
+NODE_COLUMNS = "node_id, ip, version, seen, clock_offset, locks, traits"
 #: A fire time no claim can be below: ``COALESCE(stored, -1) < -1`` is always false.
 NO_CLAIM = -1
 
@@ -214,11 +214,13 @@ _MY_RUNS = _MY_LAST_RUNS.replace("{old}", "NULLIF(runs, '')")
 _SQLITE_RUNS = _sqlite_last_runs("NULLIF(runs, '')")
 
 #: The presence of nodes (``{n}``: the lock table's name + ``_nodes``), upserted with a renewal.
-#: Parameters: me, ip, version, offset, locks (JSON text).
-_PRESENCE_VALUES = "(node_id, ip, version, seen, clock_offset, locks) VALUES (:me, :ip, :version, {now}, :offset, :locks)"
+#: Parameters: me, ip, version, offset, locks (JSON text), traits (JSON text: the node's weight and tags).
+_PRESENCE_VALUES = (
+    "(node_id, ip, version, seen, clock_offset, locks, traits) VALUES (:me, :ip, :version, {now}, :offset, :locks, :traits)"
+)
 _PRESENCE_UPSERT = f"""INSERT INTO {{n}} {_PRESENCE_VALUES}
 ON CONFLICT (node_id) DO UPDATE SET ip = excluded.ip, version = excluded.version, seen = excluded.seen,
-    clock_offset = excluded.clock_offset, locks = excluded.locks"""
+    clock_offset = excluded.clock_offset, locks = excluded.locks, traits = excluded.traits"""
 #: Presence rows older than :data:`mutexcron.locks.base.PRESENCE_TTL` (``{cutoff}``: :dur/:dur_us seconds ago).
 _PRESENCE_PRUNE = "DELETE FROM {n} WHERE seen < {cutoff}"
 _NODES_READ = "SELECT {node_cols}, {seen_age} AS age FROM {n} WHERE seen >= {cutoff} ORDER BY node_id"
@@ -258,6 +260,8 @@ class LockStatements:
     nodes_ddl: tuple[str, ...]
     #: Columns added since the first schema: ``(name, definition)``, added to older tables by ``ALTER TABLE``.
     added_columns: tuple[tuple[str, str], ...]
+    #: The same for the presence table.
+    added_node_columns: tuple[tuple[str, str], ...]
     #: ``set_paused``: returns the row like ``acquire`` (MySQL 8: the store reads it back in the same transaction).
     set_paused: str
     #: ``renew_many`` with a presence, one statement: PostgreSQL returns the renewed names; MySQL
@@ -362,7 +366,8 @@ POSTGRESQL = LockStatements(
     version      varchar(64),
     seen         timestamptz  NOT NULL,
     clock_offset double precision,
-    locks        text         NOT NULL DEFAULT '[]'
+    locks        text         NOT NULL DEFAULT '[]',
+    traits       text
 )""",
         "CREATE INDEX IF NOT EXISTS {n}_seen ON {n} (seen)",
     ),
@@ -376,6 +381,7 @@ POSTGRESQL = LockStatements(
         ("zone", "varchar(64)"),
         ("triggers", "text"),
     ),
+    added_node_columns=(("traits", "text"),),
     history_set=_PG_HISTORY,
     runs_set=_PG_RUNS,
     set_paused=f"""
@@ -394,10 +400,10 @@ WITH r AS (
 {presence_upsert}
 )
 SELECT name FROM r""",
-    presence_upsert="""INSERT INTO {n} (node_id, ip, version, seen, clock_offset, locks)
-VALUES (:me, :ip, :version, {now}, CAST(:offset AS double precision), :locks)
+    presence_upsert="""INSERT INTO {n} (node_id, ip, version, seen, clock_offset, locks, traits)
+VALUES (:me, :ip, :version, {now}, CAST(:offset AS double precision), :locks, :traits)
 ON CONFLICT (node_id) DO UPDATE SET ip = excluded.ip, version = excluded.version, seen = excluded.seen,
-    clock_offset = excluded.clock_offset, locks = excluded.locks""",
+    clock_offset = excluded.clock_offset, locks = excluded.locks, traits = excluded.traits""",
     acquire="""
 INSERT INTO {t} AS l (name, holder, active_ip, token, hb, ttl_ms, attrs, fires)
 VALUES (:name, :me, :ip, 1, {now}, :ttl_ms, '{{}}',
@@ -549,6 +555,7 @@ MYSQL = LockStatements(
     seen         DATETIME(6)  NOT NULL,
     clock_offset DOUBLE       NULL,
     locks        LONGTEXT     NOT NULL,
+    traits       LONGTEXT     NULL,
     INDEX {n}_seen (seen)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
     ),
@@ -562,6 +569,7 @@ MYSQL = LockStatements(
         ("zone", "VARCHAR(64) NULL"),
         ("triggers", "LONGTEXT NULL"),
     ),
+    added_node_columns=(("traits", "LONGTEXT NULL"),),
     history_set=_MY_HISTORY,
     runs_set=_MY_RUNS,
     set_paused=f"""
@@ -571,10 +579,12 @@ ON DUPLICATE KEY UPDATE paused = :paused, paused_at = {{now}}, paused_by = :by, 
     # updated with no lock held too). It needs the node row: the store inserts it first (once).
     renew_presence="""
 UPDATE {n} AS n LEFT JOIN {t} AS l ON l.holder = :me AND (l.name, l.token) IN ({pairs})
-SET n.ip = :ip, n.version = :version, n.seen = {now}, n.clock_offset = :offset, n.locks = :locks, l.hb = {now}
+SET n.ip = :ip, n.version = :version, n.seen = {now}, n.clock_offset = :offset, n.locks = :locks, n.traits = :traits,
+    l.hb = {now}
 WHERE n.node_id = :me""",
     presence_upsert=f"""INSERT INTO {{n}} {_PRESENCE_VALUES}
-ON DUPLICATE KEY UPDATE ip = :ip, version = :version, seen = {{now}}, clock_offset = :offset, locks = :locks""",
+ON DUPLICATE KEY UPDATE ip = :ip, version = :version, seen = {{now}}, clock_offset = :offset, locks = :locks,
+    traits = :traits""",
     acquire=_MYSQL_ACQUIRE,
     acquire_returns_row=False,  # MySQL 8 has no RETURNING
     renew_many="UPDATE {t} SET hb = {now} WHERE holder = :me AND (name, token) IN ({pairs})",
@@ -639,7 +649,8 @@ SQLITE = LockStatements(
     version      TEXT,
     seen         TEXT    NOT NULL,
     clock_offset REAL,
-    locks        TEXT    NOT NULL DEFAULT '[]'
+    locks        TEXT    NOT NULL DEFAULT '[]',
+    traits       TEXT
 )""",
         "CREATE INDEX IF NOT EXISTS {n}_seen ON {n} (seen)",
     ),
@@ -653,6 +664,7 @@ SQLITE = LockStatements(
         ("zone", "TEXT"),
         ("triggers", "TEXT"),
     ),
+    added_node_columns=(("traits", "TEXT"),),
     history_set=_SQLITE_HISTORY,
     runs_set=_SQLITE_RUNS,
     set_paused=f"""

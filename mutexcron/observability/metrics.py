@@ -470,6 +470,11 @@ class _StateCollector:
             "mutexcron_locks_placed", "How many guarded locks placement gives each live node, as this node computes it.",
             labels=["node"],
         )  # fmt: skip
+        weight = GaugeMetricFamily(
+            "mutexcron_node_weight",
+            "Each live node's placement weight (--weight), with its tags (--tag), as this node read them.",
+            labels=["node", "tags"],
+        )  # fmt: skip
         if leases is not None:
             now_held = leases.held()
             for lock in sorted(leases.locks()):
@@ -477,6 +482,8 @@ class _StateCollector:
             share.add_metric([leases.node.node_id], float(len(now_held)))
             for node_id, count in sorted(leases.placement.shares().items()):
                 placed.add_metric([node_id], float(count))
+            for node_id, traits in sorted(leases.placement.nodes_traits().items()):
+                weight.add_metric([node_id, ",".join(traits.tags)], traits.weight)
             if leases.health.up is not None:
                 up.add_metric(["lock"], 1.0 if leases.health.up else 0.0)
         runner = getattr(sched, "_tasks", None)
@@ -486,6 +493,7 @@ class _StateCollector:
         yield held
         yield share
         yield placed
+        yield weight
         yield up
         offset = getattr(leases, "clock_offset", None)
         if isinstance(offset, (int, float)):

@@ -8,12 +8,14 @@ once its placed owner is gone. ``first`` (the default) keeps the behaviour of ea
 
 from __future__ import annotations
 
+from ..node import NodeTraits
 from .balanced import BalancedPlacement
 from .base import PLACEMENTS, FirstPlacement, Placement, placement_mode
-from .rendezvous import assign, node_allowed
+from .rendezvous import TAG_PREFIX, assign, node_allowed
 
 __all__ = [
     "PLACEMENTS",
+    "TAG_PREFIX",
     "BalancedPlacement",
     "FirstPlacement",
     "Placement",
@@ -24,8 +26,8 @@ __all__ = [
 ]
 
 
-def new_placement(mode: str, node_id: str) -> Placement:
-    """The placement of ``mode`` (``balanced`` or ``first``) for the node ``node_id``."""
+def new_placement(mode: str, node_id: str, traits: NodeTraits | None = None) -> Placement:
+    """The placement of ``mode`` (``balanced`` or ``first``) for the node ``node_id`` with its weight and tags."""
     if placement_mode(mode) == "first":
-        return FirstPlacement(node_id)
-    return BalancedPlacement(node_id)
+        return FirstPlacement(node_id, traits)
+    return BalancedPlacement(node_id, traits)

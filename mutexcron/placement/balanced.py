@@ -16,6 +16,7 @@ from collections.abc import Collection, Mapping
 
 from ..errors import StoreError, StoreUnavailableError
 from ..locks import LockStore
+from ..node import NodeTraits
 from .base import Restrictions
 from .rendezvous import assign, shares
 
@@ -36,6 +37,8 @@ FREE_GRACE = 3.0
 #: Seconds a lock taken that way is kept before placement may move it again (no back and forth
 #: with a placed node that does not take it).
 KEEP_AFTER_GRACE = 60.0
+#: Seconds the reason of a move is kept for the log line of the acquire or hand-over that makes it.
+REASON_KEPT = 30.0
 
 
 class BalancedPlacement(Restrictions):
@@ -43,14 +46,18 @@ class BalancedPlacement(Restrictions):
 
     mode = "balanced"
 
-    def __init__(self, node_id: str) -> None:
-        super().__init__(node_id)
+    def __init__(self, node_id: str, traits: NodeTraits | None = None) -> None:
+        super().__init__(node_id, traits)
         self._mutex = threading.Lock()
         self._read_at: float | None = None  # monotonic: the last read of the live nodes
         self._seen: dict[str, float] = {}  # live node id -> its presence's age at the read
         self._gone: dict[str, float] = {}  # holder whose lease ran out -> monotonic time noticed
         self._locks: frozenset[str] = frozenset()
         self._placed_over: frozenset[str] = frozenset()  # the nodes of the current placement
+        self._traits: dict[str, NodeTraits] = {node_id: self.traits}  # live node -> its weight and tags, as last read
+        self._placed_traits: dict[str, NodeTraits] = {}  # the traits of the current placement
+        self._reasons: dict[str, str] = {}  # lock -> why it moved at the last change of placement (said once)
+        self._reasons_at = 0.0  # monotonic: when they were found
         self._owners: dict[str, str | None] = {}
         self._free_since: dict[str, tuple[float, float]] = {}  # lock -> (first, last) seen free, without a gap
         self._kept: dict[str, float] = {}  # lock -> monotonic time until it is kept here anyway
@@ -68,6 +75,9 @@ class BalancedPlacement(Restrictions):
                 self._read_at = now
                 live_within = min(locks.values(), default=10.0) + LIVE_MARGIN
                 self._seen = {p.node_id: p.age or 0.0 for p in presences if (p.age or 0.0) <= live_within}
+                self._traits = {p.node_id: p.traits for p in presences if p.node_id in self._seen}
+                self._traits[self.node_id] = self.traits
+                self._tags = {node_id: traits.tags for node_id, traits in self._traits.items()}
                 # A holder noticed gone that has published its presence since is back.
                 self._gone = {n: at for n, at in self._gone.items() if n in self._seen and self._seen[n] >= now - at}
         with self._mutex:
@@ -77,26 +87,50 @@ class BalancedPlacement(Restrictions):
         return frozenset(n for n in self._seen if n not in self._gone) | {self.node_id}
 
     def _place(self, locks: frozenset[str], now: float) -> None:
-        """Recompute the owners if the locks or the live nodes changed; log the change once."""
+        """Recompute the owners if the locks, the live nodes or their weights and tags changed; log
+        the change once, and keep why each lock moved (:meth:`move_reason`)."""
         live = self._live()
-        if locks == self._locks and live == self._placed_over:
+        traits = {n: self._traits.get(n, NodeTraits()) for n in live}
+        if locks == self._locks and live == self._placed_over and traits == self._placed_traits:
             return
         joined, left = sorted(live - self._placed_over), sorted(self._placed_over - live)
-        self._owners = assign(locks, live, self.allows)
+        expired = [n for n in left if n in self._gone]
+        before = self._owners
+        self._owners = assign(locks, live, self.allows, {n: t.weight for n, t in traits.items()})
         nodes_changed = live != self._placed_over
-        self._locks, self._placed_over = locks, live
-        if nodes_changed:
+        traits_changed = bool(self._placed_traits) and any(self._placed_traits.get(n, t) != t for n, t in traits.items())
+        first = not self._placed_over  # this node's own start: its moves are the others' to log
+        self._reasons = {} if first else self._moves(before, live, joined, left, expired)
+        self._reasons_at = now
+        self._locks, self._placed_over, self._placed_traits = locks, live, traits
+        if nodes_changed or traits_changed:
             mine = sum(1 for owner in self._owners.values() if owner == self.node_id)
-            expired = [n for n in left if n in self._gone]
             log.info(
-                "placement: %d live node(s)%s%s%s; this node is placed for %d of %d lock(s)",
+                "placement: %d live node(s)%s%s%s%s; this node is placed for %d of %d lock(s) (weight %g); %d lock(s) move",
                 len(live),
                 f"; joined: {', '.join(joined)}" if joined else "",
                 f"; left: {', '.join(n for n in left if n not in expired)}" if len(left) > len(expired) else "",
                 f"; lease ran out: {', '.join(expired)}" if expired else "",
+                "; weights or tags changed: rebalanced" if traits_changed else "",
                 mine,
                 len(locks),
+                self.traits.weight,
+                sum(1 for lock, owner in self._owners.items() if before.get(lock) not in (None, owner)),
             )
+
+    def _moves(
+        self, before: Mapping[str, str | None], live: Collection[str], joined: list[str], left: list[str], expired: list[str]
+    ) -> dict[str, str]:
+        """Why each lock moved, for the node that logs the move: the one that hands it over, or the
+        one that takes it when its last node is gone (left, or its lease ran out)."""
+        reasons = {}
+        for lock, owner in self._owners.items():
+            was = before.get(lock)
+            if was is None or owner == was:
+                continue
+            if was == self.node_id or (owner == self.node_id and was not in live):
+                reasons[lock] = _why_moved(was, owner, joined, left, expired)
+        return reasons
 
     # -- decisions -----------------------------------------------------------------------------
     def asks(self, lock: str, now: float) -> bool:
@@ -173,3 +207,25 @@ class BalancedPlacement(Restrictions):
     def shares(self) -> dict[str, int]:
         with self._mutex:
             return shares(self._owners)
+
+    def nodes_traits(self) -> dict[str, NodeTraits]:
+        with self._mutex:
+            return {n: self._traits.get(n, NodeTraits()) for n in sorted(self._live())}
+
+    def move_reason(self, lock: str) -> str | None:
+        with self._mutex:
+            reason = self._reasons.pop(lock, None)
+            # A move follows its change within a few rounds: a reason older than that is not this acquire's.
+            fresh = self._read_at is not None and self._read_at - self._reasons_at <= REASON_KEPT
+            return reason if fresh else None
+
+
+def _why_moved(was: str, now: str | None, joined: Collection[str], left: Collection[str], expired: Collection[str]) -> str:
+    """Why a lock placed on ``was`` is now placed on ``now``: the change of nodes behind it."""
+    if was in expired:
+        return f"the lease of {was} ran out"
+    if was in left:
+        return f"{was} left"
+    if now in joined:
+        return f"{now} joined"
+    return "rebalanced"

@@ -7,6 +7,7 @@ from typing import Protocol
 
 from ..errors import ConfigurationError
 from ..locks import LockStore
+from ..node import NodeTraits
 from .rendezvous import node_allowed
 
 #: The placement modes: ``first`` (the default) and ``balanced`` (a preview: moves between live
@@ -29,6 +30,8 @@ class Placement(Protocol):
     """Who asks for which lock. The lease manager calls it from its heartbeat thread."""
 
     mode: str
+    #: This node's weight and tags, published with its presence.
+    traits: NodeTraits
 
     def restrict(self, lock: str, patterns: Sequence[str] | None) -> None:
         """Only nodes whose id matches one of ``patterns`` may hold ``lock`` (None: every node)."""
@@ -59,13 +62,22 @@ class Placement(Protocol):
     def shares(self) -> dict[str, int]:
         """Node id -> how many locks it is placed for ({} when not placing)."""
 
+    def nodes_traits(self) -> dict[str, NodeTraits]:
+        """Live node id -> its weight and tags, as last read (this node alone when not placing)."""
+
+    def move_reason(self, lock: str) -> str | None:
+        """Why ``lock`` was last placed on another node than before (a node joined, left, its lease
+        ran out, or the shares were rebalanced), said once: None after the first call."""
+
 
 class Restrictions:
-    """The ``mutex(nodes=...)`` patterns of each lock: which nodes may hold it."""
+    """The ``mutex(nodes=...)`` patterns of each lock: which nodes may hold it (by id or tag)."""
 
-    def __init__(self, node_id: str) -> None:
+    def __init__(self, node_id: str, traits: NodeTraits | None = None) -> None:
         self.node_id = node_id
+        self.traits = traits or NodeTraits()
         self._patterns: dict[str, tuple[str, ...]] = {}
+        self._tags: dict[str, tuple[str, ...]] = {node_id: self.traits.tags}  # node id -> its tags, as last read
 
     def restrict(self, lock: str, patterns: Sequence[str] | None) -> None:
         if patterns is None:
@@ -75,7 +87,13 @@ class Restrictions:
 
     def allows(self, lock: str, node_id: str) -> bool:
         """True if ``node_id`` may hold ``lock``."""
-        return node_allowed(node_id, self._patterns.get(lock))
+        return node_allowed(node_id, self._patterns.get(lock), self._tags.get(node_id, ()))
+
+    def nodes_traits(self) -> dict[str, NodeTraits]:
+        return {self.node_id: self.traits}
+
+    def move_reason(self, lock: str) -> str | None:
+        return None
 
 
 class FirstPlacement(Restrictions):

@@ -48,7 +48,7 @@ def started(_event: SchedulerEvent) -> None:
 sched.add_listener(started, EVENT_SCHEDULER_STARTED)
 
 
-def make(j: int):  # type: ignore[no-untyped-def]
+def make(j: int | str):  # type: ignore[no-untyped-def]
     def job() -> None:
         lines.append(f"{j} {current_lease().fire_time.timestamp():.0f} {NODE}\n")
 
@@ -57,3 +57,7 @@ def make(j: int):  # type: ignore[no-untyped-def]
 
 for j in range(int(os.environ["MANY_JOBS"])):
     sched.add_job(make(j), "cron", second="*", id=f"job{j}", mutex=f"many-{j}")
+
+# $MANY_JOBS_TAGGED=n: n more jobs, each on its own lock, that only nodes tagged eu may hold.
+for j in range(int(os.environ.get("MANY_JOBS_TAGGED", "0"))):
+    sched.add_job(make(f"eu{j}"), "cron", second="*", id=f"eu{j}", mutex={"lock": f"many-eu-{j}", "nodes": "tag:eu"})
