@@ -54,6 +54,13 @@ def record_event(event: Any) -> None:
         _append(path, {"event": event.code, "job": event.job_id, "node": node, "wall": time.time()})
 
 
+def append_line(row: dict[str, Any]) -> None:
+    """A line of ``$MUTEXCRON_TEST_RUNS`` (when set), from a node's own test hook."""
+    path = os.environ.get("MUTEXCRON_TEST_RUNS")
+    if path:
+        _append(path, row)
+
+
 def read_lines(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
