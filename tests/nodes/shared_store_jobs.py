@@ -11,11 +11,15 @@ import json
 import os
 
 from apscheduler.events import EVENT_JOB_ADDED, EVENT_JOB_MODIFIED, EVENT_JOB_REMOVED
+from apscheduler.executors.pool import ProcessPoolExecutor
 
 from mutexcron import MutexScheduler
 from tests.shared_jobs import jobstore_from_spec, record_event
 
-sched = MutexScheduler(jobstores={"default": jobstore_from_spec(json.loads(os.environ["MUTEXCRON_TEST_JOBSTORE"]))})
+# A node with a process pool named "processpool", for the A5 test (tests/test_shared_executors.py).
+_executors = {"processpool": ProcessPoolExecutor(1)} if os.environ.get("SHARED_TEST_PROCESS_POOL") else {}
+sched = MutexScheduler(jobstores={"default": jobstore_from_spec(json.loads(os.environ["MUTEXCRON_TEST_JOBSTORE"]))},
+                       executors=_executors)  # fmt: skip
 sched.add_listener(record_event, EVENT_JOB_ADDED | EVENT_JOB_MODIFIED | EVENT_JOB_REMOVED)
 
 # A slow removal of a finished date job (a loaded database), for the A8 test
