@@ -139,8 +139,9 @@ def _unknown_job(records: list[LockRecord], job: str, shown: str) -> str:
 
 
 def _request_and_wait(store: TaskStore, job: str, timeout: float, lock: str | None = None, url: str | None = None) -> None:
-    # The lock lets its holder fail a request for a job it no longer defines at once.
-    payload = {"requested_by": "mutexcron trigger", **({"lock": lock} if lock is not None else {})}
+    # The lock lets its holder fail a request for a job it no longer defines at once; the deadline
+    # ends a request this command can no longer withdraw (it was killed) instead of leaving it pending.
+    payload = {"requested_by": "mutexcron trigger", "deadline": timeout, **({"lock": lock} if lock is not None else {})}
     stale = store.get(TRIGGER_CODE, job)
     if stale is not None and stale.state == "failed":  # an earlier request's failure (a catch-up) never answers this one
         store.cancel(TRIGGER_CODE, job)

@@ -141,7 +141,8 @@ class _TriggerHandler:
 
     @staticmethod
     def _check_deadline(task: Task) -> None:
-        """A catch-up request that no node ran within its deadline (store clock) fails: its job may be gone."""
+        """A request (a catch-up, a trigger) that no node ran within its deadline (store clock) fails:
+        its job may be gone, or its asker stopped waiting; it never lingers for a later one."""
         deadline = task.payload.get("deadline") if isinstance(task.payload, dict) else None
         record = task.record
         if deadline is None or record.created is None or record.updated is None:
