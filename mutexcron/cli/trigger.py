@@ -27,6 +27,8 @@ EXIT_PAUSED = 5
 #: Seconds a job no lock record names is looked for again before it is refused (a job added a
 #: moment ago: a node takes its lock and names it in the record within a second or two).
 NEW_JOB_GRACE = 3.0
+#: Seconds past ``--timeout`` after which the nodes fail a request no command withdrew.
+ORPHAN_GRACE = 30.0
 
 
 @click.argument("job")
@@ -140,8 +142,10 @@ def _unknown_job(records: list[LockRecord], job: str, shown: str) -> str:
 
 def _request_and_wait(store: TaskStore, job: str, timeout: float, lock: str | None = None, url: str | None = None) -> None:
     # The lock lets its holder fail a request for a job it no longer defines at once; the deadline
-    # ends a request this command can no longer withdraw (it was killed) instead of leaving it pending.
-    payload = {"requested_by": "mutexcron trigger", "deadline": timeout, **({"lock": lock} if lock is not None else {})}
+    # ends a request this command can no longer withdraw (it was killed) instead of leaving it
+    # pending (later than --timeout: while this command waits, it withdraws the request itself).
+    deadline = timeout + ORPHAN_GRACE
+    payload = {"requested_by": "mutexcron trigger", "deadline": deadline, **({"lock": lock} if lock is not None else {})}
     stale = store.get(TRIGGER_CODE, job)
     if stale is not None and stale.state == "failed":  # an earlier request's failure (a catch-up) never answers this one
         store.cancel(TRIGGER_CODE, job)
