@@ -379,7 +379,7 @@ class RedisLockStore(LockStore):
         return BatchClaimResult(
             frozenset(names[int(i) - 1] for i in renewed), frozenset(won), frozenset(names[int(i) - 1] for i in paused),
             {str(mine): str(stored) for mine, stored in lost},
-        )
+        )  # fmt: skip
 
     def release(self, name: str, node: Node, token: int) -> bool:
         with self.backend.errors("release"):
