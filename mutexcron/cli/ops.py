@@ -305,7 +305,8 @@ def _resume(lock: str, catch_up: bool, timeout: float, by: str | None, force: bo
     node that holds it (a `mutexcron trigger` request per job), making up for the fire times
     skipped while the lock was paused. It waits up to --timeout seconds and says what became of
     each request: "ran at ... on NODE", "merged into the run at ... on NODE" (a scheduled run that
-    claimed a later fire time first), or why it did not run.
+    claimed a later fire time first), or why it did not run. Exits 1 if a catch-up did not run
+    (within --timeout) or raised; the lock is resumed all the same.
     """
     who = _checked(lock, by, "resume")
     with _store(lock_url, "resume") as store:
@@ -333,8 +334,11 @@ def _catch_up(lock_url: str, lock: str, jobs: Sequence[str], timeout: float) -> 
         for job, fire_time in requests.items():
             click.echo(f"{printable(job)}: requested (fire time {fire_time.isoformat()}); not waited for")
         return
-    for job, outcome in wait_for_runs(lock_url, lock, requests, timeout).items():
+    outcomes = wait_for_runs(lock_url, lock, requests, timeout)
+    for job, outcome in outcomes.items():
         click.echo(f"{printable(job)}: {outcome}")
+    if any(o.startswith("not run") or ": error: " in o for o in outcomes.values()):
+        raise SystemExit(EXIT_FAILURE)  # the lock is resumed; a catch-up did not run, or raised
 
 
 # -- forget -----------------------------------------------------------------------------------------
