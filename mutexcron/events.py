@@ -218,7 +218,11 @@ def _work(e: MutexEvent) -> str:
 
 def _skipped(e: MutexEvent) -> None:
     reason = e.details.get("reason")
-    if reason == "already-run":
+    claimed = e.details.get("claimed")
+    if reason == "already-run" and claimed is not None and e.fire_time is not None and claimed > e.fire_time:
+        log.info("job %r: fire time %s not run: the later fire time %s is claimed under lock %r (claims only go forward)",
+                 e.job_id, e.fire_time, claimed, e.lock)  # fmt: skip
+    elif reason == "already-run":
         log.info("job %r: fire time %s already ran under lock %r; not running it again", e.job_id, e.fire_time, e.lock)
     elif reason == "lease-expired":
         log.warning(

@@ -242,7 +242,6 @@ class LeaseManager:
             # Held again after its lease ran out (a freeze, an outage), perhaps with the same token:
             # the loop may have looked meanwhile and found nothing held, so this wakes it like a new lock.
             self._emit(EVENT_LOCK_LOST, name, old.token, reason="no renewal within the lease; held again now")
-        self.node_id_check.took(name, sent_at)
         moved = {"moved": why} if (why := self.placement.move_reason(name)) else {}
         if previous is not None and previous.holder and previous.holder != self.node.node_id:
             self._emit(
@@ -323,7 +322,7 @@ class LeaseManager:
                 # failover; this job's own fire time is already claimed, so it is not repeated.
                 self._acquired(name, result.record)
             elif held_before and claim is not None and not result.claimed and not result.record.paused:
-                self.node_id_check.lost(name, claim, ttl, self.clock())
+                self.node_id_check.lost(name, claim, result.claimed_by, result.token)
         else:
             self._drop(name, f"held by {result.record.holder} (token {result.record.token})")
         return result
@@ -367,7 +366,7 @@ class LeaseManager:
             self._drop(lock, "another node holds it now", tokens[lock])
         for item in claims:  # lost on a lock still held: by another writer with this node's id?
             if item.lock in result.renewed and item.lock not in result.paused and item.claim.nonce not in result.won:
-                self.node_id_check.lost(item.lock, item.claim, self._locks.get(item.lock, 0.0), self.clock())
+                self.node_id_check.lost(item.lock, item.claim, result.lost_to.get(item.claim.nonce), item.token)
         return set(result.won)
 
     # -- time zones ----------------------------------------------------------------------------------

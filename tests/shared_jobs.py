@@ -38,6 +38,11 @@ def tick(job: str, tag: str = "v1", sleep: float = 0.0) -> None:
         time.sleep(sleep)
 
 
+def mark(job: str) -> None:
+    """A job that records any run of it, guarded or not (no lease asked for): ``{"job", "pid"}``."""
+    append_line({"job": job, "pid": os.getpid(), "wall": time.time()})
+
+
 def _append(path: str, row: dict[str, Any]) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -52,6 +57,13 @@ def record_event(event: Any) -> None:
     if path:
         node = os.environ.get("MUTEXCRON_NODE_ID")
         _append(path, {"event": event.code, "job": event.job_id, "node": node, "wall": time.time()})
+
+
+def append_line(row: dict[str, Any]) -> None:
+    """A line of ``$MUTEXCRON_TEST_RUNS`` (when set), from a node's own test hook."""
+    path = os.environ.get("MUTEXCRON_TEST_RUNS")
+    if path:
+        _append(path, row)
 
 
 def read_lines(path: Path) -> list[dict[str, Any]]:

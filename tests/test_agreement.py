@@ -11,12 +11,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 
 from mutexcron import MutexScheduler
-from mutexcron.guard.agreement import Agreement, differences
+from mutexcron.guard.agreement import Agreement, SharedNodeId, differences
+from mutexcron.locks import FireClaim
 from mutexcron.locks.record import LockRecord
 from tests.schedulers import shut_down_after, wait_for
 
@@ -133,6 +135,46 @@ def test_one_scheduler_never_says_so(made: list[MutexScheduler], caplog: pytest.
     sched.start()
     assert wait_for(lambda: len(runs) >= 12, 15)
     assert not [r for r in caplog.records if "another process runs with node id" in r.getMessage()]
+
+
+def test_one_schedulers_own_later_claims_never_say_so(made: list[MutexScheduler], caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 32, C5: trigger and catch-up requests run fire times older than the one the holder's
+    scheduled runs claimed since (the request waited for the holder); the store refuses them, and
+    two such refusals a lease after taking the lock were read as "another process runs with node
+    id web-1" although this one scheduler made every claim. The store now names the claim that
+    beat each one: this scheduler's own."""
+    url = f"memory://agreement-{secrets.token_hex(4)}"
+    caplog.set_level(logging.INFO, logger="mutexcron")
+    runs: list[int] = []
+    sched = MutexScheduler(lock_url=url, node_id="web-1", timezone="UTC", unactive_interval=1)
+    sched.add_job(runs.append, "interval", seconds=0.25, id="tick", mutex="tick", args=[1])
+    made.append(sched)
+    sched.start()
+    assert wait_for(lambda: len(runs) >= 8, 15)  # held for more than a lease
+    guard = sched.guard_of("tick")
+    assert guard is not None
+    ended = [guard.run_now(datetime.now(timezone.utc) - timedelta(seconds=1 + i / 10), (1,), {}) for i in range(4)]
+    assert all(e is not None and e.reason == "already-run" for e in ended), ended  # refused, as before
+    assert not [r for r in caplog.records if "another process runs with node id" in r.getMessage()]
+
+
+def test_the_diagnosis_needs_two_foreign_claims_under_one_token(caplog: pytest.LogCaptureFixture) -> None:
+    """One foreign nonce may be the previous holder's claim; two different ones while this node
+    holds the lock with one token were written during its hold, by a holder that is not this one."""
+    caplog.set_level(logging.INFO, logger="mutexcron")
+    check = SharedNodeId("web-1")
+    mine = FireClaim.new("tick", 1)
+    check.sent("tick", mine)
+    check.lost("tick", FireClaim.new("tick", 0), mine.nonce, 3)  # beaten by its own claim
+    check.lost("tick", FireClaim.new("tick", 2), None, 3)  # the store could not say
+    check.lost("tick", FireClaim.new("tick", 3), "theirs-1", 3)  # the previous holder's, maybe
+    check.lost("tick", FireClaim.new("tick", 4), "theirs-2", 4)  # another token: another hold
+    check.lost("tick", FireClaim.new("tick", 5), "theirs-2", 4)  # the same claim again
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    check.lost("tick", FireClaim.new("tick", 6), "theirs-3", 4)
+    check.lost("tick", FireClaim.new("tick", 7), "theirs-4", 4)
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(said) == 1 and "another process runs with node id web-1" in said[0], said
 
 
 @pytest.mark.cluster

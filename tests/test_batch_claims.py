@@ -196,6 +196,10 @@ def test_a_fire_time_that_already_ran_is_refused_while_the_others_win(ctx: Store
     result = store.claim_many(A, batch)
     assert result.renewed == {"g", "h"}
     assert result.won == {new_job.nonce, other_lock.nonce}
+    # Issue 32, C5: each refused claim names the claim that beat it (a diagnosis of who wrote it).
+    assert dict(result.lost_to) == {same.nonce: first.nonce, older.nonce: later.nonce}
+    beaten = store.acquire_or_renew("g", A, ttl=60, claim=FireClaim.new("report", 4_500_000))
+    assert not beaten.claimed and beaten.claimed_by == later.nonce and got.claimed_by == first.nonce
     rec = store.read("g")
     assert rec is not None and rec.fire_times == {"tick": at(2_000_000), "report": at(5_000_000), "fresh": at(1_000_000)}
     # The refused ones left the stored claims as they were: a retry of the winners' claims (same

@@ -61,11 +61,15 @@ def test_pause_and_resume_set_the_flag_for_every_node(url: str) -> None:
     rec = store.read("billing")
     assert rec is not None and rec.paused and rec.paused_by == "alice" and rec.holder == WEB1.node_id
     assert not store.acquire_or_renew("billing", WEB1, ttl=30, claim=FireClaim.new("jobs.charge", 5)).claimed
-    result = invoke("resume", "billing", "--catch-up", "--lock-url", url)
+    result = invoke("resume", "billing", "--catch-up", "--timeout", "0", "--lock-url", url)
     assert result.exit_code == 0 and "billing: resumed by " in result.output
-    assert "catching up once now: jobs.charge" in result.output  # a trigger request per job
+    assert "catch-up requested: jobs.charge" in result.output  # a trigger request per job
+    assert "jobs.charge: requested (fire time " in result.output and "not waited for" in result.output
     rec = store.read("billing")
     assert rec is not None and not rec.paused and rec.resume_catch_up and "@" in (rec.paused_by or "")
+    with_wait = invoke("resume", "billing", "--catch-up", "--timeout", "0.5", "--lock-url", url)
+    assert with_wait.exit_code == 1, with_wait.output  # no node runs here: said, and exit 1 (issue 32, C1)
+    assert "jobs.charge: not run yet within 0.5s (request of fire time " in with_wait.output, with_wait.output
     fresh = invoke("pause", "nightly", "--force", "--lock-url", url)
     assert fresh.exit_code == 0 and "no node has taken it yet: it starts paused" in fresh.output
     again = invoke("resume", "reports", "--lock-url", url)

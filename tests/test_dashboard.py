@@ -246,7 +246,9 @@ def test_pause_resume_retry_with_the_token_are_recorded_with_who_did_them(tmp_pa
         record = _record(url, "billing")
         assert record.paused and record.paused_by == "alice (dashboard, 127.0.0.1)"
         status, _, body = call(app, "/api/actions/resume", "POST", {"lock": "billing", "by": "bob", "catch_up": True}, headers)
-        assert status == 200 and "catching up once now: close_invoices" in json.loads(body)["message"]
+        answer = json.loads(body)
+        assert status == 200 and "catch-up requested: close_invoices" in answer["message"]
+        assert list(answer["fire_times"]) == ["close_invoices"]  # the page follows each request
         assert not _record(url, "billing").paused and _record(url, "billing").paused_by == "bob (dashboard, 127.0.0.1)"
         status, _, body = call(app, "/api/actions/retry", "POST", {"code": "email.send", "key": "order-1"}, headers)
         assert status == 200, body
@@ -322,7 +324,8 @@ def test_a_trigger_whose_fire_time_a_scheduled_run_claimed_past_shows_that_run(t
         _, _, body = call(app, f"/api/trigger?job=close_invoices&lock=billing&fire_time={asked.replace('+', '%2B')}")
     finally:
         app.close()
-    assert json.loads(body) == {"state": "success", "node": NODE.node_id, "duration": pytest.approx(0.15), "error": None}
+    assert json.loads(body) == {"state": "success", "node": NODE.node_id, "duration": pytest.approx(0.15), "error": None,
+                                "fire_time": "2026-01-01T00:00:02+00:00", "merged": True}  # issue 32, C1: said so
 
 
 def test_a_store_url_with_a_query_leaves_the_page_markup_whole(tmp_path: Path) -> None:

@@ -104,7 +104,8 @@ def test_resume_with_catch_up_runs_each_job_once_now_on_the_holder(tmp_path: Pat
         assert _cli("pause", "billing", env=env, cwd=tmp_path).returncode == 0
         time.sleep(6)  # a fire time skipped
         resumed = _cli("resume", "billing", "--catch-up", env=env, cwd=tmp_path)
-        assert resumed.returncode == 0 and "catching up once now: tick" in resumed.stdout, resumed.stdout
+        assert resumed.returncode == 0 and "catch-up requested: tick" in resumed.stdout, resumed.stdout
+        assert "tick: ran at fire time " in resumed.stdout, resumed.stdout  # waited for, and said what ran
         resumed_at = time.time()
         _wait_for_runs(out, 2, timeout=4)  # well before the next 5-second fire time
     finally:

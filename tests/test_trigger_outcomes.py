@@ -290,6 +290,7 @@ def test_a_job_that_never_ran_is_found_in_its_holders_record(monkeypatch: pytest
     requests = Requests(done)
     trigger(url, "weekly", monkeypatch=monkeypatch, requests=requests)
     assert requests.added and requests.added[0][1] == "weekly" and requests.added[0][3]["lock"] == "reports"
+    assert requests.added[0][3]["deadline"] == 60.0, "--timeout 30 + 30: an orphan request ends (issue 32, C2)"
     typo = trigger(url, "weekyl", monkeypatch=monkeypatch, requests=Requests())
     assert typo.exit_code == 2 and "Did you mean 'weekly'?" in typo.output
 

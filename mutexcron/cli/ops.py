@@ -312,12 +312,15 @@ def _unknown_lock(store: LockStore, lock: str) -> str:
     return f"no lock {printable(lock)!r} in {store.masked_url}{hint}{known}"
 
 
-def _resume(lock: str, catch_up: bool, by: str | None, force: bool, lock_url: str | None) -> None:
+def _resume(lock: str, catch_up: bool, timeout: float, by: str | None, force: bool, lock_url: str | None) -> None:
     """Resume LOCK: its jobs run again from their next fire time.
 
     With --catch-up, each job that has run under LOCK also runs once now, through the lock, on the
     node that holds it (a `mutexcron trigger` request per job), making up for the fire times
-    skipped while the lock was paused.
+    skipped while the lock was paused. It waits up to --timeout seconds and says what became of
+    each request: "ran at ... on NODE", "merged into the run at ... on NODE" (a scheduled run that
+    claimed a later fire time first), or why it did not run. Exits 1 if a catch-up did not run
+    (within --timeout) or raised; the lock is resumed all the same.
     """
     who = _checked(lock, by, "resume")
     with _store(lock_url, "resume") as store:
@@ -327,19 +330,29 @@ def _resume(lock: str, catch_up: bool, by: str | None, force: bool, lock_url: st
         shown = store.masked_url
     note = "" if before is not None and before.paused else " (it was not paused)"
     jobs = sorted(before.fire_times) if before is not None and catch_up else []
-    after = f"; catching up once now: {printable(', '.join(jobs))}" if jobs else ""
+    after = f"; catch-up requested: {printable(', '.join(jobs))}" if jobs else ""
     if catch_up and not jobs:
         after = "; no job has run under it: nothing to catch up"
     click.echo(f"{lock}: resumed by {printable(record.paused_by)} at {_when(record.paused_at)} UTC in {shown}{note}{after}")
     if jobs:
-        _request_runs(lock_url, lock, jobs)
+        _catch_up(lock_url or DEFAULT_LOCK_URL, lock, jobs, timeout)
 
 
-def _request_runs(lock_url: str | None, lock: str, jobs: Sequence[str]) -> None:
-    """One trigger request per job: the holder runs each once now (:func:`mutexcron.guard.run_requests.request_runs`)."""
-    from ..guard.run_requests import request_runs
+def _catch_up(lock_url: str, lock: str, jobs: Sequence[str], timeout: float) -> None:
+    """One trigger request per job (:func:`mutexcron.guard.run_requests.request_runs`), then what
+    became of each, within ``timeout`` seconds (0: not waited for)."""
+    from ..guard.run_requests import request_runs, wait_for_runs
 
-    request_runs(lock_url or DEFAULT_LOCK_URL, lock, jobs)
+    requests = request_runs(lock_url, lock, jobs)
+    if not timeout:
+        for job, fire_time in requests.items():
+            click.echo(f"{printable(job)}: requested (fire time {fire_time.isoformat()}); not waited for")
+        return
+    outcomes = wait_for_runs(lock_url, lock, requests, timeout)
+    for job, outcome in outcomes.items():
+        click.echo(f"{printable(job)}: {outcome}")
+    if any(o.startswith("not run") or ": error: " in o for o in outcomes.values()):
+        raise SystemExit(EXIT_FAILURE)  # the lock is resumed; a catch-up did not run, or raised
 
 
 # -- forget -----------------------------------------------------------------------------------------
@@ -552,6 +565,13 @@ resume: click.Command = _command(
     _resume,
     click.argument("lock"),
     click.option("--catch-up", is_flag=True, help="Also run each job of the lock once now, on its holder (a trigger)."),
+    click.option(
+        "--timeout",
+        type=click.FloatRange(min=0),
+        default=60.0,
+        show_default=True,
+        help="With --catch-up: seconds to wait for the runs and say what became of each (0: do not wait).",
+    ),
     _BY,
     click.option("--force", is_flag=True, help="Write the flag for a name the store has no record of."),
     _lock_url_option(),

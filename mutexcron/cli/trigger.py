@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import NoReturn
 
 import click
 
 from ..errors import MutexcronError
+from ..guard.run_requests import describe_run, run_for
 from ..guard.triggers import NOT_DEFINED, NOT_GUARDED, PAUSED, TRIGGER_CODE, UNKNOWN
 from ..locks import DEFAULT_LOCK_URL, LockStore, lock_store_from_url
 from ..locks.record import LockRecord
@@ -26,6 +27,8 @@ EXIT_PAUSED = 5
 #: Seconds a job no lock record names is looked for again before it is refused (a job added a
 #: moment ago: a node takes its lock and names it in the record within a second or two).
 NEW_JOB_GRACE = 3.0
+#: Seconds past ``--timeout`` after which the nodes fail a request no command withdrew.
+ORPHAN_GRACE = 30.0
 
 
 @click.argument("job")
@@ -59,7 +62,7 @@ def _trigger(job: str, timeout: float, force: bool, lock_url: str | None) -> Non
     except MutexcronError as exc:
         _fail_on(exc, what="trigger")
     try:
-        _request_and_wait(store, job, timeout, lock)
+        _request_and_wait(store, job, timeout, lock, url)
     except MutexcronError as exc:
         _fail_on(exc, what="trigger")
     finally:
@@ -137,9 +140,12 @@ def _unknown_job(records: list[LockRecord], job: str, shown: str) -> str:
     )
 
 
-def _request_and_wait(store: TaskStore, job: str, timeout: float, lock: str | None = None) -> None:
-    # The lock lets its holder fail a request for a job it no longer defines at once.
-    payload = {"requested_by": "mutexcron trigger", **({"lock": lock} if lock is not None else {})}
+def _request_and_wait(store: TaskStore, job: str, timeout: float, lock: str | None = None, url: str | None = None) -> None:
+    # The lock lets its holder fail a request for a job it no longer defines at once; the deadline
+    # ends a request this command can no longer withdraw (it was killed) instead of leaving it
+    # pending (later than --timeout: while this command waits, it withdraws the request itself).
+    deadline = timeout + ORPHAN_GRACE
+    payload = {"requested_by": "mutexcron trigger", "deadline": deadline, **({"lock": lock} if lock is not None else {})}
     stale = store.get(TRIGGER_CODE, job)
     if stale is not None and stale.state == "failed":  # an earlier request's failure (a catch-up) never answers this one
         store.cancel(TRIGGER_CODE, job)
@@ -152,7 +158,8 @@ def _request_and_wait(store: TaskStore, job: str, timeout: float, lock: str | No
     while time.monotonic() < deadline:
         task = store.get(TRIGGER_CODE, job)
         if task is None:
-            click.echo(f"{job}: ran at fire time {fire_time}{f' on {owner}' if owner else ''}: success")
+            said = _what_ran(url, lock, job, request.due) if request is not None else None
+            click.echo(f"{job}: {said or f'ran at fire time {fire_time}' + (f' on {owner}' if owner else '') + ': success'}")
             return
         if task.state == "failed":
             store.cancel(TRIGGER_CODE, job)
@@ -166,6 +173,24 @@ def _request_and_wait(store: TaskStore, job: str, timeout: float, lock: str | No
         err=True,
     )
     raise SystemExit(EXIT_TIMEOUT)
+
+
+def _what_ran(url: str | None, lock: str | None, job: str, fire_time: datetime) -> str | None:
+    """The run that answered the request, in words ("ran at ...", or "merged into the run at ..."
+    when a scheduled run claimed a later fire time first); None if the history cannot say."""
+    if url is None or lock is None:
+        return None
+    try:
+        locks = lock_store_from_url(url)
+    except MutexcronError:
+        return None
+    try:
+        run = run_for(locks.history(lock, job), fire_time)
+    except MutexcronError:
+        return None
+    finally:
+        locks.close()
+    return describe_run(run, fire_time) if run is not None else None
 
 
 def _report_failed(job: str, fire_time: str, owner: str | None, error: str) -> NoReturn:

@@ -22,6 +22,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
 from ..errors import ConfigurationError
+from ..guard.run_requests import request_runs, run_for
 from ..guard.triggers import TRIGGER_CODE
 from ..locks import LockStore, lock_store_from_url
 from ..names import check_name
@@ -134,9 +135,9 @@ class Actions:
 
     def resume(self, lock: Any, catch_up: bool, by: str) -> dict[str, Any]:
         """``mutexcron resume LOCK [--catch-up] --by BY``; with catch-up, each job that ran under the
-        lock runs once now on its holder (a trigger request per job, as the command makes)."""
-        from ..guard.run_requests import request_runs
-
+        lock runs once now on its holder (a trigger request per job, as the command makes). The
+        answer says the requests were made, with their fire times, not that they ran: the page
+        follows each with :meth:`trigger_outcome` (ran, merged into a later run, or why not)."""
         with self._locks() as store:
             name = self._existing_lock(store, lock)
             before = store.read(name)
@@ -144,11 +145,12 @@ class Actions:
             how = " with catch-up" if catch_up else ""
             _tell_feed(store, FeedEvent("lock_resumed", None, name, f"lock {name} resumed{how} by {by}", fields={"by": by}))
         jobs = sorted(before.fire_times) if before is not None and catch_up else []
-        if jobs:
-            request_runs(self.reader.lock_store().url, name, jobs)
-        after = f"; catching up once now: {', '.join(jobs)}" if jobs else ""
+        requests = request_runs(self.reader.lock_store().url, name, jobs) if jobs else {}
+        after = f"; catch-up requested: {', '.join(jobs)}" if jobs else ""
         self.audit.add(by, "resume" + (" --catch-up" if catch_up else ""), name, "resumed" + after)
-        return {"message": f"{name}: resumed by {record.paused_by}{after}", "lock": record.to_json(), "catch_up": jobs}
+        fire_times = {job: when.isoformat() for job, when in requests.items()}
+        return {"message": f"{name}: resumed by {record.paused_by}{after}", "lock": record.to_json(), "catch_up": jobs,
+                "fire_times": fire_times}  # fmt: skip
 
     # -- trigger ----------------------------------------------------------------------------
     def trigger(self, job: Any, by: str) -> dict[str, Any]:
@@ -178,10 +180,12 @@ class Actions:
                 return {"state": "error", "error": request.last_error, "node": request.owner}
             return {"state": request.state, "node": request.owner}
         wanted = as_utc(fire_time) if fire_time else None
-        runs = [r for r in self.reader.history(lock, job) if wanted is None or (r.fire_time and r.fire_time >= wanted)]
-        if runs:
-            run = runs[0] if wanted is None else min(runs, key=lambda r: r.fire_time or wanted)
-            return {"state": run.outcome, "node": run.node, "duration": run.duration, "error": run.error}
+        runs = self.reader.history(lock, job)
+        run = (runs[0] if runs else None) if wanted is None else run_for(runs, wanted)
+        if run is not None:
+            merged = wanted is not None and run.fire_time != wanted  # a scheduled run that claimed a later fire time first
+            return {"state": run.outcome, "node": run.node, "duration": run.duration, "error": run.error,
+                    "fire_time": run.fire_time.isoformat() if run.fire_time else None, "merged": merged}  # fmt: skip
         return {"state": "done", "note": "the request is complete; no run history is kept for it"}
 
     # -- shared jobs ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 
 from ..locks.base import FireClaim
@@ -113,47 +113,55 @@ class SharedNodeId:
 
     Two processes with one node id both "hold" every lock either takes: the store sees one holder,
     renews it for both and gives both the same token. What still tells them apart is the fire
-    claim: each claim carries a nonce, so of two claims of one fire time only one is won. A claim
-    lost on a lock this process holds, for a fire time it never tried before, was made by another
-    writer with this node's id. The first lease after taking a lock is not counted (a restarted
-    node may inherit its own lease and claims); from the second such loss on, one ERROR line.
+    claim: each claim carries a nonce of its own, and the store says which nonce beat a claim not
+    won. A claim beaten by one of this scheduler's own claims (a later fire time its scheduled run
+    claimed before a trigger's or a catch-up's older one, a retry) proves nothing. Nor does one
+    foreign nonce: the previous holder may have claimed that fire time before this node took the
+    lock. Proof is a second, different foreign nonce for the same job while this node holds the
+    lock with the same token: the first was stored while this node held it, so the claim that
+    replaced it was written after, by a holder with this node's id and token, that is not this
+    scheduler. Then one ERROR line.
     """
 
-    #: Claims remembered (lock, job, fire time), to tell this process's own retries apart.
-    REMEMBERED = 4096
+    #: Nonces remembered per (lock, job): more than a scheduler sends for one job between two of
+    #: its claims' outcomes (a batch, its retry, a trigger, a catch-up).
+    REMEMBERED = 32
+    #: (lock, job) pairs remembered, the oldest forgotten first.
+    PAIRS = 4096
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
-        self._tries: OrderedDict[tuple[str, str, int], int] = OrderedDict()
-        self._since: dict[str, float] = {}  # lock -> when this process took it (its monotonic clock)
-        self._lost = 0
+        self._sent: OrderedDict[tuple[str, str], deque[str]] = OrderedDict()  # this scheduler's nonces
+        self._foreign: dict[tuple[str, str], tuple[int, str]] = {}  # the last foreign nonce seen, with the token then
+        self._proofs = 0
         self._said = False
         self._mutex = threading.Lock()
 
-    def took(self, lock: str, at: float) -> None:
-        with self._mutex:
-            self._since[lock] = at
-
     def sent(self, lock: str, claim: FireClaim) -> None:
-        """This process is about to send ``claim``."""
-        key = (lock, claim.job_id, claim.fire_us)
+        """This scheduler is about to send ``claim``."""
+        key = (lock, claim.job_id)
         with self._mutex:
-            self._tries[key] = self._tries.pop(key, 0) + 1
-            while len(self._tries) > self.REMEMBERED:
-                self._tries.popitem(last=False)
+            nonces = self._sent.pop(key, None) or deque(maxlen=self.REMEMBERED)
+            nonces.append(claim.nonce)
+            self._sent[key] = nonces
+            while len(self._sent) > self.PAIRS:
+                self._sent.popitem(last=False)
 
-    def lost(self, lock: str, claim: FireClaim, lease: float, now: float) -> None:
-        """``claim`` on ``lock``, which this process holds, was not won (and the lock is not paused)."""
+    def lost(self, lock: str, claim: FireClaim, beaten_by: str | None, token: int) -> None:
+        """``claim`` on ``lock``, which this scheduler holds with ``token``, was not won (the lock is
+        not paused): ``beaten_by`` is the nonce the store holds for the job instead (None: unknown)."""
+        key = (lock, claim.job_id)
         with self._mutex:
-            if self._tries.get((lock, claim.job_id, claim.fire_us), 0) > 1:
-                return  # this process tried that fire time before (a catch-up, a retried trigger)
-            since = self._since.get(lock)
-            if since is None or now - since < lease:
+            if beaten_by is None or beaten_by in self._sent.get(key, ()):
+                return  # nothing to compare, or this scheduler's own claim
+            before = self._foreign.get(key)
+            self._foreign[key] = (token, beaten_by)
+            if before is None or before[0] != token or before[1] == beaten_by:
                 return
-            self._lost += 1
-            say = self._lost >= 2 and not self._said
-            self._said = self._said or say
-            count = self._lost
+            self._proofs += 1
+            say = not self._said
+            self._said = True
+            count = self._proofs
         if say:
             node = printable(self.node_id)
             log.error(

@@ -301,18 +301,23 @@ class GuardedJob:
                 self.config.lock_else(result.record)
             return None
         if not result.claimed:
-            self._skipped(manager, fire_time, "paused" if result.record.paused else "already-run", result.token)
+            # The fire time claimed instead: a later one (a scheduled run's, past a trigger's) is no run of this one.
+            claimed = result.record.fire_times.get(self.job_id)
+            self._skipped(manager, fire_time, "paused" if result.record.paused else "already-run", result.token, claimed)
             return None
         return result.token
 
-    def _skipped(self, manager: LeaseKeeper | None, fire_time: datetime, reason: str, token: int | None = None) -> None:
+    def _skipped(
+        self, manager: LeaseKeeper | None, fire_time: datetime, reason: str, token: int | None = None,
+        claimed: datetime | None = None,
+    ) -> None:  # fmt: skip
         """A fire time this node does not run (:data:`~mutexcron.events.EVENT_RUN_SKIPPED`)."""
         with self._skips_lock:
             self.skips[reason] = self.skips.get(reason, 0) + 1
         emit = manager.emit if manager is not None else log_event
         node = manager.node.node_id if manager is not None else None
         event = MutexEvent(EVENT_RUN_SKIPPED, lock=self.lock, job_id=self.job_id, node=node, token=token,
-                           fire_time=fire_time, reason=reason)  # fmt: skip
+                           fire_time=fire_time, reason=reason, **({"claimed": claimed} if claimed else {}))  # fmt: skip
         _report(event)
         emit(event)
 

@@ -11,6 +11,7 @@ does not hold the lock defers the task (a quarter of a second, then longer) for 
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 from ..errors import Defer, FailTask
@@ -20,10 +21,12 @@ from ..locks.base import store_text
 from ..names import printable
 from ..tasks.handlers import Handler, Task
 from ..tasks.pool import TaskPool
-from ..timeutil import us_from_datetime
 from .job import GuardedJob
+from .run_requests import describe_run, run_for
 
 __all__ = ["CATCH_UP_DEADLINE", "NOT_DEFINED", "NOT_GUARDED", "PAUSED", "TRIGGER_CODE", "UNKNOWN", "register_triggers"]
+
+log = logging.getLogger(__name__)
 
 #: The task code of trigger requests; the key is the job id.
 TRIGGER_CODE = "mutexcron.trigger"
@@ -121,11 +124,10 @@ class _TriggerHandler:
         recorded any more, and the outcome is unknown.
         """
         going = guard.lock in self.sched.running_guarded_jobs()  # before the history: a run ending now is in it
-        wanted = us_from_datetime(task.due)
-        runs = {us_from_datetime(r.fire_time): r for r in self.sched.lock_store.history(guard.lock, task.key) if r.fire_time}
-        after = sorted(us for us in runs if us >= wanted)  # its own entry first, else the first run after it
-        if after:
-            run = runs[after[0]]
+        run = run_for(self.sched.lock_store.history(guard.lock, task.key), task.due)
+        if run is not None:
+            log.info("trigger request of job %r (fire time %s), not run again: %s", printable(task.key),
+                     task.due.isoformat(), describe_run(run, task.due))  # fmt: skip
             if run.outcome == "error":
                 raise FailTask(store_text(run.error or "the job failed"))
             return
@@ -139,7 +141,8 @@ class _TriggerHandler:
 
     @staticmethod
     def _check_deadline(task: Task) -> None:
-        """A catch-up request that no node ran within its deadline (store clock) fails: its job may be gone."""
+        """A request (a catch-up, a trigger) that no node ran within its deadline (store clock) fails:
+        its job may be gone, or its asker stopped waiting; it never lingers for a later one."""
         deadline = task.payload.get("deadline") if isinstance(task.payload, dict) else None
         record = task.record
         if deadline is None or record.created is None or record.updated is None:

@@ -241,6 +241,9 @@ class AcquireResult:
     #: row, or the write's outcome is unknown). ``acquired`` and ``claimed`` are then False, and the
     #: caller must neither count the call as a renewal nor drop a lease it holds.
     uncertain: bool = False
+    #: The nonce of the claim the record holds for the claim's job after this call (None: no claim
+    #: was asked for, or none is stored): a claim not won was beaten by the writer of this nonce.
+    claimed_by: str | None = field(default=None, compare=False)
 
     @property
     def token(self) -> int:
@@ -300,6 +303,9 @@ class BatchClaimResult:
     won: frozenset[str] = frozenset()
     #: Renewed locks that are paused (:meth:`LockStore.set_paused`): none of their claims was written.
     paused: frozenset[str] = frozenset()
+    #: For each claim not won on a renewed lock that is not paused: its nonce -> the nonce of the
+    #: claim the record holds for that job instead (who beat it). A diagnosis, left out of ==.
+    lost_to: Mapping[str, str] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -341,6 +347,26 @@ def won_claims(groups: Mapping[str, LockClaims], fires_by_lock: Mapping[str, Map
         for claim in groups[lock].claims.values()
         if claim_won(fires, claim)
     )
+
+
+def lost_claims(groups: Mapping[str, LockClaims], fires_by_lock: Mapping[str, Mapping[str, Any] | None]) -> dict[str, str]:
+    """``{nonce: stored nonce}`` of the claims in ``groups`` that their (renewed) lock's stored
+    ``fires`` show as another claim's (:attr:`BatchClaimResult.lost_to`)."""
+    lost: dict[str, str] = {}
+    for lock, fires in fires_by_lock.items():
+        for claim in groups[lock].claims.values() if lock in groups else ():
+            stored = stored_nonce(fires, claim)
+            if stored is not None and stored != claim.nonce:
+                lost[claim.nonce] = stored
+    return lost
+
+
+def stored_nonce(fires: Mapping[str, Any] | None, claim: FireClaim | None) -> str | None:
+    """The nonce of the claim stored in ``fires`` for ``claim.job_id`` (None if none is)."""
+    value = (fires or {}).get(claim.job_id) if claim is not None else None
+    if isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[1], str):
+        return value[1]
+    return None
 
 
 def fire_times_from_json(fires: Mapping[str, Any] | None) -> dict[str, datetime]:

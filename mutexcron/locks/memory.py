@@ -34,6 +34,7 @@ from .base import (
     fire_times_from_json,
     group_claims,
     history_option,
+    stored_nonce,
 )
 from .record import LockRecord, NodePresence, dump_attrs
 
@@ -144,7 +145,8 @@ class MemoryLockStore(LockStore):
                     if stored is None or int(stored[0]) < claim.fire_us:
                         row.fires[claim.job_id] = [claim.fire_us, claim.nonce]
             record = self._record(name, row, now)
-            return AcquireResult(free, record, free and claim_won(copy.deepcopy(row.fires), claim))
+            fires = copy.deepcopy(row.fires)
+            return AcquireResult(free, record, free and claim_won(fires, claim), claimed_by=stored_nonce(fires, claim))
 
     def hand_off(
         self,
@@ -263,6 +265,7 @@ class MemoryLockStore(LockStore):
         renewed: set[str] = set()
         won: set[str] = set()
         paused: set[str] = set()
+        lost: dict[str, str] = {}
         with self.backend.mutex:
             now = self.clock()
             for name, group in groups.items():
@@ -280,7 +283,9 @@ class MemoryLockStore(LockStore):
                         row.fires[claim.job_id] = [claim.fire_us, claim.nonce]
                     if claim_won(row.fires, claim):
                         won.add(claim.nonce)
-        return BatchClaimResult(frozenset(renewed), frozenset(won), frozenset(paused))
+                    else:
+                        lost[claim.nonce] = str(row.fires[claim.job_id][1])
+        return BatchClaimResult(frozenset(renewed), frozenset(won), frozenset(paused), lost)
 
     def release(self, name: str, node: Node, token: int) -> bool:
         with self.backend.mutex:

@@ -69,6 +69,8 @@ from .base import (
     fire_times_from_json,
     group_claims,
     history_option,
+    lost_claims,
+    stored_nonce,
     won_claims,
 )
 from .record import (
@@ -263,7 +265,8 @@ class MongoDBLockStore(LockStore):
             stored = self._read_doc(name, "acquire_or_renew (re-read)", committed=True)
             return AcquireResult(False, self._record(stored) if stored else LockRecord(name=name), False, uncertain=True)
         if doc is not None and doc.get("holder") == node.node_id:
-            return AcquireResult(True, self._record(doc, 0), claim_won(doc.get("fires"), claim))
+            fires = doc.get("fires")
+            return AcquireResult(True, self._record(doc, 0), claim_won(fires, claim), claimed_by=stored_nonce(fires, claim))
         stored = self._read_doc(name, "acquire_or_renew (read)")
         record = self._record(stored) if stored else LockRecord(name=name)
         # Refused, yet held by this node: another call of this node took it in between (two
@@ -510,7 +513,8 @@ class MongoDBLockStore(LockStore):
         ours = [doc for doc in docs if doc.get("token") == groups[doc["_id"]].token]
         fires = {doc["_id"]: doc.get("fires") for doc in ours}
         paused = frozenset(doc["_id"] for doc in ours if doc.get("paused"))
-        return BatchClaimResult(frozenset(fires), won_claims(groups, fires), paused)
+        lost = lost_claims(groups, {name: value for name, value in fires.items() if name not in paused})
+        return BatchClaimResult(frozenset(fires), won_claims(groups, fires), paused, lost)
 
     def set_zone(
         self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None

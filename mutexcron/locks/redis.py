@@ -41,6 +41,7 @@ from .base import (
     fire_times_from_json,
     group_claims,
     history_option,
+    stored_nonce,
 )
 from .record import (
     LockRecord,
@@ -236,7 +237,8 @@ class RedisLockStore(LockStore):
         fields = self._pairs(flat) if isinstance(flat, list) else {}
         fires = self._fires(fields)
         record = self._record(name, fields, int(now), fires)
-        return AcquireResult(bool(acquired), record, bool(acquired) and claim_won(fires, claim))
+        won = bool(acquired) and claim_won(fires, claim)
+        return AcquireResult(bool(acquired), record, won, claimed_by=stored_nonce(fires, claim))
 
     def hand_off(
         self,
@@ -376,10 +378,11 @@ class RedisLockStore(LockStore):
                 args += [claim.job_id, claim.fire_us, claim.nonce]
         with self.backend.errors("claim_many"):
             reply = self._claim_many(keys=[self._lock_key(n) for n in names], args=args, client=self.backend.client)
-        renewed, won, paused = json.loads(reply)  # cjson encodes an empty table as {}: iterating it yields nothing
+        renewed, won, paused, lost = json.loads(reply)  # cjson encodes an empty table as {}: iterating it yields nothing
         return BatchClaimResult(
-            frozenset(names[int(i) - 1] for i in renewed), frozenset(won), frozenset(names[int(i) - 1] for i in paused)
-        )
+            frozenset(names[int(i) - 1] for i in renewed), frozenset(won), frozenset(names[int(i) - 1] for i in paused),
+            {str(mine): str(stored) for mine, stored in lost},
+        )  # fmt: skip
 
     def release(self, name: str, node: Node, token: int) -> bool:
         with self.backend.errors("release"):

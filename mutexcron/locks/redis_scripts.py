@@ -281,14 +281,14 @@ return cjson.encode(out)
 # each of its claims whose fire time is newer than the stored one for that job, unless the lock is
 # paused; all of a lock's part happens inside this script, so it is atomic with the lease check.
 # Returns JSON [[i of each renewed lock], [nonce of each claim the record now holds as ours],
-# [i of each renewed lock that is paused]].
+# [i of each renewed lock that is paused], [[nonce, stored nonce] of each claim another one beat]].
 # KEYS: hash of each lock. ARGV: node_id, then for each lock in KEYS order: token, number of
 # claims n, then n times job, fire_us, nonce.
 CLAIM_MANY_LUA = (
     LUA_NOW
     + """
 local stamp = string.format('%d', now)
-local renewed, won, paused = {}, {}, {}
+local renewed, won, paused, lost = {}, {}, {}, {}
 local a = 2
 for i, key in ipairs(KEYS) do
   local token, first = tonumber(ARGV[a]), a + 2
@@ -311,7 +311,8 @@ for i, key in ipairs(KEYS) do
         changed = true
       end
       cur = fires[job]
-      if tonumber(cur[1]) == fire_us and cur[2] == nonce then won[#won + 1] = nonce end
+      if tonumber(cur[1]) == fire_us and cur[2] == nonce then won[#won + 1] = nonce
+      else lost[#lost + 1] = {nonce, tostring(cur[2])} end
     end
     if changed then
       -- Encoded by hand, as in ACQUIRE_LUA: cjson prints numbers with 14 digits, epoch microseconds need 16.
@@ -328,7 +329,7 @@ for i, key in ipairs(KEYS) do
     end
   end
 end
-return cjson.encode({renewed, won, paused})
+return cjson.encode({renewed, won, paused, lost})
 """
 )
 

@@ -70,6 +70,8 @@ from .base import (
     group_claims,
     hand_off_rounds,
     history_option,
+    lost_claims,
+    stored_nonce,
     won_claims,
 )
 from .record import (
@@ -301,7 +303,7 @@ class SQLLockStore(LockStore):
         if rows:  # the row as this statement left it (RETURNING, or MySQL's read in the same transaction)
             record, fires = self._parse(rows[0])
             acquired = record.holder == node.node_id
-            return AcquireResult(acquired, record, acquired and claim_won(fires, claim))
+            return AcquireResult(acquired, record, acquired and claim_won(fires, claim), claimed_by=stored_nonce(fires, claim))
         # Refused (PostgreSQL and SQLite return no row): re-read to show the holder.
         current = self.read(name)
         if current is None:  # the first acquire creates the row; only a DELETE by hand removes it
@@ -578,7 +580,8 @@ class SQLLockStore(LockStore):
         ours = [row for row in rows if row[1] == node.node_id and row[0] in groups and int(row[2]) == groups[row[0]].token]
         fires = {name: _load_fires(value) for name, _, _, value, _ in ours}
         paused = frozenset(name for name, _, _, _, flag in ours if flag)
-        return BatchClaimResult(frozenset(fires), won_claims(groups, fires), paused)
+        lost = lost_claims(groups, {name: value for name, value in fires.items() if name not in paused})
+        return BatchClaimResult(frozenset(fires), won_claims(groups, fires), paused, lost)
 
     def _claim_and_read(self, params: Mapping[str, Any], leases: Mapping[str, int]) -> list[Any]:
         """MySQL 8: the claiming UPDATE, then the renewed rows, in one short transaction.

@@ -100,8 +100,9 @@
         showOutcome(job, data.state === "running" ? `running on ${data.node}…` : "waiting for the holder…", "");
         continue;
       }
-      if (data.state === "success") showOutcome(job, `ran: success${data.duration != null ? ` in ${seconds(data.duration)}` : ""} on ${data.node}`, "ok");
-      else if (data.state === "error") showOutcome(job, `ran: error: ${data.error}${data.node ? ` on ${data.node}` : ""}`, "err");
+      const ran = data.merged ? `merged into the run at ${data.fire_time}` : "ran";
+      if (data.state === "success") showOutcome(job, `${ran}: success${data.duration != null ? ` in ${seconds(data.duration)}` : ""} on ${data.node}`, "ok");
+      else if (data.state === "error") showOutcome(job, `${ran}: error: ${data.error}${data.node ? ` on ${data.node}` : ""}`, "err");
       else showOutcome(job, data.note || data.state, "");
       return;
     }
@@ -125,6 +126,10 @@
       if (button.dataset.action === "trigger") {
         showOutcome(args.job, "requested…", "");
         follow(args.job, args.lock, result.fire_time);
+      }
+      for (const [job, fireTime] of Object.entries(result.fire_times || {})) {  // a resume's catch-up requests
+        showOutcome(job, "catch-up requested…", "");
+        follow(job, args.lock, fireTime);
       }
     } catch (error) {
       say(error.message, false);
