@@ -730,7 +730,8 @@ class LeaseManager:
         unknown = self._without_recent_elsewhere(unknown)
         # A lock placed here that another node holds: read again each round, and rounds come every
         # HAND_OVER_POLL seconds, until it is handed over (a hand-over is noticed before the next fire time).
-        awaited = [n for n in wanted if n not in due and n not in unknown and self.placement.placed_here(n, self.clock())]
+        now, looked_at = self.clock(), {*due, *unknown}
+        awaited = [n for n in wanted if n not in looked_at and self.placement.placed_here(n, now)]
         self._awaiting_hand_over = bool(awaited)
         unknown += awaited
         before = {name: self.views.record(name) for name in due}
