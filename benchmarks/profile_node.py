@@ -1,6 +1,7 @@
 """Where a guarded node's CPU goes: yappi (CPU clock, all threads) inside one node of a real cluster.
 
-    python benchmarks/profile_node.py [--store postgresql] [--jobs 100] [--placement balanced] [--seconds 30] [--top 40] [--out FILE]
+    python benchmarks/profile_node.py [--store postgresql] [--jobs 100] [--placement balanced]
+                                      [--seconds 30] [--top 40] [--out FILE]
 
 Starts ``--nodes`` ``mutexcron run benchmarks/scale_jobs.py`` nodes as ``scale.py`` does (the store URLs of
 ``overhead.py``); the first node profiles itself (``MUTEXCRON_SCALE_PROFILE``) for ``--seconds`` after

@@ -6,6 +6,7 @@ or SQLite's write lock in the way; nothing of mutexcron's own is replaced.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import sqlite3
 import threading
@@ -200,7 +201,7 @@ def test_a_standby_s_refresh_rounds_renew_its_leases_once_per_period_and_never_l
         assert manager.holds("mine", mine.token), "a lease lapsed between renewals"
     assert max(waits) <= 1.0, "a standby's rounds come every second"
     assert 9 <= len(renewals) <= 12, f"renewed {len(renewals)} times in 30 s (every 3 s expected)"
-    assert all(b - a <= 3.0 for a, b in zip(renewals, renewals[1:])), renewals
+    assert all(b - a <= 3.0 for a, b in itertools.pairwise(renewals)), renewals
 
 
 # -- B10 is tests/test_cli.py::test_sigterm_stops_a_blocking_scheduler_gracefully_and_releases --
