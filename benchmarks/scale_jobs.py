@@ -59,6 +59,10 @@ def write_hand_off_stats() -> None:
 
 
 threading.Thread(target=write_hand_off_stats, name="scale-handoff-stats", daemon=True).start()
+if os.environ.get("MUTEXCRON_SCALE_PROFILE"):  # profile_node.py: this node profiles itself (yappi, CPU clock)
+    from profile_node import profile_in_node
+
+    profile_in_node(os.environ["MUTEXCRON_SCALE_PROFILE"])
 
 for j in range(int(os.environ["MUTEXCRON_SCALE_JOBS"])):
     sched.add_job(make(j), "cron", second="*", id=f"job{j}", mutex={"lock": f"{PREFIX}-{j % LOCKS}"})

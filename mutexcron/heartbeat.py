@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 #: Seconds between two presence records of a node that renews no lease (a standby).
 PRESENCE_EVERY = 10.0
 
+#: A round renews the held leases once this share of a period has passed since the last renewal
+#: (rounds come every period, or every second on a standby, give or take a few milliseconds).
+RENEW_EARLY = 0.9
+
 
 #: Seconds between two rounds while a lock placed on this node is still held by another one.
 HAND_OVER_POLL = 0.2
@@ -137,6 +141,7 @@ class LeaseManager:
         self.sqlite_clocks = SQLiteClockCheck(store, self.node.node_id)  # SQLite: the others' clocks against ours
         self._paused: dict[str, bool] = {}  # lock -> paused, as this node last saw it
         self._presence_at: float | None = None  # monotonic: when this node last published its presence
+        self._renewed_at: float | None = None  # monotonic: when this node last renewed its leases
         self._retiring: set[str] = set()  # locks to release once their running jobs end (remove_lock)
         self._gave_up: str | None = None  # why this node can run no guarded job any more (give_up)
         self._awaiting_hand_over = False  # a lock placed here is still held by another node
@@ -675,12 +680,16 @@ class LeaseManager:
         return max(0.0, wait)
 
     def _renew(self) -> None:
+        """Renew every held lease in one round trip, once per period: a round that comes sooner (a
+        standby's refresh every second) renews nothing unless the presence is due."""
         leases = self.held()
-        presence = self._presence(bool(leases))
-        if not leases and presence is None:
+        renewal_due = bool(leases) and self._renewal_due()
+        presence = self._presence(renewal_due)
+        if not renewal_due and presence is None:
             return
         sent_at = self.clock()
         renewed = self.store.renew_many(self.node, leases, presence=presence)
+        self._renewed_at = sent_at
         if presence is not None:
             self._presence_at = sent_at
             self.sqlite_clocks.maybe_check()
@@ -692,6 +701,15 @@ class LeaseManager:
                     held.deadline = sent_at + ttl
         for name in set(leases) - renewed:
             self._drop(name, "another node holds it now", leases[name])
+
+    def _renewal_due(self) -> bool:
+        """True once a period has passed since the last renewal (a little before: rounds are not
+        exact), or a held lease has less than two periods left."""
+        now, period = self.clock(), self.period
+        if self._renewed_at is None or now - self._renewed_at >= period * RENEW_EARLY:
+            return True
+        with self._mutex:
+            return any(h.deadline - now < 2 * period for h in self._held.values())
 
     def _presence(self, renewing: bool) -> Presence | None:
         """This node's presence, published with every renewal, and every PRESENCE_EVERY s otherwise
@@ -710,14 +728,11 @@ class LeaseManager:
         if not wanted:
             return
         due, unknown = self.views.stale(wanted, self.clock())
-        # A record placed on another node is read every lease/3, not every second: only its expiry
-        # matters here, and its view wakes the round when the lease runs out.
-        now = self.clock()
-        recent = {n for n in unknown if self.placement.placed_elsewhere(n, now) and self.views.seen_within(n, self.period, now)}
-        unknown = [n for n in unknown if n not in recent]
+        unknown = self._without_recent_elsewhere(unknown)
         # A lock placed here that another node holds: read again each round, and rounds come every
         # HAND_OVER_POLL seconds, until it is handed over (a hand-over is noticed before the next fire time).
-        awaited = [n for n in wanted if n not in due and n not in unknown and self.placement.placed_here(n, self.clock())]
+        now, looked_at = self.clock(), {*due, *unknown}
+        awaited = [n for n in wanted if n not in looked_at and self.placement.placed_here(n, now)]
         self._awaiting_hand_over = bool(awaited)
         unknown += awaited
         before = {name: self.views.record(name) for name in due}
@@ -747,6 +762,21 @@ class LeaseManager:
                 refused = name in self._zone_refused
             if not refused:  # a node in another zone than the lock's holder never takes it over
                 self._try_take_over(name, locks[name], before.get(name))
+
+    def _without_recent_elsewhere(self, unknown: list[str]) -> list[str]:
+        """``unknown`` without the records placed on other nodes while none of them is due.
+
+        A record placed on another node is read every lease/3, not every second: only its expiry
+        matters here, and its view wakes the round when the lease runs out. They are read all
+        together, in one round trip per lease/3, rather than each when its own view ages.
+        """
+        now = self.clock()
+        elsewhere = [n for n in unknown if self.placement.placed_elsewhere(n, now)]
+        unseen, recent = self.views.read_within(elsewhere, self.period, now)
+        if not elsewhere or not recent:
+            return unknown
+        skipped = set(elsewhere) - set(unseen)  # a free one has no view: read each round, as any other
+        return [n for n in unknown if n not in skipped]
 
     def _hand_over_surplus(self) -> None:
         """Release the held locks placed on another live node, each once no run of it is going

@@ -6,6 +6,7 @@ or SQLite's write lock in the way; nothing of mutexcron's own is replaced.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import sqlite3
 import threading
@@ -169,6 +170,38 @@ def test_expiry_does_not_drop_a_lease_renewed_meanwhile() -> None:
     clock.advance(0.5)
     manager.run_once()
     assert manager.holds("l", first.token)
+
+
+@pytest.mark.memory
+def test_a_standby_s_refresh_rounds_renew_its_leases_once_per_period_and_never_let_them_lapse() -> None:
+    """Issue 33: a node that holds one lock and watches another runs a round every second (the
+    standby refresh), but renews its leases once per lease/3, not in every round."""
+    clock = FakeClock()
+    store = MemoryLockStore(clock=clock)
+    other = LeaseManager(store, Node("b", "ip-b"), {"watched": 9.0}, clock=clock)
+    manager = LeaseManager(store, Node("a", "ip-a"), {"mine": 9.0, "watched": 9.0}, clock=clock)
+    assert other.tick("watched", None).acquired  # type: ignore[union-attr]
+    mine = manager.tick("mine", None)
+    assert mine is not None and mine.acquired
+    renewals: list[float] = []
+    renew_many = store.renew_many
+
+    def counted(node: Node, *args: Any, **kwargs: Any) -> Any:
+        if node.node_id == "a":
+            renewals.append(clock())
+        return renew_many(node, *args, **kwargs)
+
+    store.renew_many = counted  # type: ignore[method-assign]
+    waits = []
+    for _ in range(30):  # 30 s of rounds, each after the wait the manager asked for
+        wait = manager.run_once()
+        waits.append(wait)
+        other.run_once()
+        clock.advance(min(wait, 1.0))
+        assert manager.holds("mine", mine.token), "a lease lapsed between renewals"
+    assert max(waits) <= 1.0, "a standby's rounds come every second"
+    assert 9 <= len(renewals) <= 12, f"renewed {len(renewals)} times in 30 s (every 3 s expected)"
+    assert all(b - a <= 3.0 for a, b in itertools.pairwise(renewals)), renewals
 
 
 # -- B10 is tests/test_cli.py::test_sigterm_stops_a_blocking_scheduler_gracefully_and_releases --

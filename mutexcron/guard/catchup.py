@@ -12,6 +12,7 @@ never delay renewals or a job's start.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +59,8 @@ class CatchUp:
         self.emit, self.node_id = emit, node_id
         self._alarmed: dict[str, datetime] = {}  # job id -> the latest fire time reported missed
         self._last_check: dict[str, float] = {}  # lock -> monotonic time of its last alarm check
+        self._pending: dict[str, LockRecord] = {}  # records read, waiting for the alarm check
+        self._pending_lock = threading.Lock()
         self.started_at = datetime.now(timezone.utc)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mutexcron-catch-up")
         self._stopped = False
@@ -71,24 +74,46 @@ class CatchUp:
 
     def check_missed(self, lock: str, record: LockRecord | None) -> None:
         """A record of ``lock`` was read (a standby's refresh): look for missed runs, at most every
-        :data:`MISSED_CHECK_EVERY` seconds per lock, off the caller's thread."""
+        :data:`MISSED_CHECK_EVERY` seconds per lock, off the caller's thread (the records of one
+        refresh are checked together, in one task)."""
         now = time.monotonic()
         if record is None or now - self._last_check.get(lock, -MISSED_CHECK_EVERY) < MISSED_CHECK_EVERY:
             return
         self._last_check[lock] = now
+        with self._pending_lock:
+            first = not self._pending
+            self._pending[lock] = record
+        if not first:
+            return  # the task already queued checks this one too
         try:
-            self._pool.submit(self._alarm, lock, record)
+            self._pool.submit(self._check_pending)
         except RuntimeError:  # shut down meanwhile
             pass
 
-    def _alarm(self, lock: str, record: LockRecord | None) -> None:
-        """Report each job of ``lock`` whose latest fire time older than its grace time has no claim."""
+    def _check_pending(self) -> None:
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
+        jobs = self._jobs_by_lock(set(pending))
+        for lock, record in pending.items():
+            self._alarm(lock, record, jobs.get(lock, []))
+
+    def _jobs_by_lock(self, locks: set[str]) -> dict[str, list[str]]:
+        """The job ids of each of ``locks``, from one pass over the guarded jobs."""
+        jobs: dict[str, list[str]] = {}
+        for job_id, guard in list(self.guarded().items()):
+            if guard.lock in locks:
+                jobs.setdefault(guard.lock, []).append(job_id)
+        return jobs
+
+    def _alarm(self, lock: str, record: LockRecord | None, job_ids: list[str] | None = None) -> None:
+        """Report each job of ``lock`` (``job_ids``; found here if None) whose latest fire time older
+        than its grace time has no claim."""
         if record is None or getattr(record, "paused", False) or not self.scheduler.running:
             return
         now = datetime.now(timezone.utc)
-        for job_id, guard in list(self.guarded().items()):
-            job = self.scheduler.get_job(job_id) if guard.lock == lock else None
+        for job_id in self._jobs_by_lock({lock}).get(lock, []) if job_ids is None else job_ids:
             last = record.fire_times.get(job_id)
+            job = self.scheduler.get_job(job_id) if last is not None else None
             if job is None or last is None or job.misfire_grace_time is None:
                 continue  # never claimed: nothing to compare with
             horizon = now - timedelta(seconds=job.misfire_grace_time)

@@ -89,11 +89,13 @@ class RecordViews:
             return None
         return view
 
-    def seen_within(self, lock: str, seconds: float, now: float) -> bool:
-        """True if another node's live lease on ``lock`` was read less than ``seconds`` ago."""
+    def read_within(self, locks: list[str], seconds: float, now: float) -> tuple[list[str], bool]:
+        """(those of ``locks`` with no view of another node's live lease, whether every other one
+        was read less than ``seconds`` ago)."""
         with self._lock:
-            view = self._views.get(lock)
-        return view is not None and now - view.received < seconds
+            views = {lock: self._views.get(lock) for lock in locks}
+        unseen = [lock for lock, view in views.items() if view is None]
+        return unseen, all(now - view.received < seconds for view in views.values() if view is not None)
 
     def stale(self, locks: list[str], now: float) -> tuple[list[str], list[str]]:
         """Split ``locks`` into (those whose holder's lease has run out by now at the latest, those

@@ -39,7 +39,7 @@ class Guard(Protocol):
 
 
 class Holds(Protocol):
-    def holds_any(self, name: str) -> bool: ...
+    def held(self) -> dict[str, int]: ...
 
 
 class HeldOnlyMemoryJobStore(MemoryJobStore):  # type: ignore[misc]  # APScheduler is untyped
@@ -78,6 +78,7 @@ class Standby:
         self.guards = guards
         self.leases = leases
         self._taken: dict[str, LockRecord | None] = {}  # locks taken since the loop last read the stores
+        self._held: frozenset[str] = frozenset()  # the locks held when the loop began its read
         self._mutex = threading.Lock()
 
     def adopt(self, store: Any) -> Any:
@@ -85,13 +86,21 @@ class Standby:
         if type(store) is MemoryJobStore:
             store.__class__ = HeldOnlyMemoryJobStore
             store.left_out = self.left_out
-            store.before_read = self.put_back
+            store.before_read = self.before_read
         return store
 
     def left_out(self, job: Any) -> bool:
-        """True for a guarded job whose lock this node does not hold (and that has no ``lock_else``)."""
+        """True for a guarded job whose lock this node did not hold when the loop began its read
+        (and that has no ``lock_else``). A job let in whose lease lapses meanwhile still checks
+        its lease before its first line; a lock taken meanwhile wakes the loop again."""
         guard = self.guards().get(job.id)
-        return guard is not None and not guard.ticks_on_standby and not self.leases.holds_any(guard.lock)
+        return guard is not None and not guard.ticks_on_standby and guard.lock not in self._held
+
+    def before_read(self) -> None:
+        """On the loop's thread, before it reads a store: put back the jobs of the locks taken
+        since (:meth:`put_back`), then note the locks held, once for the whole read."""
+        self.put_back()
+        self._held = frozenset(self.leases.held())
 
     def taken(self, lock: str, record: LockRecord | None) -> None:
         """This node just took ``lock``: the loop wakes and puts its jobs back (:meth:`put_back`; a
