@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy
 from sqlalchemy import exc as sa_exc
@@ -86,6 +86,9 @@ from .record import (
 )
 from .sql_statements import HISTORY_COLUMN, HISTORY_NONE, HISTORY_OBJECT, MARIADB, NO_CLAIM, STATEMENTS
 from .sql_statements import json_path as _json_path
+
+if TYPE_CHECKING:
+    from ..tasks.wakeups.base import Waker
 
 __all__ = ["SQLLockStore"]
 
@@ -581,6 +584,35 @@ class SQLLockStore(LockStore):
     def release(self, name: str, node: Node, token: int) -> bool:
         _, count = self._write(self._sql.release, {"name": name, "me": node.node_id, "token": token}, "release")
         return bool(count == 1)
+
+    def hand_over(self, name: str, node: Node, token: int, successor: str, within: float) -> bool:
+        params = {"name": name, "me": node.node_id, "token": token, "to": successor, "ttl_ms": max(1, int(within * 1000))}
+        self._ensure_table()
+        notice = self._sql.hand_over_notice
+        if not notice:
+            _, count = self._write(self._sql.hand_over, params, "hand_over")
+            return bool(count == 1)
+
+        def work(conn: Connection) -> bool:  # the notice leaves only if the hand-over commits
+            text = self.backend.text
+            if conn.execute(text(self._sql.hand_over), params).rowcount != 1:
+                return False
+            conn.execute(text(notice), {"channel": self.hand_over_channel, "to": successor})
+            return True
+
+        return self._transaction(work, "hand_over")
+
+    @property
+    def hand_over_channel(self) -> str:
+        """PostgreSQL: the channel of hand-over notices (the lock table's name + ``_hand_over``)."""
+        return f"{self.table}_hand_over"
+
+    def hand_over_waker(self, node_id: str) -> Waker | None:
+        if not self._sql.hand_over_notice:
+            return None
+        from ..tasks.wakeups.postgresql import PostgreSQLWaker  # psycopg: imported only here
+
+        return PostgreSQLWaker(self.backend, self.hand_over_channel, [node_id])
 
     def set_zone(
         self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None
