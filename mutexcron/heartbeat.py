@@ -38,6 +38,7 @@ from .events import (
 )
 from .guard.agreement import Agreement, SharedNodeId
 from .guard.handoff import AttrsHandOff, Queued
+from .guard.offers import OfferListener
 from .guard.views import STANDBY_REFRESH, RecordViews
 from .locks import AcquireResult, FireClaim, HeldClaim, LockStore, Node, RunInfo
 from .locks.base import Presence
@@ -56,14 +57,19 @@ PRESENCE_EVERY = 10.0
 #: Seconds between two rounds while a lock placed on this node is still held by another one.
 HAND_OVER_POLL = 0.2
 
-#: At most this many locks are handed over in one heartbeat round (one release each), so that a
+#: At most this many locks are handed over in one heartbeat round (one store write each), so that a
 #: rebalance never delays the round's renewals.
 MOVES_PER_ROUND = 64
 
+#: The longest a lock offered to a successor (:meth:`LockStore.hand_over`) waits for it, in seconds
+#: (at most the lock's lease): then anyone may take it, so a successor that died strands nothing.
+OFFER_WITHIN = 3.0
+
 
 def _expired_holder(record: LockRecord | None, me: str) -> str | None:
-    """The holder whose lease ran out, from the last record seen of a free lock (None: released)."""
-    if record is None or record.holder in (None, me):
+    """The holder whose lease ran out, from the last record seen of a free lock (None: released,
+    or offered to a node that never took it: no IP yet, see :meth:`LockStore.hand_over`)."""
+    if record is None or record.holder in (None, me) or record.active_ip is None:
         return None
     return record.holder
 
@@ -140,6 +146,10 @@ class LeaseManager:
         self._retiring: set[str] = set()  # locks to release once their running jobs end (remove_lock)
         self._gave_up: str | None = None  # why this node can run no guarded job any more (give_up)
         self._awaiting_hand_over = False  # a lock placed here is still held by another node
+        self._handing: set[str] = set()  # locks being handed over: no run begins on them
+        self._offered = threading.Event()  # a store notice: a lock was handed over to this node
+        self._left = False  # this node's presence was deleted (it stops): it publishes none again
+        self.offers = OfferListener(store, node.node_id, self._offer_noticed)
         self._zones: dict[str, str] = dict(zones or {})  # lock -> the zone this node computes its fire times in
         self._zone_refused: dict[str, str] = {}  # lock -> the other zone its live holder computes them in
         self._triggers: dict[str, dict[str, str]] = {k: dict(v) for k, v in (triggers or {}).items()}
@@ -222,7 +232,8 @@ class LeaseManager:
             return {n: h.token for n, h in self._held.items() if now < h.deadline}
 
     def _set_held(
-        self, name: str, token: int, sent_at: float, ttl: float, previous: LockRecord | None, *, guarded_only: bool = False
+        self, name: str, token: int, sent_at: float, ttl: float, previous: LockRecord | None, *, guarded_only: bool = False,
+        reason: str | None = None,
     ) -> bool | None:
         """Record a held lease; True if this node just became the holder (then logs it once).
 
@@ -253,7 +264,7 @@ class LeaseManager:
                 stale_for=previous.heartbeat_age or 0.0,
             )
         else:
-            self._emit(EVENT_LOCK_ACQUIRED, name, token)
+            self._emit(EVENT_LOCK_ACQUIRED, name, token, **({"reason": reason} if reason else {}))
         return True
 
     def _emit(self, code: int, lock: str, token: int | None, **details: Any) -> None:
@@ -469,7 +480,7 @@ class LeaseManager:
         lease under a tick that is still in flight.
         """
         with self._mutex:
-            if self._stopping:
+            if self._stopping or name in self._handing:
                 return False
             self._running[name] = self._running.get(name, 0) + 1
             return True
@@ -604,6 +615,8 @@ class LeaseManager:
                 return
             self._thread = threading.Thread(target=self._loop, name="mutexcron-heartbeat", daemon=True)
         self._thread.start()
+        if self.placement.mode != "first":  # only placement hands locks over to a named node
+            self.offers.start()
 
     def attach(self, round_: Callable[[], float | None]) -> None:
         """Run ``round_`` in every heartbeat round (the task worker's renewals); it returns the
@@ -614,6 +627,11 @@ class LeaseManager:
 
     def wake(self) -> None:
         """Run a round now (a participant needs one sooner than planned)."""
+        self._wake.set()
+
+    def _offer_noticed(self) -> None:
+        """The store says a lock was handed over to this node: read and take it now."""
+        self._offered.set()
         self._wake.set()
 
     def _loop(self) -> None:
@@ -697,7 +715,7 @@ class LeaseManager:
         (every lease/3 under balanced placement, which judges a node live by its presence)."""
         every = PRESENCE_EVERY if self.placement.mode == "first" else self.period
         due = self._presence_at is None or self.clock() - self._presence_at >= every
-        if not renewing and not due:
+        if self._left or (not renewing and not due):
             return None
         return Presence(__version__, self.offset.value)
 
@@ -709,11 +727,16 @@ class LeaseManager:
         if not wanted:
             return
         due, unknown = self.views.stale(wanted, self.clock())
-        # A record placed on another node is read every lease/3, not every second: only its expiry
-        # matters here, and its view wakes the round when the lease runs out.
         now = self.clock()
-        recent = {n for n in unknown if self.placement.placed_elsewhere(n, now) and self.views.seen_within(n, self.period, now)}
-        unknown = [n for n in unknown if n not in recent]
+        if self._offered.is_set():  # a store notice: a lock was offered here, read every one not held
+            self._offered.clear()
+            unknown += [n for n in wanted if n not in due and n not in unknown]
+        else:
+            # A record placed on another node is read every lease/3, not every second: only its expiry
+            # matters here, and its view wakes the round when the lease runs out.
+            placed = self.placement.placed_elsewhere
+            recent = {n for n in unknown if placed(n, now) and self.views.seen_within(n, self.period, now)}
+            unknown = [n for n in unknown if n not in recent]
         # A lock placed here that another node holds: read again each round, and rounds come every
         # HAND_OVER_POLL seconds, until it is handed over (a hand-over is noticed before the next fire time).
         awaited = [n for n in wanted if n not in due and n not in unknown and self.placement.placed_here(n, self.clock())]
@@ -737,19 +760,21 @@ class LeaseManager:
                 if record is None or record.state != "active" or record.holder == self.node.node_id:
                     due.append(name)
                     before[name] = record
-        free = {name: _expired_holder(before.get(name), self.node.node_id) for name in due}
-        asked = set(self.placement.to_take(self.store, free, self.clock()))
+        # A lock handed over to this node: its record names it already, it only has to take it.
+        offered = {n for n in due if (r := before.get(n)) is not None and r.holder == self.node.node_id and r.state == "active"}
+        free = {name: _expired_holder(before.get(name), self.node.node_id) for name in due if name not in offered}
+        asked = set(self.placement.to_take(self.store, free, self.clock())) | offered
         for name in [n for n in due if n in asked]:
             if self._stopping:
                 return
             with self._mutex:
                 refused = name in self._zone_refused
             if not refused:  # a node in another zone than the lock's holder never takes it over
-                self._try_take_over(name, locks[name], before.get(name))
+                self._try_take_over(name, locks[name], before.get(name), "handed over to this node" if name in offered else None)
 
     def _hand_over_surplus(self) -> None:
-        """Release the held locks placed on another live node, each once no run of it is going
-        (the placed node takes it at its next refresh)."""
+        """Hand the held locks placed on another live node over to it, each at a fire-time
+        boundary: once no run of it is going (its hand-off written), and no run begins meanwhile."""
         moves = self.placement.surplus(self.held(), self.clock())
         for name, successor in list(moves.items())[:MOVES_PER_ROUND]:
             with self._mutex:
@@ -757,11 +782,26 @@ class LeaseManager:
                 if held is None or self._running.get(name) or name in self._retiring:
                     continue
                 del self._held[name]
-            log.info("lock %r: handed over to %s (placement rebalanced)", name, successor)
+                self._handing.add(name)
             self.views.forget(name)
-            self._release(name, held.token)
+            self._hand_over(name, held.token, successor, "placement rebalanced")
 
-    def _try_take_over(self, name: str, ttl: float, before: LockRecord | None) -> None:
+    def _hand_over(self, name: str, token: int, successor: str, reason: str) -> None:
+        """Offer a lock this node gives up to ``successor`` (one fenced store write; the lock's
+        record keeps its last claimed fire times); a store that cannot offer releases it."""
+        try:
+            within = min(self.locks().get(name, OFFER_WITHIN), OFFER_WITHIN)
+            if self.store.hand_over(name, self.node, token, successor, within):
+                self._emit(EVENT_LOCK_RELEASED, name, token, successor=successor, reason=reason)
+        except NotImplementedError:
+            self._release(name, token)
+        except (StoreUnavailableError, StoreError) as exc:
+            log.warning("could not hand lock %r over to %s (%s); it will expire after its lease", name, successor, exc)
+        finally:
+            with self._mutex:
+                self._handing.discard(name)
+
+    def _try_take_over(self, name: str, ttl: float, before: LockRecord | None, reason: str | None = None) -> None:
         sent_at, wall = self.clock(), time.time()
         result = self.store.acquire_or_renew(name, self.node, ttl)
         self.offset.observe(result.record, wall, time.time())
@@ -769,7 +809,7 @@ class LeaseManager:
         if not result.acquired:
             return
         self.handoff.remember(name, result.token, result.record)
-        became = self._set_held(name, result.token, sent_at, ttl, before, guarded_only=True)
+        became = self._set_held(name, result.token, sent_at, ttl, before, guarded_only=True, reason=reason)
         if became is None:
             # Its last job was removed while the acquire was in flight: nothing here guards it any
             # more, so it is not kept (it would be renewed with no job, and never released).
@@ -789,9 +829,18 @@ class LeaseManager:
     # -- stopping ---------------------------------------------------------------------------------
     def begin_stop(self) -> None:
         """No takeover and no new guarded run from now on; leases (and attached rounds) are still
-        renewed until :meth:`stop`."""
+        renewed until :meth:`stop`. This node's presence goes at once: the others place its locks
+        on themselves and watch them, to take each the moment it is handed over."""
         with self._mutex:
             self._stopping = True
+        self._leave()
+
+    def _leave(self) -> None:
+        with self._mutex:
+            if self._left:
+                return
+            self._left = True
+        self.placement.leave(self.store)
 
     def stop(self, timeout: float) -> None:
         """Stop takeovers, wait up to ``timeout`` s for running guarded jobs, release leases, stop.
@@ -800,8 +849,8 @@ class LeaseManager:
         lease is released with the others.
         """
         deadline = self.clock() + max(0.0, timeout)
+        self.begin_stop()
         with self._idle:
-            self._stopping = True
             while self._running and self.clock() < deadline:
                 self._idle.wait(min(0.5, max(0.01, deadline - self.clock())))
             busy = dict(self._running)
@@ -809,15 +858,21 @@ class LeaseManager:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=15)  # longer than one store operation's timeout
-        self.placement.leave(self.store)  # before the releases: the others place its locks at once
-        self._release_all(self.held(), busy)
+        self.offers.close()
+        held = self.held()
+        successors = self.placement.successors(self.store, [n for n in held if n not in busy], self.clock())
+        self._release_all(held, busy, successors)
         with self._mutex:
             self._held.clear()
         self.handoff.batcher.close()
 
-    def _release_all(self, held: Mapping[str, int], busy: Mapping[str, int], *, quiet: bool = False) -> None:
-        """Release the leases in ``held``, except those with a guarded run still going (``busy``;
-        said once at a stop, ``quiet`` when given up: asked again every round until the run ends)."""
+    def _release_all(
+        self, held: Mapping[str, int], busy: Mapping[str, int], successors: Mapping[str, str] | None = None, *,
+        quiet: bool = False,
+    ) -> None:
+        """Release the leases in ``held``, each handed over to its node in ``successors`` if it has
+        one, except those with a guarded run still going (``busy``; said once at a stop, ``quiet``
+        when given up: asked again every round until the run ends)."""
         for name, token in held.items():
             if name in busy:
                 if quiet:
@@ -827,7 +882,11 @@ class LeaseManager:
                     name,
                 )
                 continue
-            self._release(name, token)
+            successor = (successors or {}).get(name)
+            if successor is None:
+                self._release(name, token)
+            else:
+                self._hand_over(name, token, successor, "this node stops")
             with self._mutex:
                 if name in self._held and self._held[name].token == token:
                     del self._held[name]

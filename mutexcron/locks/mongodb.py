@@ -537,7 +537,8 @@ class MongoDBLockStore(LockStore):
 
     def hand_over(self, name: str, node: Node, token: int, successor: str, within: float) -> bool:
         query = {"_id": name, "holder": node.node_id, "token": token}
-        fields = {"holder": {"$literal": successor}, "active_ip": None, "token": token + 1, "hb": self.now_expr(), "ttl": _ms(within)}
+        fields = {"holder": {"$literal": successor}, "active_ip": None, "token": token + 1, "hb": self.now_expr()}
+        fields["ttl"] = _ms(within)
         try:
             with self.backend.errors("hand_over", write=True):
                 result = self.collection.update_one(query, [{"$set": fields}])

@@ -53,6 +53,10 @@ class Placement(Protocol):
     def surplus(self, held: Collection[str], now: float) -> dict[str, str]:
         """The held locks placed on another live node: lock -> that node (the successor)."""
 
+    def successors(self, store: LockStore, held: Collection[str], now: float) -> dict[str, str]:
+        """This node stops: the live node each of the ``held`` locks is placed on without it (the
+        live nodes read again first); a lock with no such node is left out."""
+
     def leave(self, store: LockStore) -> None:
         """This node stops: its presence is deleted, so the others place its locks at once."""
 
@@ -99,6 +103,9 @@ class FirstPlacement(Restrictions):
         return [lock for lock in free if self.allows(lock, self.node_id)]
 
     def surplus(self, held: Collection[str], now: float) -> dict[str, str]:
+        return {}
+
+    def successors(self, store: LockStore, held: Collection[str], now: float) -> dict[str, str]:
         return {}
 
     def leave(self, store: LockStore) -> None:
