@@ -775,6 +775,11 @@ class LeaseManager:
     def _hand_over_surplus(self) -> None:
         """Hand the held locks placed on another live node over to it, each at a fire-time
         boundary: once no run of it is going (its hand-off written), and no run begins meanwhile."""
+        if not self.placement.surplus(self.held(), self.clock()):
+            return
+        # Moves are rare: the live nodes are read again first, so that a lock is never offered to a
+        # node that has just left (or that is stopping: its presence goes first).
+        self.placement.refresh(self.store, self.locks(), self.clock(), force=True)
         moves = self.placement.surplus(self.held(), self.clock())
         for name, successor in list(moves.items())[:MOVES_PER_ROUND]:
             with self._mutex:
@@ -859,12 +864,26 @@ class LeaseManager:
         if self._thread is not None:
             self._thread.join(timeout=15)  # longer than one store operation's timeout
         self.offers.close()
-        held = self.held()
+        held = {**self._offered_here(), **self.held()}
         successors = self.placement.successors(self.store, [n for n in held if n not in busy], self.clock())
         self._release_all(held, busy, successors)
         with self._mutex:
             self._held.clear()
         self.handoff.batcher.close()
+
+    def _offered_here(self) -> dict[str, int]:
+        """A stopping node: the locks offered to it that it has not taken (name -> the offer's
+        token), so that it passes them on instead of letting them lapse."""
+        if self.placement.mode == "first":  # only placement offers locks
+            return {}
+        with self._mutex:
+            wanted = [n for n in self._locks if n not in self._held]
+        try:
+            records = self.store.read_many(wanted) if wanted else {}
+        except (StoreUnavailableError, StoreError):
+            return {}
+        me = self.node.node_id
+        return {n: r.token for n, r in records.items() if r.holder == me and r.active_ip is None and r.state == "active"}
 
     def _release_all(
         self, held: Mapping[str, int], busy: Mapping[str, int], successors: Mapping[str, str] | None = None, *,

@@ -33,8 +33,8 @@ class Placement(Protocol):
     def restrict(self, lock: str, patterns: Sequence[str] | None) -> None:
         """Only nodes whose id matches one of ``patterns`` may hold ``lock`` (None: every node)."""
 
-    def refresh(self, store: LockStore, locks: Mapping[str, float], now: float) -> None:
-        """Read the live nodes (at most once a second) and place ``locks`` (name -> lease) among them."""
+    def refresh(self, store: LockStore, locks: Mapping[str, float], now: float, *, force: bool = False) -> None:
+        """Read the live nodes (at most once a second; ``force``: now) and place ``locks`` (name -> lease) among them."""
 
     def asks(self, lock: str, now: float) -> bool:
         """True if this node asks the store for ``lock`` when it is free (a tick of its job)."""
@@ -87,7 +87,7 @@ class FirstPlacement(Restrictions):
 
     mode = "first"
 
-    def refresh(self, store: LockStore, locks: Mapping[str, float], now: float) -> None:
+    def refresh(self, store: LockStore, locks: Mapping[str, float], now: float, *, force: bool = False) -> None:
         return None
 
     def asks(self, lock: str, now: float) -> bool:
