@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -163,6 +164,10 @@ class SQLLockStore(LockStore):
         self.nodes_table = f"{self.table}_nodes"
         self._presence_rows: set[str] = set()  # nodes whose presence row this store object has written
         self._pads = False  # set when the table is first used: a MySQL table whose collation ignores trailing spaces
+        # One node's writes of many rows (renewals, claims, hand-offs: its own held rows, from three
+        # threads) go one at a time: two of them locking the same rows in different orders would
+        # deadlock each other, and the database would break the tie only after its deadlock timeout.
+        self._many_rows = threading.RLock()
 
     @property
     def engine(self) -> Engine:
@@ -348,6 +353,10 @@ class SQLLockStore(LockStore):
         return bool(count == 1)
 
     def hand_off_many(self, node: Node, items: Sequence[HandOff]) -> list[bool]:
+        with self._many_rows:
+            return self._hand_off_many(node, items)
+
+    def _hand_off_many(self, node: Node, items: Sequence[HandOff]) -> list[bool]:
         """One UPDATE over every item (``hand_off_many``; items of one lock in rounds, one UPDATE
         each, in one transaction). MySQL/MariaDB return a count: if not every item was written, one
         read says which were (as ``renew_many`` does)."""
@@ -417,6 +426,10 @@ class SQLLockStore(LockStore):
         return {"hjob": job, "hpath": _json_path(job), "htail": run.history_tail(node, token), "hn": self.history_length}
 
     def renew_many(self, node: Node, leases: Mapping[str, int], presence: Presence | None = None) -> set[str]:
+        with self._many_rows:
+            return self._renew_many(node, leases, presence)
+
+    def _renew_many(self, node: Node, leases: Mapping[str, int], presence: Presence | None = None) -> set[str]:
         if presence is not None:
             return self._renew_with_presence(node, leases, presence)
         if not leases:
@@ -550,6 +563,10 @@ class SQLLockStore(LockStore):
         return {name: _history_lists(name, history, runs, self.history_length) for name, history, runs in rows}
 
     def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
+        with self._many_rows:
+            return self._claim_many(node, claims)
+
+    def _claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
         groups = group_claims(claims)
         if not groups:
             return BatchClaimResult()
