@@ -630,7 +630,7 @@ class LeaseManager:
         self._wake.set()
 
     def _offer_noticed(self) -> None:
-        """The store says a lock was handed over to this node: read and take it now."""
+        """The store says a lock was handed over to this node (or a node left): read and take it now."""
         self._offered.set()
         self._wake.set()
 
@@ -656,7 +656,8 @@ class LeaseManager:
             if self._gave_up is not None:
                 self._release_all(self.held(), self.running(), quiet=True)
             self._renew()
-            self.placement.refresh(self.store, self.locks(), self.clock())
+            # An offer noticed (or a node gone): the live nodes are read again now, not in a second.
+            self.placement.refresh(self.store, self.locks(), self.clock(), force=self._offered.is_set())
             if not self._stopping:
                 self._hand_over_surplus()
                 self._take_over()
