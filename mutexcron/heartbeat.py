@@ -61,6 +61,16 @@ HAND_OVER_POLL = 0.2
 #: rebalance never delays the round's renewals.
 MOVES_PER_ROUND = 64
 
+#: The longest a stopping node under balanced placement keeps its locks (and runs their jobs) while
+#: no live node is there to hand them to (a gunicorn reload: the new workers are still booting, which
+#: takes seconds on a loaded machine); at most the scheduler's ``shutdown_timeout``, and only if the
+#: node saw other nodes (a node alone stops at once).
+LEAVE_WAIT = 20.0
+#: A stopping node hands nothing over during its first this many seconds: the nodes stopping with
+#: it (every worker of a gunicorn reload gets its signal at once) delete their presence meanwhile,
+#: so none of them is named a successor.
+LEAVE_SETTLE = 0.3
+
 #: The longest a lock offered to a successor (:meth:`LockStore.hand_over`) waits for it, in seconds
 #: (at most the lock's lease): then anyone may take it, so a successor that died strands nothing.
 OFFER_WITHIN = 3.0
@@ -149,6 +159,7 @@ class LeaseManager:
         self._handing: set[str] = set()  # locks being handed over: no run begins on them
         self._offered = threading.Event()  # a store notice: a lock was handed over to this node
         self._left = False  # this node's presence was deleted (it stops): it publishes none again
+        self._leaving: float | None = None  # monotonic: since when this node hands every held lock over (it stops)
         self.offers = OfferListener(store, node.node_id, self._offer_noticed)
         self._zones: dict[str, str] = dict(zones or {})  # lock -> the zone this node computes its fire times in
         self._zone_refused: dict[str, str] = {}  # lock -> the other zone its live holder computes them in
@@ -658,7 +669,9 @@ class LeaseManager:
             self._renew()
             # An offer noticed (or a node gone): the live nodes are read again now, not in a second.
             self.placement.refresh(self.store, self.locks(), self.clock(), force=self._offered.is_set())
-            if not self._stopping:
+            if self._leaving is not None and not self._stopping:
+                self._hand_over_leaving()
+            elif not self._stopping:
                 self._hand_over_surplus()
                 self._take_over()
             self.health.report(True)
@@ -685,6 +698,8 @@ class LeaseManager:
         """Renew every lease/3; with locks held elsewhere, also refresh their view every second and
         wake up the moment a viewed lease runs out, to take it over then."""
         wait = self.period
+        if self._leaving is not None:
+            return HAND_OVER_POLL
         if len(self.held()) < len(self.locks()):
             wait = min(wait, HAND_OVER_POLL if self._awaiting_hand_over else STANDBY_REFRESH)
             expiry = self.views.next_expiry(self.clock())
@@ -781,7 +796,17 @@ class LeaseManager:
         # Moves are rare: the live nodes are read again first, so that a lock is never offered to a
         # node that has just left (or that is stopping: its presence goes first).
         self.placement.refresh(self.store, self.locks(), self.clock(), force=True)
-        moves = self.placement.surplus(self.held(), self.clock())
+        self._move(self.placement.surplus(self.held(), self.clock()), "placement rebalanced")
+
+    def _hand_over_leaving(self) -> None:
+        """A stopping node: hand each held lock to the node placed for it without this one (the
+        live nodes read again each round), each at a fire-time boundary; keep the others."""
+        held = self.held()
+        if held and self._leaving is not None and self.clock() - self._leaving >= LEAVE_SETTLE:
+            self._move(self.placement.successors(self.store, list(held), self.clock()), "this node stops")
+
+    def _move(self, moves: Mapping[str, str], reason: str) -> None:
+        """Hand each lock of ``moves`` (lock -> successor) over, once no run of it is going."""
         for name, successor in list(moves.items())[:MOVES_PER_ROUND]:
             with self._mutex:
                 held = self._held.get(name)
@@ -790,7 +815,7 @@ class LeaseManager:
                 del self._held[name]
                 self._handing.add(name)
             self.views.forget(name)
-            self._hand_over(name, held.token, successor, "placement rebalanced")
+            self._hand_over(name, held.token, successor, reason)
 
     def _hand_over(self, name: str, token: int, successor: str, reason: str) -> None:
         """Offer a lock this node gives up to ``successor`` (one fenced store write; the lock's
@@ -833,6 +858,22 @@ class LeaseManager:
             self._drop(name, "no successful renewal within the lease; this node demotes itself", expired=True)
 
     # -- stopping ---------------------------------------------------------------------------------
+    def hand_over_all(self, timeout: float) -> None:
+        """Before a stop, under balanced placement: this node leaves (its presence goes), hands each
+        held lock over to the node placed for it without this one, at a fire-time boundary, and
+        runs the jobs of the locks not handed over yet meanwhile (a gunicorn reload's new workers
+        may still be booting). Returns once it holds none, or after ``timeout`` seconds (the rest
+        are released by :meth:`stop`); at once if its last read of the live nodes showed no other."""
+        if self.placement.mode == "first" or not self.held() or not self.placement.others_seen():
+            return  # a node alone does not wait for a successor
+        with self._mutex:
+            self._leaving = self.clock()
+        self._leave()
+        self.wake()
+        deadline = self.clock() + max(0.0, timeout)
+        while self.held() and self.clock() < deadline and not self._stop.wait(0.05):
+            pass
+
     def begin_stop(self) -> None:
         """No takeover and no new guarded run from now on; leases (and attached rounds) are still
         renewed until :meth:`stop`. This node's presence goes at once: the others place its locks

@@ -27,7 +27,7 @@ from .guard.decorators import ScheduleDecorators
 from .guard.firetimes import guard_trigger, zone_of
 from .guard.job import GuardContext, GuardedJob, MutexConfig, MutexThreadPoolExecutor, _as_config, _seconds
 from .guard.triggers import register_triggers
-from .heartbeat import LeaseManager
+from .heartbeat import LEAVE_WAIT, LeaseManager
 from .jobstores.hooks import SharedJobsMixin
 from .jobstores.lockstore import refuse_local_lock_store, shared_lock_url
 from .locks import DEFAULT_LOCK_URL, URL_ENV, LockStore, Node, default_lock_url, lock_store_from_url, store_scope_note
@@ -677,6 +677,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         """Stop scheduling, wait up to ``timeout`` for guarded runs, release the leases."""
         leases = self._leases
         if leases is not None and self.running and not leases.stopping:  # type: ignore[attr-defined]
+            leases.hand_over_all(min(LEAVE_WAIT, timeout))  # balanced: each lock to its successor, jobs still running
             aps.stop_processing(self)  # no new fire times while guarded runs end (pause() would tell listeners)
             started = time.monotonic()
             leases.begin_stop()  # no takeover or new run while the task worker stops

@@ -174,6 +174,10 @@ class BalancedPlacement(Restrictions):
             owners = assign(self._locks, others, self.allows) if others else {}
         return {lock: owner for lock in held if (owner := owners.get(lock)) is not None}
 
+    def others_seen(self) -> bool:
+        with self._mutex:
+            return any(node != self.node_id for node in self._seen)
+
     def leave(self, store: LockStore) -> None:
         try:
             store.forget_node(self.node_id)

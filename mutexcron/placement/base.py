@@ -57,6 +57,9 @@ class Placement(Protocol):
         """This node stops: the live node each of the ``held`` locks is placed on without it (the
         live nodes read again first); a lock with no such node is left out."""
 
+    def others_seen(self) -> bool:
+        """True if the last read of the live nodes showed another node than this one."""
+
     def leave(self, store: LockStore) -> None:
         """This node stops: its presence is deleted, so the others place its locks at once."""
 
@@ -107,6 +110,9 @@ class FirstPlacement(Restrictions):
 
     def successors(self, store: LockStore, held: Collection[str], now: float) -> dict[str, str]:
         return {}
+
+    def others_seen(self) -> bool:
+        return False
 
     def leave(self, store: LockStore) -> None:
         return None
