@@ -488,7 +488,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             # Balanced placement: a job left out of a standby's loop is caught up by the loop itself
             # when its lock is taken (placement/standby.py), not by a second run of the catch-up.
             skip = lambda job_id: shared.owns(job_id) or self._put_back(job_id)  # noqa: E731
-            self._catch_up = CatchUp(self, lambda: self._guarded, self._emit, self.node_id, skip=skip)
+            self._catch_up = CatchUp(self, lambda: self._guarded, self._emit, self.node_id, skip=skip, skip_handed=self._put_back)
             self._leases = LeaseManager(
                 store,
                 self.node,
@@ -570,7 +570,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         """This node just took ``name``: catch up a fire time missed meanwhile, and put its jobs back
         in the loop (balanced placement)."""
         if self._catch_up is not None:
-            self._catch_up.queue(name, before)
+            handed = before is not None and before.holder == self.node_id and before.active_ip is None  # an offer taken
+            self._catch_up.queue(name, before, handed=handed)
         if self._standby is not None:
             self._standby.taken(name, before)
 
