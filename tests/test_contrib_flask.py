@@ -353,7 +353,8 @@ def test_five_reloads_lose_no_fire_time(kind: str, flask_database: tuple[str, st
             _wait(server, f"HUP {hup}: 4 new workers", lambda old=old: len(set(server.booted()) - old) >= 4)
             _wait(server, f"HUP {hup}: the old workers' exit", lambda old=old: not any(pid_alive(p) for p in old))
             since = time.time()
-            _wait(server, f"HUP {hup}: 2 s of runs", lambda since=since: any(r.wall >= since + 2 for r in server.job_runs("refresh_rates")))
+            runs_after = lambda since=since: any(r.wall >= since + 2 for r in server.job_runs("refresh_rates"))  # noqa: E731
+            _wait(server, f"HUP {hup}: 2 s of runs", runs_after)
         runs = server.job_runs("refresh_rates")
         stop_seconds = server.stop()
     result = analyse([r for r in runs if r.fire >= first.fire])

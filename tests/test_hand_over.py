@@ -126,7 +126,8 @@ def test_no_run_begins_while_its_lock_is_handed_over() -> None:
 
 def test_a_leaving_node_keeps_its_locks_until_a_successor_is_live_then_hands_them_over() -> None:
     cluster = Cluster()
-    a, b = cluster.join("a"), cluster.join("b")
+    a = cluster.join("a")
+    cluster.join("b")
     cluster.rounds(3)
     cluster.nodes.pop("b").stop(timeout=0)  # b goes first: a alone holds everything, and saw b
     cluster.rounds(2)
