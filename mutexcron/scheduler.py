@@ -81,8 +81,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         metrics_host: the address it binds (``$MUTEXCRON_METRICS_HOST``; default 127.0.0.1, this host
             only: ``"0.0.0.0"`` exposes the endpoints on every interface).
         placement: which locks this node asks for: ``"first"`` (the default: every node asks for
-            every lock, the first holds it) or ``"balanced"`` (a preview: every live node its fair
-            share; a move may still lose fire times); ``$MUTEXCRON_PLACEMENT`` sets it too.
+            every lock, the first holds it) or ``"balanced"`` (opt-in: every live node its fair
+            share; a lock that moves is handed over at a fire-time boundary); ``$MUTEXCRON_PLACEMENT`` sets it too.
         **kwargs: passed to the APScheduler scheduler. ``timezone`` is APScheduler's default (the
             host's zone); every node must compute a lock's cron and date fire times in the same zone,
             and a node in another zone than the lock's record refuses its jobs (the zone rule).

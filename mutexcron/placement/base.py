@@ -9,10 +9,11 @@ from ..errors import ConfigurationError
 from ..locks import LockStore
 from .rendezvous import node_allowed
 
-#: The placement modes: ``first`` (the default) and ``balanced`` (a preview: moves between live
-#: nodes may still lose fire times, see the Performance page).
+#: The placement modes: ``first`` (the default) and ``balanced`` (opt-in: a lock that moves is handed
+#: over to its successor at a fire-time boundary, see docs/operations.md).
 PLACEMENTS = ("first", "balanced")
-#: Until a move hands a lock over at a fire-time boundary without losing one, ``first`` stays the default.
+#: ``first`` stays the default until balanced's stop behaviour (a stopping node waits for a successor,
+#: heartbeat.LEAVE_WAIT) has run under the whole suite and the drills.
 DEFAULT_PLACEMENT = "first"
 
 
