@@ -756,7 +756,6 @@ class LeaseManager:
         # A lock placed here that another node holds: read again each round, and rounds come every
         # HAND_OVER_POLL seconds, until it is handed over (a hand-over is noticed before the next fire time).
         awaited = [n for n in wanted if n not in due and n not in unknown and self.placement.placed_here(n, self.clock())]
-        self._awaiting_hand_over = bool(awaited)
         unknown += awaited
         before = {name: self.views.record(name) for name in due}
         if unknown:
@@ -776,6 +775,10 @@ class LeaseManager:
                 if record is None or record.state != "active" or record.holder == self.node.node_id:
                     due.append(name)
                     before[name] = record
+        # Counted after the reads too: a lock read now for the first time, held by another node, is
+        # awaited from the next round on (not only from the round after its view was made).
+        now = self.clock()
+        self._awaiting_hand_over = any(n not in due and self.placement.placed_here(n, now) for n in unknown)
         # A lock handed over to this node: its record names it already, it only has to take it.
         offered = {n for n in due if (r := before.get(n)) is not None and r.holder == self.node.node_id and r.state == "active"}
         free = {name: _expired_holder(before.get(name), self.node.node_id) for name in due if name not in offered}
