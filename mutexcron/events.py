@@ -168,8 +168,10 @@ def log_event(event: MutexEvent) -> None:
 
 
 def _acquired(e: MutexEvent) -> None:
+    reason = e.details.get("reason")
     moved = e.details.get("moved")
-    log.info("acquired lock %r (token %d)%s", e.lock, e.token, f"; placement moved it here: {moved}" if moved else "")
+    log.info("acquired lock %r (token %d)%s%s", e.lock, e.token, f" ({reason})" if reason else "",
+             f"; placement moved it here: {moved}" if moved else "")  # fmt: skip
 
 
 def _taken_over(e: MutexEvent) -> None:
@@ -188,7 +190,9 @@ def _lost(e: MutexEvent) -> None:
 
 
 def _released(e: MutexEvent) -> None:
-    log.info("released lock %r (token %d)", e.lock, e.token)
+    successor, reason = e.details.get("successor"), e.details.get("reason")
+    to = f" to {successor}" if successor else ""
+    log.info("released lock %r (token %d)%s%s", e.lock, e.token, to, f" ({reason})" if reason else "")
 
 
 def _caught_up(e: MutexEvent) -> None:

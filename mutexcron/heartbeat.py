@@ -38,6 +38,7 @@ from .events import (
 )
 from .guard.agreement import Agreement, SharedNodeId
 from .guard.handoff import AttrsHandOff, Queued
+from .guard.offers import OfferListener
 from .guard.views import STANDBY_REFRESH, RecordViews
 from .locks import AcquireResult, FireClaim, HeldClaim, LockStore, Node, RunInfo
 from .locks.base import Presence
@@ -60,14 +61,29 @@ RENEW_EARLY = 0.9
 #: Seconds between two rounds while a lock placed on this node is still held by another one.
 HAND_OVER_POLL = 0.2
 
-#: At most this many locks are handed over in one heartbeat round (one release each), so that a
+#: At most this many locks are handed over in one heartbeat round (one store write each), so that a
 #: rebalance never delays the round's renewals.
 MOVES_PER_ROUND = 64
 
+#: The longest a stopping node under balanced placement keeps its locks (and runs their jobs) while
+#: no live node is there to hand them to (a gunicorn reload: the new workers are still booting, which
+#: takes seconds on a loaded machine); at most the scheduler's ``shutdown_timeout``, and only if the
+#: node saw other nodes (a node alone stops at once).
+LEAVE_WAIT = 20.0
+#: A stopping node hands nothing over during its first this many seconds: the nodes stopping with
+#: it (every worker of a gunicorn reload gets its signal at once) delete their presence meanwhile,
+#: so none of them is named a successor.
+LEAVE_SETTLE = 0.3
+
+#: The longest a lock offered to a successor (:meth:`LockStore.hand_over`) waits for it, in seconds
+#: (at most the lock's lease): then anyone may take it, so a successor that died strands nothing.
+OFFER_WITHIN = 3.0
+
 
 def _expired_holder(record: LockRecord | None, me: str) -> str | None:
-    """The holder whose lease ran out, from the last record seen of a free lock (None: released)."""
-    if record is None or record.holder in (None, me):
+    """The holder whose lease ran out, from the last record seen of a free lock (None: released,
+    or offered to a node that never took it: no IP yet, see :meth:`LockStore.hand_over`)."""
+    if record is None or record.holder in (None, me) or record.active_ip is None:
         return None
     return record.holder
 
@@ -145,6 +161,11 @@ class LeaseManager:
         self._retiring: set[str] = set()  # locks to release once their running jobs end (remove_lock)
         self._gave_up: str | None = None  # why this node can run no guarded job any more (give_up)
         self._awaiting_hand_over = False  # a lock placed here is still held by another node
+        self._handing: set[str] = set()  # locks being handed over: no run begins on them
+        self._offered = threading.Event()  # a store notice: a lock was handed over to this node
+        self._left = False  # this node's presence was deleted (it stops): it publishes none again
+        self._leaving: float | None = None  # monotonic: since when this node hands every held lock over (it stops)
+        self.offers = OfferListener(store, node.node_id, self._offer_noticed)
         self._zones: dict[str, str] = dict(zones or {})  # lock -> the zone this node computes its fire times in
         self._zone_refused: dict[str, str] = {}  # lock -> the other zone its live holder computes them in
         self._triggers: dict[str, dict[str, str]] = {k: dict(v) for k, v in (triggers or {}).items()}
@@ -227,7 +248,8 @@ class LeaseManager:
             return {n: h.token for n, h in self._held.items() if now < h.deadline}
 
     def _set_held(
-        self, name: str, token: int, sent_at: float, ttl: float, previous: LockRecord | None, *, guarded_only: bool = False
+        self, name: str, token: int, sent_at: float, ttl: float, previous: LockRecord | None, *, guarded_only: bool = False,
+        reason: str | None = None,
     ) -> bool | None:
         """Record a held lease; True if this node just became the holder (then logs it once).
 
@@ -259,7 +281,7 @@ class LeaseManager:
                 **moved,
             )
         else:
-            self._emit(EVENT_LOCK_ACQUIRED, name, token, **moved)
+            self._emit(EVENT_LOCK_ACQUIRED, name, token, **moved, **({"reason": reason} if reason else {}))
         return True
 
     def _emit(self, code: int, lock: str, token: int | None, **details: Any) -> None:
@@ -475,7 +497,7 @@ class LeaseManager:
         lease under a tick that is still in flight.
         """
         with self._mutex:
-            if self._stopping:
+            if self._stopping or name in self._handing:
                 return False
             self._running[name] = self._running.get(name, 0) + 1
             return True
@@ -610,6 +632,8 @@ class LeaseManager:
                 return
             self._thread = threading.Thread(target=self._loop, name="mutexcron-heartbeat", daemon=True)
         self._thread.start()
+        if self.placement.mode != "first":  # only placement hands locks over to a named node
+            self.offers.start()
 
     def attach(self, round_: Callable[[], float | None]) -> None:
         """Run ``round_`` in every heartbeat round (the task worker's renewals); it returns the
@@ -620,6 +644,11 @@ class LeaseManager:
 
     def wake(self) -> None:
         """Run a round now (a participant needs one sooner than planned)."""
+        self._wake.set()
+
+    def _offer_noticed(self) -> None:
+        """The store says a lock was handed over to this node (or a node left): read and take it now."""
+        self._offered.set()
         self._wake.set()
 
     def _loop(self) -> None:
@@ -644,8 +673,11 @@ class LeaseManager:
             if self._gave_up is not None:
                 self._release_all(self.held(), self.running(), quiet=True)
             self._renew()
-            self.placement.refresh(self.store, self.locks(), self.clock())
-            if not self._stopping:
+            # An offer noticed (or a node gone): the live nodes are read again now, not in a second.
+            self.placement.refresh(self.store, self.locks(), self.clock(), force=self._offered.is_set())
+            if self._leaving is not None and not self._stopping:
+                self._hand_over_leaving()
+            elif not self._stopping:
                 self._hand_over_surplus()
                 self._take_over()
             self.health.report(True)
@@ -672,6 +704,8 @@ class LeaseManager:
         """Renew every lease/3; with locks held elsewhere, also refresh their view every second and
         wake up the moment a viewed lease runs out, to take it over then."""
         wait = self.period
+        if self._leaving is not None:
+            return HAND_OVER_POLL
         if len(self.held()) < len(self.locks()):
             wait = min(wait, HAND_OVER_POLL if self._awaiting_hand_over else STANDBY_REFRESH)
             expiry = self.views.next_expiry(self.clock())
@@ -716,7 +750,7 @@ class LeaseManager:
         (every lease/3 under balanced placement, which judges a node live by its presence)."""
         every = PRESENCE_EVERY if self.placement.mode == "first" else self.period
         due = self._presence_at is None or self.clock() - self._presence_at >= every
-        if not renewing and not due:
+        if self._left or (not renewing and not due):
             return None
         return Presence(__version__, self.offset.value, traits=self.placement.traits)
 
@@ -728,12 +762,16 @@ class LeaseManager:
         if not wanted:
             return
         due, unknown = self.views.stale(wanted, self.clock())
-        unknown = self._without_recent_elsewhere(unknown)
+        now = self.clock()
+        if self._offered.is_set():  # a store notice: a lock was offered here, read every one not held
+            self._offered.clear()
+            unknown += [n for n in wanted if n not in due and n not in unknown]
+        else:
+            unknown = self._without_recent_elsewhere(unknown)
         # A lock placed here that another node holds: read again each round, and rounds come every
         # HAND_OVER_POLL seconds, until it is handed over (a hand-over is noticed before the next fire time).
-        now, looked_at = self.clock(), {*due, *unknown}
+        looked_at = {*due, *unknown}
         awaited = [n for n in wanted if n not in looked_at and self.placement.placed_here(n, now)]
-        self._awaiting_hand_over = bool(awaited)
         unknown += awaited
         before = {name: self.views.record(name) for name in due}
         if unknown:
@@ -753,15 +791,21 @@ class LeaseManager:
                 if record is None or record.state != "active" or record.holder == self.node.node_id:
                     due.append(name)
                     before[name] = record
-        free = {name: _expired_holder(before.get(name), self.node.node_id) for name in due}
-        asked = set(self.placement.to_take(self.store, free, self.clock()))
+        # Counted after the reads too: a lock read now for the first time, held by another node, is
+        # awaited from the next round on (not only from the round after its view was made).
+        now = self.clock()
+        self._awaiting_hand_over = any(n not in due and self.placement.placed_here(n, now) for n in unknown)
+        # A lock handed over to this node: its record names it already, it only has to take it.
+        offered = {n for n in due if (r := before.get(n)) is not None and r.holder == self.node.node_id and r.state == "active"}
+        free = {name: _expired_holder(before.get(name), self.node.node_id) for name in due if name not in offered}
+        asked = set(self.placement.to_take(self.store, free, self.clock())) | offered
         for name in [n for n in due if n in asked]:
             if self._stopping:
                 return
             with self._mutex:
                 refused = name in self._zone_refused
             if not refused:  # a node in another zone than the lock's holder never takes it over
-                self._try_take_over(name, locks[name], before.get(name))
+                self._try_take_over(name, locks[name], before.get(name), "handed over to this node" if name in offered else None)
 
     def _without_recent_elsewhere(self, unknown: list[str]) -> list[str]:
         """``unknown`` without the records placed on other nodes while none of them is due.
@@ -779,21 +823,51 @@ class LeaseManager:
         return [n for n in unknown if n not in skipped]
 
     def _hand_over_surplus(self) -> None:
-        """Release the held locks placed on another live node, each once no run of it is going
-        (the placed node takes it at its next refresh)."""
-        moves = self.placement.surplus(self.held(), self.clock())
+        """Hand the held locks placed on another live node over to it, each at a fire-time
+        boundary: once no run of it is going (its hand-off written), and no run begins meanwhile."""
+        if not self.placement.surplus(self.held(), self.clock()):
+            return
+        # Moves are rare: the live nodes are read again first, so that a lock is never offered to a
+        # node that has just left (or that is stopping: its presence goes first).
+        self.placement.refresh(self.store, self.locks(), self.clock(), force=True)
+        self._move(self.placement.surplus(self.held(), self.clock()), "placement rebalanced")
+
+    def _hand_over_leaving(self) -> None:
+        """A stopping node: hand each held lock to the node placed for it without this one (the
+        live nodes read again each round), each at a fire-time boundary; keep the others."""
+        held = self.held()
+        if held and self._leaving is not None and self.clock() - self._leaving >= LEAVE_SETTLE:
+            self._move(self.placement.successors(self.store, list(held), self.clock()), "this node stops")
+
+    def _move(self, moves: Mapping[str, str], reason: str) -> None:
+        """Hand each lock of ``moves`` (lock -> successor) over, once no run of it is going."""
         for name, successor in list(moves.items())[:MOVES_PER_ROUND]:
             with self._mutex:
                 held = self._held.get(name)
                 if held is None or self._running.get(name) or name in self._retiring:
                     continue
                 del self._held[name]
-            why = self.placement.move_reason(name) or "rebalanced"
-            log.info("lock %r: handed over to %s (placement: %s)", name, successor, why)
+                self._handing.add(name)
             self.views.forget(name)
-            self._release(name, held.token)
+            why = self.placement.move_reason(name)  # why placement moved it (n3 joined, n1 left...)
+            self._hand_over(name, held.token, successor, f"{reason}: {why}" if why else reason)
 
-    def _try_take_over(self, name: str, ttl: float, before: LockRecord | None) -> None:
+    def _hand_over(self, name: str, token: int, successor: str, reason: str) -> None:
+        """Offer a lock this node gives up to ``successor`` (one fenced store write; the lock's
+        record keeps its last claimed fire times); a store that cannot offer releases it."""
+        try:
+            within = min(self.locks().get(name, OFFER_WITHIN), OFFER_WITHIN)
+            if self.store.hand_over(name, self.node, token, successor, within):
+                self._emit(EVENT_LOCK_RELEASED, name, token, successor=successor, reason=reason)
+        except NotImplementedError:
+            self._release(name, token)
+        except (StoreUnavailableError, StoreError) as exc:
+            log.warning("could not hand lock %r over to %s (%s); it will expire after its lease", name, successor, exc)
+        finally:
+            with self._mutex:
+                self._handing.discard(name)
+
+    def _try_take_over(self, name: str, ttl: float, before: LockRecord | None, reason: str | None = None) -> None:
         sent_at, wall = self.clock(), time.time()
         result = self.store.acquire_or_renew(name, self.node, ttl)
         self.offset.observe(result.record, wall, time.time())
@@ -801,7 +875,7 @@ class LeaseManager:
         if not result.acquired:
             return
         self.handoff.remember(name, result.token, result.record)
-        became = self._set_held(name, result.token, sent_at, ttl, before, guarded_only=True)
+        became = self._set_held(name, result.token, sent_at, ttl, before, guarded_only=True, reason=reason)
         if became is None:
             # Its last job was removed while the acquire was in flight: nothing here guards it any
             # more, so it is not kept (it would be renewed with no job, and never released).
@@ -819,11 +893,36 @@ class LeaseManager:
             self._drop(name, "no successful renewal within the lease; this node demotes itself", expired=True)
 
     # -- stopping ---------------------------------------------------------------------------------
+    def hand_over_all(self, timeout: float) -> None:
+        """Before a stop, under balanced placement: this node leaves (its presence goes), hands each
+        held lock over to the node placed for it without this one, at a fire-time boundary, and
+        runs the jobs of the locks not handed over yet meanwhile (a gunicorn reload's new workers
+        may still be booting). Returns once it holds none, or after ``timeout`` seconds (the rest
+        are released by :meth:`stop`); at once if its last read of the live nodes showed no other."""
+        if self.placement.mode == "first" or not self.held() or not self.placement.others_seen():
+            return  # a node alone does not wait for a successor
+        with self._mutex:
+            self._leaving = self.clock()
+        self._leave()
+        self.wake()
+        deadline = self.clock() + max(0.0, timeout)
+        while self.held() and self.clock() < deadline and not self._stop.wait(0.05):
+            pass
+
     def begin_stop(self) -> None:
         """No takeover and no new guarded run from now on; leases (and attached rounds) are still
-        renewed until :meth:`stop`."""
+        renewed until :meth:`stop`. This node's presence goes at once: the others place its locks
+        on themselves and watch them, to take each the moment it is handed over."""
         with self._mutex:
             self._stopping = True
+        self._leave()
+
+    def _leave(self) -> None:
+        with self._mutex:
+            if self._left:
+                return
+            self._left = True
+        self.placement.leave(self.store)
 
     def stop(self, timeout: float) -> None:
         """Stop takeovers, wait up to ``timeout`` s for running guarded jobs, release leases, stop.
@@ -832,8 +931,8 @@ class LeaseManager:
         lease is released with the others.
         """
         deadline = self.clock() + max(0.0, timeout)
+        self.begin_stop()
         with self._idle:
-            self._stopping = True
             while self._running and self.clock() < deadline:
                 self._idle.wait(min(0.5, max(0.01, deadline - self.clock())))
             busy = dict(self._running)
@@ -841,15 +940,35 @@ class LeaseManager:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=15)  # longer than one store operation's timeout
-        self.placement.leave(self.store)  # before the releases: the others place its locks at once
-        self._release_all(self.held(), busy)
+        self.offers.close()
+        held = {**self._offered_here(), **self.held()}
+        successors = self.placement.successors(self.store, [n for n in held if n not in busy], self.clock())
+        self._release_all(held, busy, successors)
         with self._mutex:
             self._held.clear()
         self.handoff.batcher.close()
 
-    def _release_all(self, held: Mapping[str, int], busy: Mapping[str, int], *, quiet: bool = False) -> None:
-        """Release the leases in ``held``, except those with a guarded run still going (``busy``;
-        said once at a stop, ``quiet`` when given up: asked again every round until the run ends)."""
+    def _offered_here(self) -> dict[str, int]:
+        """A stopping node: the locks offered to it that it has not taken (name -> the offer's
+        token), so that it passes them on instead of letting them lapse."""
+        if self.placement.mode == "first":  # only placement offers locks
+            return {}
+        with self._mutex:
+            wanted = [n for n in self._locks if n not in self._held]
+        try:
+            records = self.store.read_many(wanted) if wanted else {}
+        except (StoreUnavailableError, StoreError):
+            return {}
+        me = self.node.node_id
+        return {n: r.token for n, r in records.items() if r.holder == me and r.active_ip is None and r.state == "active"}
+
+    def _release_all(
+        self, held: Mapping[str, int], busy: Mapping[str, int], successors: Mapping[str, str] | None = None, *,
+        quiet: bool = False,
+    ) -> None:
+        """Release the leases in ``held``, each handed over to its node in ``successors`` if it has
+        one, except those with a guarded run still going (``busy``; said once at a stop, ``quiet``
+        when given up: asked again every round until the run ends)."""
         for name, token in held.items():
             if name in busy:
                 if quiet:
@@ -859,7 +978,11 @@ class LeaseManager:
                     name,
                 )
                 continue
-            self._release(name, token)
+            successor = (successors or {}).get(name)
+            if successor is None:
+                self._release(name, token)
+            else:
+                self._hand_over(name, token, successor, "this node stops")
             with self._mutex:
                 if name in self._held and self._held[name].token == token:
                     del self._held[name]

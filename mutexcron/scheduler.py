@@ -27,7 +27,7 @@ from .guard.decorators import ScheduleDecorators
 from .guard.firetimes import guard_trigger, zone_of
 from .guard.job import GuardContext, GuardedJob, MutexConfig, MutexThreadPoolExecutor, _as_config, _seconds
 from .guard.triggers import register_triggers
-from .heartbeat import LeaseManager
+from .heartbeat import LEAVE_WAIT, LeaseManager
 from .jobstores.hooks import SharedJobsMixin
 from .jobstores.lockstore import refuse_local_lock_store, shared_lock_url
 from .locks import DEFAULT_LOCK_URL, URL_ENV, LockStore, Node, default_lock_url, lock_store_from_url, store_scope_note
@@ -81,8 +81,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         metrics_host: the address it binds (``$MUTEXCRON_METRICS_HOST``; default 127.0.0.1, this host
             only: ``"0.0.0.0"`` exposes the endpoints on every interface).
         placement: which locks this node asks for: ``"first"`` (the default: every node asks for
-            every lock, the first holds it) or ``"balanced"`` (a preview: every live node its fair
-            share; a move may still lose fire times); ``$MUTEXCRON_PLACEMENT`` sets it too.
+            every lock, the first holds it) or ``"balanced"`` (opt-in: every live node its fair
+            share; a lock that moves is handed over at a fire-time boundary); ``$MUTEXCRON_PLACEMENT`` sets it too.
         weight: this node's weight under balanced placement (default 1: a node of weight 2 is placed
             for about twice the locks); ``$MUTEXCRON_WEIGHT`` sets it too.
         tags: this node's tags, matched by ``mutex(nodes="tag:eu")`` (and by plain patterns, as
@@ -505,7 +505,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             # Balanced placement: a job left out of a standby's loop is caught up by the loop itself
             # when its lock is taken (placement/standby.py), not by a second run of the catch-up.
             skip = lambda job_id: shared.owns(job_id) or self._put_back(job_id)  # noqa: E731
-            self._catch_up = CatchUp(self, lambda: self._guarded, self._emit, self.node_id, skip=skip)
+            skip_handed = lambda job_id: self._put_back(job_id) and not shared.owns(job_id)  # noqa: E731
+            self._catch_up = CatchUp(self, lambda: self._guarded, self._emit, self.node_id, skip=skip, skip_handed=skip_handed)
             self._leases = LeaseManager(
                 store,
                 self.node,
@@ -587,7 +588,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         """This node just took ``name``: catch up a fire time missed meanwhile, and put its jobs back
         in the loop (balanced placement)."""
         if self._catch_up is not None:
-            self._catch_up.queue(name, before)
+            handed = before is not None and before.holder == self.node_id and before.active_ip is None  # an offer taken
+            self._catch_up.queue(name, before, handed=handed)
         if self._standby is not None:
             self._standby.taken(name, before)
 
@@ -694,6 +696,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         """Stop scheduling, wait up to ``timeout`` for guarded runs, release the leases."""
         leases = self._leases
         if leases is not None and self.running and not leases.stopping:  # type: ignore[attr-defined]
+            leases.hand_over_all(min(LEAVE_WAIT, timeout))  # balanced: each lock to its successor, jobs still running
             aps.stop_processing(self)  # no new fire times while guarded runs end (pause() would tell listeners)
             started = time.monotonic()
             leases.begin_stop()  # no takeover or new run while the task worker stops

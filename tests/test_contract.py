@@ -630,3 +630,28 @@ def test_the_holder_records_its_jobs_triggers_with_its_zone_fenced(ctx: StoreCtx
     assert a.forget("agreed", force=True) in ("cleared", "deleted")
     gone = a.read("agreed")
     assert gone is None or (gone.zone, gone.triggers) == (None, None)
+
+
+def test_hand_over_offers_the_lock_to_one_node_keeps_its_claims_and_lapses(ctx: StoreCtx) -> None:
+    a, b, c = ctx.make(), ctx.make(), ctx.make()
+    took = a.acquire_or_renew("h", A, ttl=60, claim=FireClaim("job", 1_000_000, "n1"))
+    assert took.acquired and took.claimed
+    assert a.hand_off("h", A, took.token, {"k": "v"})
+    assert not a.hand_over("h", A, took.token + 5, B.node_id, TTL), "a wrong token is refused"
+    assert not c.hand_over("h", C, took.token, B.node_id, TTL), "a non-holder is refused"
+    assert a.hand_over("h", A, took.token, B.node_id, TTL)
+    offered = a.read("h")
+    assert offered is not None and offered.holder == B.node_id and offered.token == took.token + 1
+    assert offered.state == "active" and offered.ttl == pytest.approx(TTL)
+    assert dict(offered.attrs) == {"k": "v"} and offered.fire_times["job"].timestamp() == 1.0
+    assert not a.hand_off("h", A, took.token, {"k": "late"}), "the giver is fenced out"
+    assert not a.hand_over("h", A, took.token, C.node_id, TTL), "and cannot offer it twice"
+    assert not c.acquire_or_renew("h", C, ttl=60).acquired, "nobody else takes it while the offer stands"
+    got = b.acquire_or_renew("h", B, ttl=60)
+    assert got.acquired and got.token == took.token + 1 and got.record.ttl == pytest.approx(60)
+    assert got.record.active_ip == B.ip
+    # An offer the successor never takes lapses, and then anyone may take it, with a higher token.
+    assert b.hand_over("h", B, got.token, "gone:9:dead", TTL)
+    ctx.wait_stale(TTL)
+    late = c.acquire_or_renew("h", C, ttl=60)
+    assert late.acquired and late.token == got.token + 2 and dict(late.record.attrs) == {"k": "v"}

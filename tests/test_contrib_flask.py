@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from tests.backends import cleanup_sql, require_server, sql_url
+from tests.backends import cleanup_redis, cleanup_sql, require_server, sql_url
 from tests.test_embedding import (
     REPO,
     Gunicorn,
@@ -132,9 +132,10 @@ def test_jobs_are_guarded_and_the_api_acts_through_the_cluster(tmp_path: Path, n
 class FlaskAPSchedulerGunicorn(Gunicorn):
     """``gunicorn -w 4`` serving the Flask-APScheduler example on its database."""
 
-    def __init__(self, workdir: Path, database_url: str, lock_url: str | None, job_table: str) -> None:
+    def __init__(self, workdir: Path, database_url: str, lock_url: str | None, job_table: str, **env: str) -> None:
         super().__init__(workdir, lock_url or "")
         self.database_url, self.explicit_lock_url, self.job_table = database_url, lock_url, job_table
+        self.env = env
 
     def start(self) -> None:
         conf = self.workdir / "gunicorn.conf.py"
@@ -142,7 +143,7 @@ class FlaskAPSchedulerGunicorn(Gunicorn):
         extra = {"MUTEXCRON_LOCK_URL": self.explicit_lock_url} if self.explicit_lock_url else {}
         env = child_env(
             DATABASE_URL=self.database_url, FLASK_APP_JOB_TABLE=self.job_table, FLASK_APP_RUNS_LOG=str(self.runs_path),
-            MUTEXCRON_UNACTIVE_INTERVAL=str(LEASE), **extra,
+            MUTEXCRON_UNACTIVE_INTERVAL=str(LEASE), **extra, **self.env,
         )  # fmt: skip
         cmd = [sys.executable, "-m", "gunicorn", "-c", str(conf), APP]
         with open(self.log_path, "wb") as log:
@@ -187,13 +188,20 @@ def flask_database(kind: str, tmp_path: Path) -> Iterator[tuple[str, str | None,
     if kind == "sqlite":
         yield f"sqlite:///{tmp_path}/app.db", None, table  # the locks go in the job store's file
         return
+    if kind == "redis":  # the jobs in a SQLite file, the locks on Redis
+        lock_url = f"{require_server(kind)}?namespace=mc-flask-{secrets.token_hex(3)}"
+        yield f"sqlite:///{tmp_path}/app.db", lock_url, table
+        cleanup_redis(lock_url)
+        return
     base = require_server(kind)
     lock_url = sql_url(base, "mc_flask")
-    yield base.replace("postgresql://", "postgresql+psycopg://", 1), lock_url, table
+    drivers = {"postgresql://": "postgresql+psycopg://", "mysql://": "mysql+pymysql://"}
+    database_url = next((base.replace(k, v, 1) for k, v in drivers.items() if base.startswith(k)), base)
+    yield database_url, lock_url, table
     cleanup_sql(lock_url)
     from sqlalchemy import create_engine, text
 
-    engine = create_engine(base.replace("postgresql://", "postgresql+psycopg://", 1))
+    engine = create_engine(database_url)
     with engine.begin() as conn:
         conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
         conn.execute(text(f"DROP TABLE IF EXISTS {table}_changes"))
@@ -322,6 +330,40 @@ def test_flask_apscheduler_under_gunicorn(kind: str, flask_database: tuple[str, 
     assert reload["first_run_after_up"] < 1.5, f"a lease-length wait after HUP\n{result}"
     assert reload["after_up"]["missed"] == 0 and not reload["around"]["duplicated"], f"HUP lost a fire time\n{result}"
     assert result["stop_seconds"] is not None, f"gunicorn needed SIGKILL\n{result}"
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    "kind",
+    [pytest.param(k, marks=getattr(pytest.mark, k)) for k in ("sqlite", "mysql", "postgresql", "redis")],
+)
+def test_five_reloads_lose_no_fire_time(kind: str, flask_database: tuple[str, str | None, str], tmp_path: Path) -> None:
+    """Issue 33/35: ``kill -HUP`` of the master 5 times, under balanced placement. Each old worker
+    leaves, keeps the lock (and runs the job) until a new worker is up, and hands it over at a
+    fire-time boundary: every fire time from the first run to the last runs once."""
+    require_modules("flask", "flask_apscheduler", "gunicorn")
+    database_url, lock_url, table = flask_database
+    with FlaskAPSchedulerGunicorn(tmp_path, database_url, lock_url, table, MUTEXCRON_PLACEMENT="balanced") as server:
+        first = _wait(server, "the first run", lambda: server.job_runs("refresh_rates"))[0]
+        _wait(server, "3 s of runs", lambda: any(r.fire >= first.fire + 3 for r in server.job_runs("refresh_rates")))
+        assert server.proc is not None
+        for hup in range(1, 6):
+            old = set(server.booted())
+            server.proc.send_signal(signal.SIGHUP)
+            _wait(server, f"HUP {hup}: 4 new workers", lambda old=old: len(set(server.booted()) - old) >= 4)
+            _wait(server, f"HUP {hup}: the old workers' exit", lambda old=old: not any(pid_alive(p) for p in old))
+            since = time.time()
+            runs_after = lambda since=since: any(r.wall >= since + 2 for r in server.job_runs("refresh_rates"))  # noqa: E731
+            _wait(server, f"HUP {hup}: 2 s of runs", runs_after)
+        runs = server.job_runs("refresh_rates")
+        stop_seconds = server.stop()
+    result = analyse([r for r in runs if r.fire >= first.fire])
+    _report({"kind": kind, "hups": 5, **result, "stop_seconds": stop_seconds})
+    print(f"\n[{kind}] 5 HUPs: {result['fire_times']} fire times run, {result['missed']} missed, "
+          f"{len(result['duplicated'])} run twice, largest gap {result['max_gap']}s")  # fmt: skip
+    assert result["pids"] >= 2, f"the job never moved to a new worker\n{result}"
+    assert not result["duplicated"], f"a fire time ran twice\n{result}"
+    assert result["missed"] == 0, f"a reload lost a fire time\n{result}"
 
 
 def test_the_example_changes_only_the_import() -> None:

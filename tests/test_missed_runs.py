@@ -191,9 +191,9 @@ def test_a_takeover_before_the_scheduler_runs_still_reports_the_missed_run(monke
     began = _StartsAfterTheTakeover.catch_up_began = threading.Event()
     run = CatchUp.run
 
-    def run_noted(self: CatchUp, lock: str, before: LockRecord | None) -> None:
+    def run_noted(self: CatchUp, lock: str, before: LockRecord | None, *, handed: bool = False) -> None:
         began.set()
-        run(self, lock, before)
+        run(self, lock, before, handed=handed)
 
     monkeypatch.setattr(CatchUp, "run", run_noted)
     missed: list[MutexEvent] = []

@@ -14,7 +14,7 @@ import pytest
 
 from mutexcron import MutexScheduler
 from mutexcron.errors import ConfigurationError
-from mutexcron.heartbeat import LeaseManager
+from mutexcron.heartbeat import OFFER_WITHIN, LeaseManager
 from mutexcron.locks import Node
 from mutexcron.locks.memory import MemoryLockStore
 from mutexcron.node import NodeTraits
@@ -156,7 +156,8 @@ def test_a_lock_its_placed_node_does_not_guard_is_taken_after_the_grace() -> Non
     owner = assign(LOCKS[:20], ["a", "b"])["lock-000"]
     if owner != "b":
         pytest.skip("lock-000 is placed on a: nothing to show")
-    cluster.rounds(int(FREE_GRACE) + 1)
+    # a offers it to b (b never takes it): once the offer lapsed and the grace passed, a takes it again
+    cluster.rounds(int(OFFER_WITHIN + FREE_GRACE) + 2)
     assert "lock-000" in a.held(), "nobody else asks for it: a takes it after the grace"
     cluster.rounds(10)
     assert "lock-000" in a.held(), "and keeps it (no back and forth)"

@@ -123,7 +123,7 @@ def main(lock_url: str | None) -> None:
     type=click.Choice(PLACEMENTS),
     envvar="MUTEXCRON_PLACEMENT",
     help="Which locks this node asks for: first, every node asks for every lock and the first holds it; balanced "
-    "(preview: a move may still lose fire times), every live node its fair share of the guarded locks "
+    "(opt-in), every live node its fair share of the guarded locks, each move handed over at a fire-time boundary "
     "[env MUTEXCRON_PLACEMENT; default first].",
 )
 @click.option(

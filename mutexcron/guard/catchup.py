@@ -43,6 +43,9 @@ class CatchUp:
         scheduler: the APScheduler scheduler (``get_job``, ``running``, its executors).
         guarded: returns the guarded jobs by job id.
         skip: True for a job whose missed fire times are caught up otherwise (a shared job store's: its loop).
+        skip_handed: the same after a hand-over to this node: a shared job's loop on the giver may
+            have moved its stored next run time past a fire time it then did not run (a run that
+            began while the lock was being handed over), so only ``skip_handed`` jobs are skipped.
     """
 
     def __init__(
@@ -52,10 +55,12 @@ class CatchUp:
         emit: Emit = log_event,
         node_id: str = "",
         skip: Callable[[str], bool] = lambda _job_id: False,
+        skip_handed: Callable[[str], bool] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.guarded = guarded
         self.skip = skip
+        self.skip_handed = skip_handed or skip
         self.emit, self.node_id = emit, node_id
         self._alarmed: dict[str, datetime] = {}  # job id -> the latest fire time reported missed
         self._last_check: dict[str, float] = {}  # lock -> monotonic time of its last alarm check
@@ -65,10 +70,11 @@ class CatchUp:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mutexcron-catch-up")
         self._stopped = False
 
-    def queue(self, lock: str, before: LockRecord | None) -> None:
-        """Called on a change of holder, with the record as it was before the takeover."""
+    def queue(self, lock: str, before: LockRecord | None, *, handed: bool = False) -> None:
+        """Called on a change of holder, with the record as it was before the takeover (``handed``:
+        the lock was handed over to this node)."""
         try:
-            self._pool.submit(self.run, lock, before)
+            self._pool.submit(self.run, lock, before, handed=handed)
         except RuntimeError:  # shut down meanwhile
             pass
 
@@ -146,7 +152,7 @@ class CatchUp:
             time.sleep(0.01)
         return True
 
-    def run(self, lock: str, before: LockRecord | None) -> None:
+    def run(self, lock: str, before: LockRecord | None, *, handed: bool = False) -> None:
         """Only fire times after the job's last claimed fire time (after this scheduler started if
         it has none) and within its ``misfire_grace_time`` count; the claim in the store still decides.
         A release by the previous holder and a takeover from a dead one are caught up alike."""
@@ -154,8 +160,9 @@ class CatchUp:
             return
         self._alarm(lock, before)
         now = datetime.now(timezone.utc)
+        skip = self.skip_handed if handed else self.skip
         for job_id, guard in list(self.guarded().items()):
-            if guard.lock != lock or self.skip(job_id):
+            if guard.lock != lock or skip(job_id):
                 continue
             job = self.scheduler.get_job(job_id)
             if job is None or job.next_run_time is None:

@@ -38,6 +38,13 @@ Rules every implementation follows (the contract suite in ``tests/test_contract.
 * Presence: ``renew_many(..., presence=Presence(...))`` also upserts the node's presence, in the
   same round trip where the store allows it; ``nodes()`` lists those seen within
   :data:`PRESENCE_TTL` seconds (older ones are pruned).
+* Hand-over: ``hand_over(name, node, token, successor, within)`` is a release offered to one node,
+  one conditional write on holder **and** token: the record names ``successor`` as its holder with
+  the next token and a lease of ``within`` seconds from the store's clock (no IP until it takes it),
+  and keeps attrs and fire claims (the last claimed fire times). The successor takes it with its
+  ordinary ``acquire_or_renew`` (a holder's renewal: the token stays); every other node sees a live
+  lease until ``within`` runs out, then a stale one that anyone may take (a dead successor strands
+  nothing). Stores with notices tell the successor at once (PostgreSQL ``NOTIFY``, a Redis publish).
 * Forget: ``forget`` is an operator's write, one conditional operation: unless forced, it changes
   nothing while a holder's lease is live by the store's clock. A record no node ever held (token
   0) is deleted; any other record is deleted only where the store keeps its tokens apart from the
@@ -58,13 +65,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from json.encoder import encode_basestring
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError
 from ..node import NodeTraits
 from ..timeutil import MICROSECONDS, as_utc, us_from_datetime
 from ..urls import mask_url, pop_query
 from .record import LockRecord, NodePresence, RunRecord, newest_first
+
+if TYPE_CHECKING:  # the wakers' package imports drivers lazily, but it is the tasks' package
+    from ..tasks.wakeups.base import Waker
 
 
 @dataclass(frozen=True)
@@ -509,6 +519,19 @@ class LockStore(ABC):
     @abstractmethod
     def release(self, name: str, node: Node, token: int) -> bool:
         """Mark the lock free if ``node`` holds it with ``token``. Keeps token, attrs and fire times."""
+
+    def hand_over(self, name: str, node: Node, token: int, successor: str, within: float) -> bool:
+        """Give the lock up to ``successor``: one write, conditional on holder and token, that names
+        it the holder with the next token and a lease of ``within`` seconds (the store's clock),
+        keeping attrs and fire claims. False (nothing changed) if ``node`` no longer holds it with
+        ``token``. The successor takes it with :meth:`acquire_or_renew`; once ``within`` has run
+        out, anyone may take it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot hand a lock over")
+
+    def hand_over_waker(self, node_id: str) -> Waker | None:
+        """A waker woken when a lock is handed over to ``node_id`` (its own connection: PostgreSQL
+        ``LISTEN``, a Redis subscription), or None where the store sends no notice."""
+        return None
 
     @abstractmethod
     def read(self, name: str) -> LockRecord | None:

@@ -295,6 +295,14 @@ class MemoryLockStore(LockStore):
             row.holder = None
             return True
 
+    def hand_over(self, name: str, node: Node, token: int, successor: str, within: float) -> bool:
+        with self.backend.mutex:
+            row = self._rows.get(name)
+            if row is None or row.holder != node.node_id or row.token != token:
+                return False
+            row.holder, row.active_ip, row.token, row.hb, row.ttl = successor, None, token + 1, self.clock(), within
+            return True
+
     def set_zone(
         self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None
     ) -> bool:

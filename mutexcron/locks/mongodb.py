@@ -541,6 +541,22 @@ class MongoDBLockStore(LockStore):
             raise self.backend.uncertain(exc) from exc
         return bool(result.matched_count == 1)
 
+    def hand_over(self, name: str, node: Node, token: int, successor: str, within: float) -> bool:
+        query = {"_id": name, "holder": node.node_id, "token": token}
+        fields = {"holder": {"$literal": successor}, "active_ip": None, "token": token + 1, "hb": self.now_expr()}
+        fields["ttl"] = _ms(within)
+        try:
+            with self.backend.errors("hand_over", write=True):
+                result = self.collection.update_one(query, [{"$set": fields}])
+        except UncertainOutcome as exc:
+            # Offered to the successor with the next token can only be our hand-over.
+            with self.backend.errors("hand_over (re-read)"):
+                stored = self._committed.find_one({"_id": name}, {"holder": True, "token": True})
+            if stored is not None and stored.get("holder") == successor and stored.get("token") == token + 1:
+                return True
+            raise self.backend.uncertain(exc) from exc
+        return bool(result.matched_count == 1)
+
     def close(self) -> None:
         self.backend.close()
 

@@ -17,7 +17,7 @@ import functools
 import json
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.cluster import RedisCluster
@@ -60,6 +60,7 @@ from .redis_scripts import (
     FORGET_NODE_LUA,
     HAND_OFF_LUA,
     HAND_OFF_MANY_LUA,
+    HAND_OVER_LUA,
     HISTORY_LUA,
     NODES_LUA,
     NODES_READ_LUA,
@@ -72,6 +73,12 @@ from .redis_scripts import (
 )
 
 __all__ = ["RedisLockStore"]
+
+if TYPE_CHECKING:
+    from ..tasks.wakeups.base import Waker
+
+#: The channel (in the namespace) a hand-over publishes its successor's id on.
+HAND_OVER_CHANNEL = "lock_hand_over"
 
 
 class RedisLockStore(LockStore):
@@ -104,6 +111,7 @@ class RedisLockStore(LockStore):
         self._renew_many = backend.script(RENEW_MANY_LUA)
         self._claim_many = backend.script(CLAIM_MANY_LUA)
         self._release = backend.script(RELEASE_LUA)
+        self._hand_over = backend.script(HAND_OVER_LUA)
         self._set_zone = backend.script(SET_ZONE_LUA)
         self._read = backend.script(READ_LUA)
         self._renew_presence = backend.script(RENEW_PRESENCE_LUA)
@@ -387,6 +395,21 @@ class RedisLockStore(LockStore):
     def release(self, name: str, node: Node, token: int) -> bool:
         with self.backend.errors("release"):
             return bool(self._release(keys=[self._lock_key(name)], args=[node.node_id, token], client=self.backend.client))
+
+    def hand_over(self, name: str, node: Node, token: int, successor: str, within: float) -> bool:
+        args: list[str | int] = [node.node_id, token, successor, max(1, round(within * 1000)), self._hand_over_channel]
+        with self.backend.errors("hand_over"):
+            keys = [self._lock_key(name), self._token_key(name)]
+            return bool(self._hand_over(keys=keys, args=args, client=self.backend.client))
+
+    @property
+    def _hand_over_channel(self) -> str:
+        return self.backend.key(HAND_OVER_CHANNEL)
+
+    def hand_over_waker(self, node_id: str) -> Waker | None:
+        from ..tasks.wakeups.redis import RedisWaker
+
+        return RedisWaker(self.backend, [node_id], channel=HAND_OVER_CHANNEL)
 
     def set_zone(
         self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None

@@ -16,6 +16,7 @@ __all__ = [
     "FORGET_NODE_LUA",
     "HAND_OFF_LUA",
     "HAND_OFF_MANY_LUA",
+    "HAND_OVER_LUA",
     "HISTORY_LUA",
     "NODES_LUA",
     "NODES_READ_LUA",
@@ -341,6 +342,27 @@ if h[1] ~= ARGV[1] or tonumber(h[2]) ~= tonumber(ARGV[2]) then return 0 end
 redis.call('HDEL', KEYS[1], 'holder')
 return 1
 """
+
+# hand_over: if ARGV[1] holds the lock with token ARGV[2], name ARGV[3] the holder with the next
+# token (from the counter, as an acquire) and a lease of ARGV[4] ms from now, no IP; keep attrs and
+# fires; publish ARGV[3] on channel ARGV[5] (the successor's wake-up). Returns 1 or 0.
+# KEYS: hash, token counter. ARGV: node_id, token, successor, within_ms, channel.
+HAND_OVER_LUA = (
+    LUA_NOW
+    + """
+local h = redis.call('HMGET', KEYS[1], 'holder', 'token')
+if h[1] ~= ARGV[1] or tonumber(h[2]) ~= tonumber(ARGV[2]) then return 0 end
+local counter = tonumber(redis.call('GET', KEYS[2])) or 0
+local base = math.max(counter, tonumber(h[2]))
+if base > counter then redis.call('SET', KEYS[2], string.format('%d', base)) end
+local token = redis.call('INCR', KEYS[2])
+redis.call('HSET', KEYS[1], 'holder', ARGV[3], 'hb', string.format('%d', now), 'ttl', ARGV[4],
+           'token', string.format('%d', token))
+redis.call('HDEL', KEYS[1], 'active_ip')
+redis.call('PUBLISH', ARGV[5], ARGV[3])
+return 1
+"""
+)
 
 # set_zone: the holder's time zone (ARGV[3]) and its jobs' triggers (ARGV[4], JSON text), conditional
 # on holder and token; an empty value removes the field.

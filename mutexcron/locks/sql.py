@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy
 from sqlalchemy import exc as sa_exc
@@ -89,6 +90,9 @@ from .record import (
 )
 from .sql_statements import HISTORY_COLUMN, HISTORY_NONE, HISTORY_OBJECT, MARIADB, NO_CLAIM, STATEMENTS
 from .sql_statements import json_path as _json_path
+
+if TYPE_CHECKING:
+    from ..tasks.wakeups.base import Waker
 
 __all__ = ["SQLLockStore"]
 
@@ -164,6 +168,10 @@ class SQLLockStore(LockStore):
         self._presence_rows: set[str] = set()  # nodes whose presence row this store object has written
         self._nodes_sql: str | None = None  # the presence read, chosen at its first use (:meth:`_nodes_read`)
         self._pads = False  # set when the table is first used: a MySQL table whose collation ignores trailing spaces
+        # One node's writes of many rows (renewals, claims, hand-offs: its own held rows, from three
+        # threads) go one at a time: two of them locking the same rows in different orders would
+        # deadlock each other, and the database would break the tie only after its deadlock timeout.
+        self._many_rows = threading.RLock()
 
     @property
     def engine(self) -> Engine:
@@ -351,6 +359,10 @@ class SQLLockStore(LockStore):
         return bool(count == 1)
 
     def hand_off_many(self, node: Node, items: Sequence[HandOff]) -> list[bool]:
+        with self._many_rows:
+            return self._hand_off_many(node, items)
+
+    def _hand_off_many(self, node: Node, items: Sequence[HandOff]) -> list[bool]:
         """One UPDATE over every item (``hand_off_many``; items of one lock in rounds, one UPDATE
         each, in one transaction). MySQL/MariaDB return a count: if not every item was written, one
         read says which were (as ``renew_many`` does)."""
@@ -420,6 +432,10 @@ class SQLLockStore(LockStore):
         return {"hjob": job, "hpath": _json_path(job), "htail": run.history_tail(node, token), "hn": self.history_length}
 
     def renew_many(self, node: Node, leases: Mapping[str, int], presence: Presence | None = None) -> set[str]:
+        with self._many_rows:
+            return self._renew_many(node, leases, presence)
+
+    def _renew_many(self, node: Node, leases: Mapping[str, int], presence: Presence | None = None) -> set[str]:
         if presence is not None:
             return self._renew_with_presence(node, leases, presence)
         if not leases:
@@ -568,6 +584,10 @@ class SQLLockStore(LockStore):
         return {name: _history_lists(name, history, runs, self.history_length) for name, history, runs in rows}
 
     def claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
+        with self._many_rows:
+            return self._claim_many(node, claims)
+
+    def _claim_many(self, node: Node, claims: Sequence[HeldClaim]) -> BatchClaimResult:
         groups = group_claims(claims)
         if not groups:
             return BatchClaimResult()
@@ -603,6 +623,35 @@ class SQLLockStore(LockStore):
     def release(self, name: str, node: Node, token: int) -> bool:
         _, count = self._write(self._sql.release, {"name": name, "me": node.node_id, "token": token}, "release")
         return bool(count == 1)
+
+    def hand_over(self, name: str, node: Node, token: int, successor: str, within: float) -> bool:
+        params = {"name": name, "me": node.node_id, "token": token, "to": successor, "ttl_ms": max(1, int(within * 1000))}
+        self._ensure_table()
+        notice = self._sql.hand_over_notice
+        if not notice:
+            _, count = self._write(self._sql.hand_over, params, "hand_over")
+            return bool(count == 1)
+
+        def work(conn: Connection) -> bool:  # the notice leaves only if the hand-over commits
+            text = self.backend.text
+            if conn.execute(text(self._sql.hand_over), params).rowcount != 1:
+                return False
+            conn.execute(text(notice), {"channel": self.hand_over_channel, "to": successor})
+            return True
+
+        return self._transaction(work, "hand_over")
+
+    @property
+    def hand_over_channel(self) -> str:
+        """PostgreSQL: the channel of hand-over notices (the lock table's name + ``_hand_over``)."""
+        return f"{self.table}_hand_over"
+
+    def hand_over_waker(self, node_id: str) -> Waker | None:
+        if not self._sql.hand_over_notice:
+            return None
+        from ..tasks.wakeups.postgresql import PostgreSQLWaker  # psycopg: imported only here
+
+        return PostgreSQLWaker(self.backend, self.hand_over_channel, [node_id])
 
     def set_zone(
         self, name: str, node: Node, token: int, zone: str | None, triggers: Mapping[str, str] | None = None

@@ -281,6 +281,14 @@ class LockStatements:
     #: True: ``hand_off_many`` returns the names it wrote; False (MySQL/MariaDB): only the count.
     hand_off_many_returns_names: bool = True
     release: str = "UPDATE {t} SET holder = NULL WHERE name = :name AND holder = :me AND token = :token"
+    #: ``hand_over``: the lock offered to :to (the next token, a lease of :ttl_ms from the database's
+    #: clock, no IP yet), conditional on holder and token; attrs and fire claims are kept.
+    hand_over: str = (
+        "UPDATE {t} SET holder = :to, active_ip = NULL, token = token + 1, hb = {now}, ttl_ms = :ttl_ms "
+        "WHERE name = :name AND holder = :me AND token = :token"
+    )
+    #: PostgreSQL: the notice to the successor, in the hand-over's transaction (empty: no notices).
+    hand_over_notice: str = ""
     set_zone: str = "UPDATE {t} SET zone = :zone, triggers = :triggers WHERE name = :name AND holder = :me AND token = :token"
     #: ``forget`` of a record no node ever held (token 0, e.g. paused by name only): it goes.
     forget_unheld: str = "DELETE FROM {t} WHERE name = :name AND token = 0"
@@ -335,6 +343,7 @@ class LockStatements:
 
 POSTGRESQL = LockStatements(
     dialect="postgresql",
+    hand_over_notice="SELECT pg_notify(:channel, :to)",
     ddl=(
         """CREATE TABLE IF NOT EXISTS {t} (
     name              varchar(191) PRIMARY KEY,

@@ -3,7 +3,9 @@
 Placement decides who *asks* for a lock, never who wins it: acquiring still goes only through
 the store's conditional, fenced operation, and a node not placed for a lock still takes it over
 once its placed owner is gone. ``first`` (the default) keeps the behaviour of earlier releases
-(every node asks for every lock); ``balanced`` (a preview) gives every live node a fair share.
+(every node asks for every lock); ``balanced`` (opt-in) gives every live node a fair share, and
+hands each lock that moves over to its successor at a fire-time boundary (``heartbeat.LeaseManager``,
+``LockStore.hand_over``).
 """
 
 from __future__ import annotations

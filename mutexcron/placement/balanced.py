@@ -198,6 +198,20 @@ class BalancedPlacement(Restrictions):
                     moves[lock] = owner
             return moves
 
+    def successors(self, store: LockStore, held: Collection[str], now: float) -> dict[str, str]:
+        try:
+            self.refresh(store, self._leases, now, force=True)
+        except (StoreUnavailableError, StoreError) as exc:
+            log.info("could not read the live nodes (%s); the locks are handed over as last placed", exc)
+        with self._mutex:
+            others = self._live() - {self.node_id}
+            owners = assign(self._locks, others, self.allows) if others else {}
+        return {lock: owner for lock in held if (owner := owners.get(lock)) is not None}
+
+    def others_seen(self) -> bool:
+        with self._mutex:
+            return any(node != self.node_id for node in self._seen)
+
     def leave(self, store: LockStore) -> None:
         try:
             store.forget_node(self.node_id)

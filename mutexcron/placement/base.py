@@ -10,10 +10,11 @@ from ..locks import LockStore
 from ..node import NodeTraits
 from .rendezvous import node_allowed
 
-#: The placement modes: ``first`` (the default) and ``balanced`` (a preview: moves between live
-#: nodes may still lose fire times, see the Performance page).
+#: The placement modes: ``first`` (the default) and ``balanced`` (opt-in: a lock that moves is handed
+#: over to its successor at a fire-time boundary, see docs/operations.md).
 PLACEMENTS = ("first", "balanced")
-#: Until a move hands a lock over at a fire-time boundary without losing one, ``first`` stays the default.
+#: ``first`` stays the default until balanced's stop behaviour (a stopping node waits for a successor,
+#: heartbeat.LEAVE_WAIT) has run under the whole suite and the drills.
 DEFAULT_PLACEMENT = "first"
 
 
@@ -36,8 +37,8 @@ class Placement(Protocol):
     def restrict(self, lock: str, patterns: Sequence[str] | None) -> None:
         """Only nodes whose id matches one of ``patterns`` may hold ``lock`` (None: every node)."""
 
-    def refresh(self, store: LockStore, locks: Mapping[str, float], now: float) -> None:
-        """Read the live nodes (at most once a second) and place ``locks`` (name -> lease) among them."""
+    def refresh(self, store: LockStore, locks: Mapping[str, float], now: float, *, force: bool = False) -> None:
+        """Read the live nodes (at most once a second; ``force``: now) and place ``locks`` (name -> lease) among them."""
 
     def asks(self, lock: str, now: float) -> bool:
         """True if this node asks the store for ``lock`` when it is free (a tick of its job)."""
@@ -55,6 +56,13 @@ class Placement(Protocol):
 
     def surplus(self, held: Collection[str], now: float) -> dict[str, str]:
         """The held locks placed on another live node: lock -> that node (the successor)."""
+
+    def successors(self, store: LockStore, held: Collection[str], now: float) -> dict[str, str]:
+        """This node stops: the live node each of the ``held`` locks is placed on without it (the
+        live nodes read again first); a lock with no such node is left out."""
+
+    def others_seen(self) -> bool:
+        """True if the last read of the live nodes showed another node than this one."""
 
     def leave(self, store: LockStore) -> None:
         """This node stops: its presence is deleted, so the others place its locks at once."""
@@ -101,7 +109,7 @@ class FirstPlacement(Restrictions):
 
     mode = "first"
 
-    def refresh(self, store: LockStore, locks: Mapping[str, float], now: float) -> None:
+    def refresh(self, store: LockStore, locks: Mapping[str, float], now: float, *, force: bool = False) -> None:
         return None
 
     def asks(self, lock: str, now: float) -> bool:
@@ -118,6 +126,12 @@ class FirstPlacement(Restrictions):
 
     def surplus(self, held: Collection[str], now: float) -> dict[str, str]:
         return {}
+
+    def successors(self, store: LockStore, held: Collection[str], now: float) -> dict[str, str]:
+        return {}
+
+    def others_seen(self) -> bool:
+        return False
 
     def leave(self, store: LockStore) -> None:
         return None

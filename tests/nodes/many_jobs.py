@@ -1,6 +1,7 @@
 """A jobs file for tests/test_scale_cluster.py: N every-second guarded jobs, each with its own lock.
 
-Each node appends ``<job> <fire time> <node>`` per run to ``$MANY_JOBS_DIR/runs-<pid>.txt``,
+Each node appends ``<job> <fire time> <node>`` per run to ``$MANY_JOBS_DIR/runs-<pid>.txt``
+(with ``MANY_JOBS_ATTRS=1``, then the run count ``n`` the job's attrs handed it: each run returns n + 1),
 buffered and flushed twice a second so that recording costs the job almost nothing, and writes
 ``$MANY_JOBS_DIR/ready-<pid>`` once its scheduler has started (the test's window starts after all).
 """
@@ -52,7 +53,11 @@ def make(j: int | str):  # type: ignore[no-untyped-def]
     def job() -> None:
         lines.append(f"{j} {current_lease().fire_time.timestamp():.0f} {NODE}\n")
 
-    return job
+    def counted(n: int = 0) -> dict[str, int]:
+        lines.append(f"{j} {current_lease().fire_time.timestamp():.0f} {NODE} {n}\n")
+        return {"n": n + 1}
+
+    return counted if os.environ.get("MANY_JOBS_ATTRS") == "1" else job
 
 
 for j in range(int(os.environ["MANY_JOBS"])):

@@ -50,14 +50,14 @@ class Subscribable(Protocol):
 
 
 class RedisWaker(ListeningWaker):
-    """Woken by a message on the namespace's wake channel whose data is one of ``codes``."""
+    """Woken by a message on the namespace's wake channel (or ``channel``: a lock hand-over's) whose data is one of ``codes``."""
 
     what = "the Redis subscription"
 
-    def __init__(self, backend: Subscribable, codes: Iterable[str]) -> None:
+    def __init__(self, backend: Subscribable, codes: Iterable[str], *, channel: str = WAKE_CHANNEL) -> None:
         super().__init__(codes, backend.masked_url, (redis.exceptions.RedisError, redis.exceptions.RedisClusterException))
         self.backend = backend
-        self.channel = backend.key(WAKE_CHANNEL)
+        self.channel = backend.key(channel)
         self._pubsub: Any = None  # redis.client.PubSub or redis.cluster.ClusterPubSub
         with self._mutex:
             self._ensure_listening()  # from now on no notice is missed, even before the first wait
