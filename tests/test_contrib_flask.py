@@ -95,6 +95,18 @@ def test_lock_store_comes_from_the_apps_config(tmp_path: Path, no_lock_url_env: 
     assert not bare.running
 
 
+@pytest.mark.memory
+def test_the_placement_is_balanced_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gunicorn reload hands each lock over at a fire-time boundary under balanced placement only."""
+    from mutexcron.contrib.flask import FlaskMutexScheduler
+
+    monkeypatch.delenv("MUTEXCRON_PLACEMENT", raising=False)
+    assert FlaskMutexScheduler(lock_url="memory://flask-placement").placement == "balanced"
+    assert FlaskMutexScheduler(lock_url="memory://flask-placement", placement="first").placement == "first"
+    monkeypatch.setenv("MUTEXCRON_PLACEMENT", "first")
+    assert FlaskMutexScheduler(lock_url="memory://flask-placement").placement == "first"
+
+
 @pytest.mark.sqlite
 def test_jobs_are_guarded_and_the_api_acts_through_the_cluster(tmp_path: Path, no_lock_url_env: None) -> None:
     from mutexcron.contrib.flask import APScheduler
@@ -338,12 +350,13 @@ def test_flask_apscheduler_under_gunicorn(kind: str, flask_database: tuple[str, 
     [pytest.param(k, marks=getattr(pytest.mark, k)) for k in ("sqlite", "mysql", "postgresql", "redis")],
 )
 def test_five_reloads_lose_no_fire_time(kind: str, flask_database: tuple[str, str | None, str], tmp_path: Path) -> None:
-    """Issue 33/35: ``kill -HUP`` of the master 5 times, under balanced placement. Each old worker
+    """Issue 33/35: ``kill -HUP`` of the master 5 times, under the integration's default (balanced)
+    placement. Each old worker
     leaves, keeps the lock (and runs the job) until a new worker is up, and hands it over at a
     fire-time boundary: every fire time from the first run to the last runs once."""
     require_modules("flask", "flask_apscheduler", "gunicorn")
     database_url, lock_url, table = flask_database
-    with FlaskAPSchedulerGunicorn(tmp_path, database_url, lock_url, table, MUTEXCRON_PLACEMENT="balanced") as server:
+    with FlaskAPSchedulerGunicorn(tmp_path, database_url, lock_url, table) as server:
         first = _wait(server, "the first run", lambda: server.job_runs("refresh_rates"))[0]
         _wait(server, "3 s of runs", lambda: any(r.fire >= first.fire + 3 for r in server.job_runs("refresh_rates")))
         assert server.proc is not None

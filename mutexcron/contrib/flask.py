@@ -5,7 +5,8 @@ and ``scheduler.start()`` stay as they are.
 * The scheduler is a :class:`~mutexcron.MutexScheduler`: every job, from ``JOBS`` /
   ``SCHEDULER_JOBS``, ``@scheduler.task`` or the REST API, is guarded (a lock per job id unless the
   function's ``@sched.mutex`` says otherwise; ``mutex=False`` opts one out), so it runs once per fire
-  time across every worker and host.
+  time across every worker and host. Placement is ``balanced`` unless set: the workers share the
+  locks, and a reload hands each one over at a fire-time boundary (no fire time lost).
 * A ``SCHEDULER_JOBSTORES`` store of APScheduler's (``SQLAlchemyJobStore``...) is shared, as for any
   ``MutexScheduler``: a job added, changed, paused or removed in one process reaches every process.
 * The lock store: ``SCHEDULER_LOCK_URL``, else ``$MUTEXCRON_LOCK_URL``, else the database of the first
@@ -52,7 +53,16 @@ REQUESTED_BY = "Flask-APScheduler API"
 
 class FlaskMutexScheduler(MutexScheduler):
     """The ``MutexScheduler`` behind :class:`APScheduler`: a job added without ``mutex=`` is guarded
-    (a lock per job id), as Flask-APScheduler's apps expect every job to run once."""
+    (a lock per job id), as Flask-APScheduler's apps expect every job to run once.
+
+    Its placement is ``balanced`` unless ``placement=`` or ``$MUTEXCRON_PLACEMENT`` says otherwise:
+    every worker holds its share of the locks, and a worker that stops (a gunicorn reload, a deploy)
+    hands each lock to a live worker at a fire-time boundary, so a reload loses no fire time."""
+
+    def __init__(self, *args: Any, **options: Any) -> None:
+        if options.get("placement") is None and not os.environ.get("MUTEXCRON_PLACEMENT"):
+            options["placement"] = "balanced"
+        super().__init__(*args, **options)
 
     def add_job(
         self, func: Any, trigger: Any = None, args: Any = None, kwargs: Any = None, id: str | None = None,
