@@ -123,7 +123,9 @@ def test_a_task_run_twice_leaves_exactly_one_ledger_row_per_occurrence(kind: str
                     pool.add("ledger", f"k{i:02d}", timedelta(seconds=-1), transaction=conn)
         try:
             newer = lambda: [e for e in events(tmp_path) if e["key"] == STALL_KEY and e["event"] == "committed"]  # noqa: E731
-            assert wait_for(lambda: bool(newer()), LEASE * 3 + 20), "no other node ran the stalled task"
+            assert wait_for(lambda: bool(newer()), LEASE * 3 + 20), "no other node ran the stalled task\n" + "\n".join(
+                f"--- {name} (frozen: {name == holder}) ---\n{output(name)[-4000:]}" for name in nodes
+            )
             assert newer()[0]["node"] != holder and newer()[0]["token"] > first_token
         finally:
             (tmp_path / "go").write_text("")
