@@ -850,7 +850,7 @@ class LeaseManager:
                 self._handing.add(name)
             self.views.forget(name)
             why = self.placement.move_reason(name)  # why placement moved it (n3 joined, n1 left...)
-            self._hand_over(name, held.token, successor, f"{reason}: {why}" if why else reason)
+            self._hand_over(name, held.token, successor, f"{reason}: {why}" if why and why != "rebalanced" else reason)
 
     def _hand_over(self, name: str, token: int, successor: str, reason: str) -> None:
         """Offer a lock this node gives up to ``successor`` (one fenced store write; the lock's

@@ -253,5 +253,20 @@ def backend_params(*kinds: str) -> list[Any]:
     return [pytest.param(k, marks=[getattr(pytest.mark, m) for m in marks.get(k, (k,))], id=k) for k in kinds]
 
 
+#: Set to 1 to run the long real-node tests on every store they name, not only on the stores the
+#: README's test command runs them on (a cap on its length; see docs/testing.md).
+FULL_MATRIX_ENV = "MUTEXCRON_TEST_FULL_MATRIX"
+FULL_MATRIX_ONLY = pytest.mark.skipif(
+    os.environ.get(FULL_MATRIX_ENV) != "1", reason=f"a long real-node test: {FULL_MATRIX_ENV}=1 runs it on this store too"
+)
+
+
+def backend_params_full_matrix(always: tuple[str, ...], more: tuple[str, ...]) -> list[Any]:
+    """:func:`backend_params` of ``always``, and of ``more`` skipped unless ``$MUTEXCRON_TEST_FULL_MATRIX=1``:
+    a long real-node test whose behaviour does not depend on the store beyond ``always``."""
+    extra = [pytest.param(*p.values, marks=[*p.marks, FULL_MATRIX_ONLY], id=p.id) for p in backend_params(*more)]
+    return [*backend_params(*always), *extra]
+
+
 ALL_BACKENDS = ("memory", "sqlite", "mysql", "postgresql", "redis", "mongomock", "mongodb")
 SERVER_BACKENDS = ("sqlite", "mysql", "postgresql", "redis")

@@ -33,7 +33,7 @@ import pytest
 from mutexcron.dashboard import create_app
 from mutexcron.guard.run_requests import request_runs
 from mutexcron.locks import lock_store_from_url
-from tests.backends import backend_params, cleanup_redis, drop_store_tables, require_server
+from tests.backends import backend_params_full_matrix, cleanup_redis, drop_store_tables, require_server
 from tests.test_dashboard import TOKEN, action_headers, call
 
 pytestmark = pytest.mark.cluster
@@ -171,7 +171,7 @@ def pause_and_let_a_fire_time_pass(nodes: Nodes) -> None:
     time.sleep(INTERVAL + 1.5)  # a fire time passes unclaimed
 
 
-@pytest.mark.parametrize("kind", backend_params("sqlite", "postgresql", "mysql", "redis"))
+@pytest.mark.parametrize("kind", backend_params_full_matrix(("sqlite", "postgresql"), ("mysql", "redis")))
 def test_resume_with_catch_up_runs_it_or_says_what_it_was_merged_into(nodes: Nodes) -> None:
     nodes.start("app_a.py", "a0", "a1", "a2")
     nodes.wait_for_runs(1)  # a job that ran under the lock is caught up
@@ -207,7 +207,7 @@ def test_resume_with_catch_up_runs_it_or_says_what_it_was_merged_into(nodes: Nod
     assert_told_truly(nodes, said, _iso(asked))
 
 
-@pytest.mark.parametrize("kind", backend_params("sqlite", "postgresql"))
+@pytest.mark.parametrize("kind", backend_params_full_matrix(("sqlite",), ("postgresql",)))
 def test_two_apps_on_one_store_a_request_runs_on_the_app_that_defines_it_and_a_failed_one_blocks_nothing(
     nodes: Nodes,
 ) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from tests.backends import cleanup_redis, cleanup_sql, require_server, sql_url
+from tests.backends import backend_params_full_matrix, cleanup_redis, cleanup_sql, require_server, sql_url
 from tests.test_embedding import (
     REPO,
     Gunicorn,
@@ -345,10 +345,7 @@ def test_flask_apscheduler_under_gunicorn(kind: str, flask_database: tuple[str, 
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize(
-    "kind",
-    [pytest.param(k, marks=getattr(pytest.mark, k)) for k in ("sqlite", "mysql", "postgresql", "redis")],
-)
+@pytest.mark.parametrize("kind", backend_params_full_matrix(("sqlite", "postgresql"), ("mysql", "redis")))
 def test_five_reloads_lose_no_fire_time(kind: str, flask_database: tuple[str, str | None, str], tmp_path: Path) -> None:
     """Issue 33/35: ``kill -HUP`` of the master 5 times, under the integration's default (balanced)
     placement. Each old worker

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from mutexcron.cli.main import main
 from mutexcron.drill.placement_report import Change, PlacementDrillReport, format_placement_report, shares_balanced
-from tests.backends import cleanup_sql, require_server, sql_url
+from tests.backends import FULL_MATRIX_ONLY, cleanup_sql, require_server, sql_url
 from tests.test_drill import UNACTIVE_INTERVAL, assert_cleaned_up, drill_summary, run_drill_cli
 
 
@@ -54,6 +54,7 @@ def test_placement_drill_follows_every_change_on_sqlite(tmp_path: Path) -> None:
 
 @pytest.mark.cluster
 @pytest.mark.postgresql
+@FULL_MATRIX_ONLY
 def test_placement_drill_follows_every_change_on_postgresql(tmp_path: Path) -> None:
     url = sql_url(require_server("postgresql"), "mc_drill_placement")
     try:

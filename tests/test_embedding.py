@@ -42,7 +42,7 @@ from typing import Any
 import pytest
 
 from mutexcron import lock_store_from_url
-from tests.backends import cleanup_redis, cleanup_sql, require_server, sql_url
+from tests.backends import FULL_MATRIX_ONLY, cleanup_redis, cleanup_sql, require_server, sql_url
 
 REPO = Path(__file__).resolve().parents[1]
 UNACTIVE_INTERVAL = 3.0
@@ -409,7 +409,7 @@ def test_gunicorn_one_run_per_tick_and_reload_hands_over_within_the_lease(
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("kind", [pytest.param("redis", marks=pytest.mark.redis, id="redis")])
+@pytest.mark.parametrize("kind", [pytest.param("redis", marks=[pytest.mark.redis, FULL_MATRIX_ONLY], id="redis")])
 def test_gunicorn_hup_five_times(kind: str, store_url: str, tmp_path: Path) -> None:
     """Issue 33's hand-over target: `kill -HUP` of the master 5 times, one every-second job. Asserted:
     no fire time runs twice. Reported (-s): the fire times missed, against the target of 0 (a reload

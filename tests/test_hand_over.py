@@ -65,7 +65,7 @@ def test_a_rebalance_offers_each_lock_to_its_placed_node_with_its_last_claimed_f
         record = cluster.store.read(lock)
         assert record is not None and record.holder == "b" and record.active_ip is None, "offered to b, not released"
         assert record.state == "active" and record.ttl == pytest.approx(min(TTL, OFFER_WITHIN))
-    assert any("to b (placement rebalanced)" in r.getMessage() for r in caplog.records), "each move is logged with its reason"
+    assert any("to b (placement rebalanced" in r.getMessage() for r in caplog.records), "each move is logged with its reason"
     if "lock-00" in moved:
         record = cluster.store.read("lock-00")
         assert record is not None and record.token == token + 1 and record.fire_times["job-00"].timestamp() == 1.0

@@ -263,7 +263,7 @@ def test_every_move_is_logged_once_with_its_reason(caplog: pytest.LogCaptureFixt
     moved = sum(1 for lock, holder in cluster.holders().items() if holder == "n2")
     assert moved == 6
     # Once per move: by the node that hands the lock over (the joiner's own start is one line).
-    assert len(joined) == moved and all("handed over to n2 (placement: n2 joined)" in m for m in joined), joined
+    assert len(joined) == moved and all("to n2 (placement rebalanced: n2 joined)" in m for m in joined), joined
     caplog.clear()
     cluster.nodes.pop("n2").stop(timeout=0)
     cluster.rounds(2)
@@ -306,7 +306,7 @@ def test_a_change_of_weight_rebalances_and_says_so(caplog: pytest.LogCaptureFixt
     cluster.rounds(4)
     assert cluster.held() == {"a": 8, "b": 4}
     assert any("weights or tags changed: rebalanced" in r.getMessage() for r in caplog.records)
-    assert sum("handed over to a (placement: rebalanced)" in r.getMessage() for r in caplog.records) == 2
+    assert sum("to a (placement rebalanced)" in r.getMessage() for r in caplog.records) == 2
 
 
 def test_first_placement_honours_this_nodes_own_tags() -> None:

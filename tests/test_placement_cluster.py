@@ -26,7 +26,7 @@ import pytest
 from mutexcron.locks import lock_store_from_url
 from mutexcron.locks.base import LockStore
 from mutexcron.placement.balanced import FREE_GRACE
-from tests.backends import backend_params, cleanup_redis, cleanup_sql, require_server, sql_url
+from tests.backends import backend_params, backend_params_full_matrix, cleanup_redis, cleanup_sql, require_server, sql_url
 
 pytestmark = pytest.mark.cluster
 
@@ -193,7 +193,7 @@ def test_a_rolling_restart_runs_every_fire_time_once(kind: str, tmp_path: Path) 
 
 
 
-@pytest.mark.parametrize("kind", backend_params("sqlite", "postgresql"))
+@pytest.mark.parametrize("kind", backend_params_full_matrix(("sqlite",), ("postgresql",)))
 def test_a_heavier_node_holds_twice_the_share_and_tagged_locks_stay_on_tagged_nodes(kind: str, tmp_path: Path) -> None:
     """Issue 33 part 4: `run --weight 2 --tag eu` against a plain node: 60 locks and 3 kept on tag eu
     (tests/nodes/many_jobs.py) split 42/21 (ceil(63 * 2/3), the eu locks on the tagged node); `status`
