@@ -767,7 +767,8 @@ class TaskWorker:
             newer = self._runs.get(run.task_key)
         if newer is not None and newer is not run and newer.record.token > run.record.token:
             return f"this node claimed it again (token {newer.record.token}) after its lease ran out"
-        return "the task was taken over by a newer attempt or cancelled"
+        # Not known here: a newer attempt of this node's may have ended already (no "taken over" then).
+        return "a newer attempt (on this node or another) holds the task, or it was cancelled"
 
     def _complete(self, run: _Run, outcome: Outcome) -> None:
         """One fenced write, queued for the completion thread (which ends the run): tried even if this

@@ -3,7 +3,7 @@
 The handler of ``ledger`` writes one row per task into the application's ledger table and ends
 its task with ``task.complete(conn)`` in the same transaction. The ledger has no unique key: only
 the completion's fence keeps a second attempt's row out. The task ``$LEDGER_STALL_KEY`` stalls on
-its first attempt (inside its transaction after the insert when ``$LEDGER_PAUSE_IN_TX`` is 1,
+the first attempt that starts (inside its transaction after the insert when ``$LEDGER_PAUSE_IN_TX`` is 1,
 before it otherwise) until the file ``go`` appears in ``$LEDGER_DIR``, after writing
 ``stall-<node>`` there: the test SIGSTOPs this node past its lease meanwhile. Each committed or
 refused attempt is a JSON line in ``$LEDGER_DIR/<node>.jsonl``.
@@ -38,7 +38,11 @@ def record(event: str, task: Task) -> None:
 
 
 def stall(task: Task) -> None:
-    if task.key != STALL_KEY or task.attempt != 1:
+    if task.key != STALL_KEY:
+        return
+    try:  # the first attempt to start stalls: not ``task.attempt == 1``, which a node frozen before its
+        (DIR / "stalled").open("x").close()  # batched started mark was written leaves at 1 for the next
+    except FileExistsError:
         return
     (DIR / f"stall-{NODE}").write_text(str(task.token))
     while not (DIR / "go").exists():  # the test SIGSTOPs this process here, past the lease
