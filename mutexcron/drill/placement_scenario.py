@@ -22,7 +22,7 @@ from ..locks import LockStore, lock_store_from_url
 from .cluster import Cluster
 from .placement_report import KILL_MOVED_MARGIN, TERM_MOVED_LIMIT, Change, PlacementDrillReport, shares_balanced
 from .report import format_gap
-from .scenario import check_drill_url
+from .scenario import check_drill_url, reachable_masked_url
 
 #: What the nodes run: every-second jobs under balanced placement, each on its own lock.
 PLACEMENT_NODE_JOBS = "mutexcron.drill.placement_node_jobs:sched"
@@ -101,12 +101,7 @@ def _preflight(lock_url: str, nodes: int, locks: int) -> str:
     if locks < 1:
         raise ConfigurationError("the placement drill needs at least 1 lock")
     check_drill_url(lock_url)
-    store = lock_store_from_url(lock_url)
-    try:
-        store.ping()
-        return store.masked_url
-    finally:
-        store.close()
+    return reachable_masked_url(lock_url)
 
 
 class Watch:

@@ -97,6 +97,11 @@ def _preflight(lock_url: str, nodes: int, skew: float, phases: tuple[str, ...]) 
     check_drill_url(lock_url, skew)
     if skew:
         libfaketime()
+    return reachable_masked_url(lock_url)
+
+
+def reachable_masked_url(lock_url: str) -> str:
+    """The store's masked URL, once it answered a ping (the last check before a drill starts a node)."""
     store = lock_store_from_url(lock_url)
     try:
         store.ping()

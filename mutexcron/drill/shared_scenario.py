@@ -36,12 +36,11 @@ from typing import Any
 from apscheduler.events import EVENT_JOB_MODIFIED, EVENT_JOB_REMOVED
 
 from ..errors import ConfigurationError, MutexcronError
-from ..locks import lock_store_from_url
 from ..urls import mask_url, url_scheme
 from .cluster import Cluster
 from .records import read_ops
 from .report import format_gap
-from .scenario import PHASES, Progress, check_drill_url
+from .scenario import PHASES, Progress, check_drill_url, reachable_masked_url
 from .shared_jobs import TICK_REF, drop_jobstore, jobstore_from_spec, jobstore_spec, ready_nodes
 from .shared_report import PROPAGATION_LIMIT, ROLLING_LIMIT, Change, Run, SharedDrillReport, Strike, analyse, read_shared
 
@@ -131,12 +130,7 @@ def _preflight(lock_url: str, nodes: int, phases: tuple[str, ...]) -> str:
     if nodes < 3:
         raise ConfigurationError("the shared-jobs drill needs at least 3 nodes")
     check_drill_url(lock_url)
-    store = lock_store_from_url(lock_url)
-    try:
-        store.ping()
-        return store.masked_url
-    finally:
-        store.close()
+    return reachable_masked_url(lock_url)
 
 
 def _admin(spec: dict[str, Any], lock_url: str) -> Any:
