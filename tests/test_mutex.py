@@ -673,6 +673,37 @@ def test_cancelling_an_async_block_releases_the_lock(ctx: StoreCtx, new_mutex: C
         assert got, "released when the task was cancelled"
 
 
+@pytest.mark.memory
+def test_an_async_caller_cancelled_while_its_acquire_is_in_flight_leaves_no_lock_behind() -> None:
+    url = f"memory://mutex-{secrets.token_hex(3)}"
+    a, b = Mutex(url), Mutex(url)
+    entered, gate = threading.Event(), threading.Event()
+    acquire = a.store.acquire_or_renew
+
+    def slow_acquire(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        gate.wait(10)
+        return acquire(*args, **kwargs)
+
+    a.store.acquire_or_renew = slow_acquire  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async def work() -> None:
+            async with a.hold_async("c", lease=30):
+                await asyncio.sleep(30)
+
+        task = asyncio.create_task(work())
+        assert await asyncio.to_thread(entered.wait, 10)
+        task.cancel()  # the store call is in flight: it acquires for nobody
+        gate.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())  # waits for the executor: the acquire and its undo have ended
+    with b.hold("c") as got:
+        assert got, f"the lock acquired for the cancelled caller was not released: {got!r}"
+
+
 # -- the decorator and argument errors ---------------------------------------------------------------
 @pytest.mark.memory
 def test_exclusive_fills_the_name_from_the_call_and_runs_under_the_lock() -> None:

@@ -261,7 +261,8 @@ def test_a_stale_worker_is_told_lost_and_its_completion_is_refused(harness: Harn
 
     harness.store.add("c", "k", NOW, {"v": 1})
     worker = harness.worker(Handler("c", slow, lease=3))
-    assert wait_for(lambda: bool(seen))
+    # The handler started and its started mark is written (batched): the rescue counts the attempt.
+    assert wait_for(lambda: bool(seen) and worker.completions.marked == 1)
     harness.pass_time(4)  # the node froze past its lease: no renewal ran
     [taken] = harness.store.claim(OTHER, ["c"], 1, 30)  # another node rescues the task
     assert taken.token == 2 and taken.attempt == 2

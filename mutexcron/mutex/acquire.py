@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import logging
 import math
@@ -105,20 +104,49 @@ async def drive_async(steps: Steps, run: Callable[[Step], Awaitable[Any]]) -> He
 
 async def in_thread(fn: Callable[[], T], undo: Callable[[T], None] | None = None) -> T:
     """Run ``fn`` in the loop's executor. If the caller is cancelled, ``fn`` still finishes
-    (shielded), and ``undo`` gets its result: a lock acquired for nobody is released at once."""
-    future = asyncio.get_running_loop().run_in_executor(None, fn)
+    (shielded), and ``undo`` gets its result: a lock acquired for nobody is released at once.
+
+    The undo runs in the executor thread that ran ``fn``, before that thread is done, so
+    ``asyncio.run`` (which waits for the default executor) returns after the release, not before.
+    """
+    call = _Abandonable(fn, undo)
+    future = asyncio.get_running_loop().run_in_executor(None, call.run)
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
-        if undo is not None:
-            future.add_done_callback(functools.partial(_undo_later, undo))
+        delivered = call.abandon()
+        if delivered is not _NOTHING and undo is not None:  # done, but its caller was cancelled
+            asyncio.get_running_loop().run_in_executor(None, undo, delivered)
         raise
 
 
-def _undo_later(undo: Callable[[Any], None], future: asyncio.Future[Any]) -> None:
-    if not future.cancelled() and future.exception() is None:
-        # A thread, not the loop's executor: the loop may be shutting down after the cancel.
-        threading.Thread(target=undo, args=(future.result(),), name="mutexcron-undo", daemon=True).start()
+_NOTHING: Any = object()
+
+
+class _Abandonable:
+    """``fn`` for an executor thread, undone there if its caller gave up before it returned."""
+
+    def __init__(self, fn: Callable[[], Any], undo: Callable[[Any], None] | None) -> None:
+        self._fn, self._undo = fn, undo
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._result: Any = _NOTHING
+
+    def run(self) -> Any:
+        result = self._fn()
+        with self._lock:
+            abandoned = self._abandoned
+            if not abandoned:
+                self._result = result
+        if abandoned and self._undo is not None:
+            self._undo(result)
+        return result
+
+    def abandon(self) -> Any:
+        """Mark the caller gone; return ``fn``'s result if it had already returned (else nothing)."""
+        with self._lock:
+            self._abandoned = True
+            return self._result
 
 
 def backoff(step: int, attempt: Attempt | None) -> float:
