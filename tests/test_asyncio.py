@@ -153,6 +153,10 @@ def test_a_job_whose_renewals_fail_sees_lost(tmp_path: Path) -> None:
         node.stop()
         proxy.close()
         cleanup_redis(f"{base}?namespace={namespace}")
+        # Once in a loaded CI run an acquire's keys (no presence keys) appeared after this cleanup;
+        # not reproduced in 8 runs since, cause not found (open in the closing note): clean twice.
+        time.sleep(1.0)
+        cleanup_redis(f"{base}?namespace={namespace}")
     assert lost == [True], "renewals failed for longer than the lease: the job must see lost"
 
 
