@@ -34,7 +34,7 @@ import pytest
 from mutexcron.locks import Node, lock_store_from_url
 from mutexcron.observability.feed.writer import FLUSH_EVERY
 from mutexcron.tasks import task_store_from_url
-from tests.backends import backend_params, drop_store_tables, require_server
+from tests.backends import backend_params_full_matrix, drop_store_tables, require_server
 
 pytestmark = pytest.mark.cluster
 
@@ -132,7 +132,7 @@ def _log_tails(directory: Path, lines: int = 60) -> str:
     return "\n".join(parts)
 
 
-@pytest.fixture(params=backend_params("sqlite", "postgresql"))
+@pytest.fixture(params=backend_params_full_matrix(("postgresql",), ("sqlite",)))  # PG: a password to mask
 def cluster(request: pytest.FixtureRequest, tmp_path: Path, browser: Any) -> Iterator[Cluster]:
     kind = request.param
     failed_before = request.session.testsfailed
