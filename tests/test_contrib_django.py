@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.backends import backend_params_full_matrix, require_server
+from tests.backends import require_server
 from tests.test_contrib_flask import job_runs
 from tests.test_embedding import REPO, Run, _die_with_pytest, _report, analyse, child_env, require_modules
 
@@ -163,8 +163,9 @@ def _kill_holder(project: Project) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     "kind",
-    backend_params_full_matrix(("sqlite", "postgresql"), ("mysql",)),
-)
+    [pytest.param("sqlite", marks=pytest.mark.sqlite), pytest.param("postgresql", marks=pytest.mark.postgresql),
+     pytest.param("mysql", marks=pytest.mark.mysql)],
+)  # fmt: skip
 def test_django_apscheduler_on_three_nodes(kind: str, database: dict[str, Any], tmp_path: Path) -> None:
     project = Project(database, tmp_path)
     project.manage("migrate", "--noinput")

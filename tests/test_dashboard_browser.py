@@ -34,7 +34,7 @@ import pytest
 from mutexcron.locks import Node, lock_store_from_url
 from mutexcron.observability.feed.writer import FLUSH_EVERY
 from mutexcron.tasks import task_store_from_url
-from tests.backends import backend_params_full_matrix, drop_store_tables, require_server
+from tests.backends import backend_params, backend_params_full_matrix, drop_store_tables, require_server
 
 pytestmark = pytest.mark.cluster
 
@@ -132,7 +132,7 @@ def _log_tails(directory: Path, lines: int = 60) -> str:
     return "\n".join(parts)
 
 
-@pytest.fixture(params=backend_params_full_matrix(("postgresql",), ("sqlite",)))  # PG: a password to mask
+@pytest.fixture(params=backend_params("sqlite", "postgresql"))
 def cluster(request: pytest.FixtureRequest, tmp_path: Path, browser: Any) -> Iterator[Cluster]:
     kind = request.param
     failed_before = request.session.testsfailed
@@ -408,6 +408,7 @@ def _serious_violations(page: Any, axe: Path) -> list[str]:
     return list(found)
 
 
+@pytest.mark.parametrize("cluster", backend_params_full_matrix(("postgresql",), ("sqlite",)), indirect=True)
 def test_500_locks_every_page_at_390_px_and_no_serious_accessibility_violation(cluster: Cluster, browser: Any) -> None:
     from playwright.sync_api import expect
 
