@@ -80,9 +80,10 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             ``$MUTEXCRON_METRICS_PORT`` sets it too. Default: none, nothing is served.
         metrics_host: the address it binds (``$MUTEXCRON_METRICS_HOST``; default 127.0.0.1, this host
             only: ``"0.0.0.0"`` exposes the endpoints on every interface).
-        placement: which locks this node asks for: ``"first"`` (the default: every node asks for
-            every lock, the first holds it) or ``"balanced"`` (opt-in: every live node its fair
-            share; a lock that moves is handed over at a fire-time boundary); ``$MUTEXCRON_PLACEMENT`` sets it too.
+        placement: which locks this node asks for: ``"balanced"`` (the default: every live node its
+            fair share; a lock that moves is handed over at a fire-time boundary) or ``"first"`` (every
+            node asks for every lock, the first holds it: earlier releases' behaviour);
+            ``$MUTEXCRON_PLACEMENT`` sets it too.
         weight: this node's weight under balanced placement (default 1: a node of weight 2 is placed
             for about twice the locks); ``$MUTEXCRON_WEIGHT`` sets it too.
         tags: this node's tags, matched by ``mutex(nodes="tag:eu")`` (and by plain patterns, as
