@@ -172,6 +172,7 @@ class LeaseManager:
         self._left = False  # this node's presence was deleted (it stops): it publishes none again
         self._leaving: float | None = None  # monotonic: since when this node hands every held lock over (it stops)
         self.offers = OfferListener(store, node.node_id, self._offer_noticed)
+        self._listening = False  # the offers listener was started (once this node had a guarded lock)
         self._zones: dict[str, str] = dict(zones or {})  # lock -> the zone this node computes its fire times in
         self._zone_refused: dict[str, str] = {}  # lock -> the other zone its live holder computes them in
         self._triggers: dict[str, dict[str, str]] = {k: dict(v) for k, v in (triggers or {}).items()}
@@ -634,11 +635,16 @@ class LeaseManager:
     # -- the heartbeat thread -------------------------------------------------------------------
     def start(self) -> None:
         with self._mutex:
-            if self._thread is not None or not (self._locks or self._rounds) or self._stop.is_set():
-                return
-            self._thread = threading.Thread(target=self._loop, name="mutexcron-heartbeat", daemon=True)
-        self._thread.start()
-        if self.placement.mode != "first":  # only placement hands locks over to a named node
+            thread = None
+            if self._thread is None and (self._locks or self._rounds) and not self._stop.is_set():
+                thread = self._thread = threading.Thread(target=self._loop, name="mutexcron-heartbeat", daemon=True)
+            # Only placement hands locks over to a named node, and only a node with guarded locks
+            # listens for offers (a node running tasks alone does not poll the live nodes).
+            listen = self.placement.mode != "first" and bool(self._locks) and not self._listening and not self._stop.is_set()
+            self._listening = self._listening or listen
+        if thread is not None:
+            thread.start()
+        if listen:
             self.offers.start()
 
     def attach(self, round_: Callable[[], float | None]) -> None:

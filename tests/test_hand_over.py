@@ -263,3 +263,18 @@ def test_the_scheduler_tells_the_seconds_to_each_locks_soonest_fire_time() -> No
         release.set()
         sched.shutdown()
         store.close()
+
+
+def test_only_a_node_with_guarded_locks_listens_for_offers() -> None:
+    """Balanced placement is the default: a node that runs tasks alone (a heartbeat round, no
+    guarded lock) does not poll the live nodes for offers; it starts to once it guards a lock."""
+    store = MemoryLockStore()
+    manager = LeaseManager(store, Node("a", "ip-a"), {}, placement=BalancedPlacement("a"))
+    manager.attach(lambda: None)  # a task worker's renewals
+    try:
+        assert manager._thread is not None and manager.offers._thread is None
+        manager.add_lock("lock-00", TTL)
+        assert manager.offers._thread is not None
+    finally:
+        manager.stop(timeout=0)
+        store.close()
