@@ -70,6 +70,12 @@ MOVES_PER_ROUND = 64
 #: takes seconds on a loaded machine); at most the scheduler's ``shutdown_timeout``, and only if the
 #: node saw other nodes (a node alone stops at once).
 LEAVE_WAIT = 20.0
+#: Seconds until each guarded lock's next fire time on this node (the soonest of its jobs'; 0: a run
+#: of it is due or going now; None: it has none, its jobs are paused or will never fire again); a
+#: lock left out (its fire times are not known here) counts as due at once. The scheduler gives it
+#: to :meth:`LeaseManager.hand_over_all`, so that a stopping node waits only for the fire times that need it.
+NextFires = Callable[[], Mapping[str, "float | None"]]
+
 #: A stopping node hands nothing over during its first this many seconds: the nodes stopping with
 #: it (every worker of a gunicorn reload gets its signal at once) delete their presence meanwhile,
 #: so none of them is named a successor.
@@ -166,6 +172,7 @@ class LeaseManager:
         self._left = False  # this node's presence was deleted (it stops): it publishes none again
         self._leaving: float | None = None  # monotonic: since when this node hands every held lock over (it stops)
         self.offers = OfferListener(store, node.node_id, self._offer_noticed)
+        self._listening = False  # the offers listener was started (once this node had a guarded lock)
         self._zones: dict[str, str] = dict(zones or {})  # lock -> the zone this node computes its fire times in
         self._zone_refused: dict[str, str] = {}  # lock -> the other zone its live holder computes them in
         self._triggers: dict[str, dict[str, str]] = {k: dict(v) for k, v in (triggers or {}).items()}
@@ -214,10 +221,10 @@ class LeaseManager:
         if held is not None:
             self._release(name, held.token)
 
-    def _release(self, name: str, token: int) -> None:
+    def _release(self, name: str, token: int, **details: Any) -> None:
         try:
             if self.store.release(name, self.node, token):
-                self._emit(EVENT_LOCK_RELEASED, name, token)
+                self._emit(EVENT_LOCK_RELEASED, name, token, **details)
         except (StoreUnavailableError, StoreError) as exc:
             log.warning("could not release lock %r (%s); it will expire after its lease", name, exc)
 
@@ -628,11 +635,16 @@ class LeaseManager:
     # -- the heartbeat thread -------------------------------------------------------------------
     def start(self) -> None:
         with self._mutex:
-            if self._thread is not None or not (self._locks or self._rounds) or self._stop.is_set():
-                return
-            self._thread = threading.Thread(target=self._loop, name="mutexcron-heartbeat", daemon=True)
-        self._thread.start()
-        if self.placement.mode != "first":  # only placement hands locks over to a named node
+            thread = None
+            if self._thread is None and (self._locks or self._rounds) and not self._stop.is_set():
+                thread = self._thread = threading.Thread(target=self._loop, name="mutexcron-heartbeat", daemon=True)
+            # Only placement hands locks over to a named node, and only a node with guarded locks
+            # listens for offers (a node running tasks alone does not poll the live nodes).
+            listen = self.placement.mode != "first" and bool(self._locks) and not self._listening and not self._stop.is_set()
+            self._listening = self._listening or listen
+        if thread is not None:
+            thread.start()
+        if listen:
             self.offers.start()
 
     def attach(self, round_: Callable[[], float | None]) -> None:
@@ -893,12 +905,17 @@ class LeaseManager:
             self._drop(name, "no successful renewal within the lease; this node demotes itself", expired=True)
 
     # -- stopping ---------------------------------------------------------------------------------
-    def hand_over_all(self, timeout: float) -> None:
+    def hand_over_all(self, timeout: float, next_fires: NextFires | None = None) -> None:
         """Before a stop, under balanced placement: this node leaves (its presence goes), hands each
         held lock over to the node placed for it without this one, at a fire-time boundary, and
         runs the jobs of the locks not handed over yet meanwhile (a gunicorn reload's new workers
         may still be booting). Returns once it holds none, or after ``timeout`` seconds (the rest
-        are released by :meth:`stop`); at once if its last read of the live nodes showed no other."""
+        are released by :meth:`stop`); at once if its last read of the live nodes showed no other.
+
+        With ``next_fires``, it waits only for the fire times that need it: a held lock none of whose
+        jobs fires within the wait is released at once (its record kept: whoever takes it later
+        computes its next fire time from it), and it returns as soon as no held lock has a fire time
+        left within the wait (every node stopping at once waits for nothing)."""
         if self.placement.mode == "first" or not self.held() or not self.placement.others_seen():
             return  # a node alone does not wait for a successor
         with self._mutex:
@@ -906,8 +923,50 @@ class LeaseManager:
         self._leave()
         self.wake()
         deadline = self.clock() + max(0.0, timeout)
-        while self.held() and self.clock() < deadline and not self._stop.wait(0.05):
-            pass
+        recheck_at = self.clock()
+        while self.held() and self.clock() < deadline:
+            if next_fires is not None and self.clock() >= recheck_at:
+                due = self._release_unless_due(next_fires, deadline)
+                if not due:
+                    return
+                # Read again once the soonest fire time has passed (its run done, the next one known).
+                recheck_at = max(min(due.values()), self.clock() + HAND_OVER_POLL)
+            if self._stop.wait(0.05):
+                return
+
+    def _release_unless_due(self, next_fires: NextFires, deadline: float) -> dict[str, float]:
+        """A stopping node: release at once each held lock with no fire time before ``deadline``
+        (this node's clock); returns the others: lock -> when (this node's clock) its next fire time is."""
+        try:
+            fires = next_fires()
+        except Exception:  # never stop differently because of it: wait for every lock, as without it
+            log.exception("could not read the next fire times; waiting for a successor for every lock")
+            fires = {}
+        now = self.clock()
+        due: dict[str, float] = {}
+        for name in self.held():
+            seconds = fires.get(name, 0.0)
+            if seconds is not None and now + seconds < deadline:
+                due[name] = now + max(0.0, seconds)
+        self._release_now([name for name in self.held() if name not in due], "this node stops; no fire time due before then")
+        return due
+
+    def _release_now(self, names: Sequence[str], reason: str) -> None:
+        """Release each of ``names`` (no successor named), once no run of it is going, and no run
+        begins meanwhile; a lock with a run going is kept (:meth:`stop` releases it after the run)."""
+        for name in names:
+            with self._mutex:
+                held = self._held.get(name)
+                if held is None or self._running.get(name) or name in self._handing or name in self._retiring:
+                    continue
+                del self._held[name]
+                self._handing.add(name)
+            self.views.forget(name)
+            try:
+                self._release(name, held.token, reason=reason)
+            finally:
+                with self._mutex:
+                    self._handing.discard(name)
 
     def begin_stop(self) -> None:
         """No takeover and no new guarded run from now on; leases (and attached rounds) are still

@@ -10,7 +10,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from apscheduler.executors.pool import ThreadPoolExecutor
@@ -80,9 +80,10 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             ``$MUTEXCRON_METRICS_PORT`` sets it too. Default: none, nothing is served.
         metrics_host: the address it binds (``$MUTEXCRON_METRICS_HOST``; default 127.0.0.1, this host
             only: ``"0.0.0.0"`` exposes the endpoints on every interface).
-        placement: which locks this node asks for: ``"first"`` (the default: every node asks for
-            every lock, the first holds it) or ``"balanced"`` (opt-in: every live node its fair
-            share; a lock that moves is handed over at a fire-time boundary); ``$MUTEXCRON_PLACEMENT`` sets it too.
+        placement: which locks this node asks for: ``"balanced"`` (the default: every live node its
+            fair share; a lock that moves is handed over at a fire-time boundary) or ``"first"`` (every
+            node asks for every lock, the first holds it: earlier releases' behaviour);
+            ``$MUTEXCRON_PLACEMENT`` sets it too.
         weight: this node's weight under balanced placement (default 1: a node of weight 2 is placed
             for about twice the locks); ``$MUTEXCRON_WEIGHT`` sets it too.
         tags: this node's tags, matched by ``mutex(nodes="tag:eu")`` (and by plain patterns, as
@@ -696,7 +697,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         """Stop scheduling, wait up to ``timeout`` for guarded runs, release the leases."""
         leases = self._leases
         if leases is not None and self.running and not leases.stopping:  # type: ignore[attr-defined]
-            leases.hand_over_all(min(LEAVE_WAIT, timeout))  # balanced: each lock to its successor, jobs still running
+            # Balanced: each lock to its successor, jobs still running, while a fire time needs it.
+            leases.hand_over_all(min(LEAVE_WAIT, timeout), self._next_fires)
             aps.stop_processing(self)  # no new fire times while guarded runs end (pause() would tell listeners)
             started = time.monotonic()
             leases.begin_stop()  # no takeover or new run while the task worker stops
@@ -704,6 +706,35 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
                 self._pruner.stop()  # after its batch in flight: the prune lock given back
             self._tasks.stop(timeout)  # tasks first: their leases renew in the heartbeat thread
             leases.stop(max(0.0, timeout - (time.monotonic() - started)))
+
+    def _next_fires(self) -> dict[str, float | None]:
+        """Seconds until each guarded lock's next fire time on this node (:data:`~mutexcron.heartbeat.NextFires`):
+        the soonest of its jobs', 0 while a run of one is submitted and has not ended, None when none
+        has one (paused, or no fire time left). Shared jobs' locks are left out: their fire times are
+        the shared store's, and a stopping node waits for a successor for them as before."""
+        now = datetime.now(timezone.utc)
+        fires: dict[str, float | None] = {}
+        shared: set[str] = set()
+        with aps.jobstores_lock(self):
+            for job_id, guard in list(self._guarded.items()):
+                if guard.config.callable_lock:
+                    continue
+                if self._shared_jobs.owns(job_id):
+                    shared.add(guard.lock)
+                    continue
+                seconds = self._seconds_to_fire(job_id, now)
+                soonest = fires.get(guard.lock)
+                fires[guard.lock] = seconds if soonest is None or (seconds is not None and seconds < soonest) else soonest
+        return {lock: seconds for lock, seconds in fires.items() if lock not in shared}
+
+    def _seconds_to_fire(self, job_id: str, now: datetime) -> float | None:
+        """Seconds from ``now`` to the job's next fire time (0: due, or a run submitted and not ended;
+        None: paused, or gone from its store). The caller holds the job stores' lock."""
+        if self._instances(job_id):
+            return 0.0
+        found = aps.lookup_stored_job(self, job_id)
+        next_run = found[0].next_run_time if found is not None else None
+        return None if next_run is None else max(0.0, (next_run - now).total_seconds())
 
     def skipped_runs(self) -> dict[tuple[str, str, str], int]:
         """Fire times of guarded jobs this node skipped since it started: ``{(job id, lock, reason): count}``

@@ -101,14 +101,16 @@ def test_a_job_that_blocks_the_loop_past_its_lease_keeps_renewals_going(tmp_path
             time.sleep(2.5)  # blocks the event loop for 2.5 leases
             lost.append(current_lease().lost)
 
-    node = LoopNode(add, lock_url=url, node_id="a", unactive_interval=1)
+    # placement="first": a holds the lock and b is a standby that takes it only if a's lease lapses
+    # (balanced placement may hand it to b at a fire-time boundary, and a, stopping, waits for b).
+    node = LoopNode(add, lock_url=url, node_id="a", unactive_interval=1, placement="first")
     probe = lock_store_from_url(url)
     deadline = time.monotonic() + 10
     while (rec := probe.read("blocker")) is None or rec.holder != "a":  # node a is the holder first
         assert time.monotonic() < deadline, "node a never took the lock"
         time.sleep(0.05)
     probe.close()
-    standby = MutexScheduler(lock_url=url, node_id="b", unactive_interval=1)
+    standby = MutexScheduler(lock_url=url, node_id="b", unactive_interval=1, placement="first")
     standby_runs: list[datetime] = []
     standby.add_job(lambda: standby_runs.append(current_lease().fire_time), "cron", second="*/10", id="blocker",
                     mutex="blocker")

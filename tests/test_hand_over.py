@@ -8,10 +8,15 @@ server store and gunicorn reloads: ``tests/test_placement_cluster.py`` and ``tes
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta
 
 import pytest
 
-from mutexcron.heartbeat import LEAVE_SETTLE, OFFER_WITHIN, LeaseManager
+from mutexcron import MutexScheduler
+from mutexcron.heartbeat import LEAVE_SETTLE, LEAVE_WAIT, OFFER_WITHIN, LeaseManager
 from mutexcron.locks import FireClaim, Node
 from mutexcron.locks.memory import MemoryLockStore
 from mutexcron.placement import BalancedPlacement, assign
@@ -144,3 +149,132 @@ def test_a_leaving_node_keeps_its_locks_until_a_successor_is_live_then_hands_the
     assert not a.held(), "every lock offered to c"
     c.run_once()
     assert set(c.held()) == set(LOCKS)
+
+
+DAY = 86_400.0
+
+
+def _leaving(manager: LeaseManager, fires: Callable[[], Mapping[str, float | None]]) -> threading.Thread:
+    """``manager.hand_over_all(LEAVE_WAIT, fires)`` on a thread of its own (the scheduler's stop)."""
+    thread = threading.Thread(target=manager.hand_over_all, args=(LEAVE_WAIT, fires), daemon=True)
+    thread.start()
+    return thread
+
+
+def _returns(thread: threading.Thread, manager: LeaseManager) -> bool:
+    """True if the wait ended within 10 s of real time (the injected clock does not move meanwhile)."""
+    thread.join(timeout=10)
+    if thread.is_alive():
+        manager._stop.set()  # ends the wait: the test fails, but does not hang
+        thread.join(timeout=10)
+        return False
+    return True
+
+
+def _two_nodes() -> tuple[Cluster, LeaseManager]:
+    cluster = Cluster()
+    a = cluster.join("a")
+    cluster.join("b")
+    cluster.rounds(3)
+    assert a.held() and a.placement.others_seen()
+    return cluster, a
+
+
+def test_every_node_stopping_at_once_with_no_fire_time_due_releases_everything_at_once() -> None:
+    """docker compose down: no successor comes, and no job fires within the wait: each node
+    releases its locks at once, each with its record (token, last claimed fire time)."""
+    cluster, a = _two_nodes()
+    b = cluster.nodes["b"]
+    lock = next(iter(a.held()))
+    claimed = a.tick(lock, FireClaim.new("job", 1_000_000))
+    assert claimed is not None and claimed.claimed
+    tokens = {**a.held(), **b.held()}
+    fires = dict.fromkeys(LOCKS, DAY)
+    fires["lock-11"] = None  # paused: no fire time at all
+    leaving = [_leaving(a, lambda: fires), _leaving(b, lambda: fires)]
+    assert all(_returns(thread, node) for thread, node in zip(leaving, (a, b))), "no node waits out LEAVE_WAIT"
+    assert not a.held() and not b.held()
+    for name, token in tokens.items():
+        record = cluster.store.read(name)
+        assert record is not None and record.holder is None and record.token == token, "released, not handed on"
+    record = cluster.store.read(lock)
+    assert record is not None and record.fire_times["job"].timestamp() == 1.0, "its last claimed fire time kept"
+
+
+def test_a_stopping_node_waits_only_for_the_locks_with_a_fire_time_within_the_wait() -> None:
+    cluster, a = _two_nodes()
+    due, unknown, *others = sorted(a.held())
+    fires: dict[str, float | None] = {name: DAY for name in others}
+    fires[due] = 5.0  # fires within the wait; ``unknown`` is left out: its fire times are not known here
+    thread = _leaving(a, lambda: dict(fires))
+    deadline = time.monotonic() + 10
+    while any(cluster.store.read(name).holder == "a" for name in others):  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, "the locks with no fire time within the wait are released at once"
+        time.sleep(0.02)
+    thread.join(timeout=0.3)
+    assert thread.is_alive(), "it waits for the fire time due in 5 s"
+    assert set(a.held()) == {due, unknown}, "a lock due within the wait, or with unknown fire times, is kept"
+    fires[due], fires[unknown] = DAY, None  # ``due`` fired; the next fire time of each is beyond the wait
+    cluster.clock.advance(5.0)
+    assert _returns(thread, a), "no fire time left within the wait: it stops waiting (15 s before LEAVE_WAIT)"
+    assert set(a.held()) == set(), "both released once no fire time needs them"
+    a.stop(timeout=0)
+
+
+def test_a_stopping_node_keeps_a_lock_whose_run_is_going_until_it_ends() -> None:
+    cluster, a = _two_nodes()
+    busy = next(iter(a.held()))
+    assert a.begin_run(busy)
+    thread = _leaving(a, lambda: dict.fromkeys(LOCKS, DAY))
+    assert _returns(thread, a), "nothing due within the wait"
+    assert set(a.held()) == {busy}, "not released under its run: stop() releases it after the run"
+    a.end_run(busy)
+    a.stop(timeout=0)
+    assert cluster.store.read(busy).holder in (None, "b")  # type: ignore[union-attr]
+
+
+def test_the_scheduler_tells_the_seconds_to_each_locks_soonest_fire_time() -> None:
+    store = MemoryLockStore()
+    sched = MutexScheduler(lock_store=store, node_id="a", unactive_interval=2, placement="balanced")
+    started, release = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        started.set()
+        release.wait(10)
+
+    in_12h = datetime.now() + timedelta(hours=12)
+    sched.add_job(print, "cron", hour=in_12h.hour, minute=in_12h.minute, id="daily", mutex="daily")
+    sched.add_job(print, "interval", hours=1, id="hourly", mutex="shared")
+    sched.add_job(print, "interval", hours=2, id="two-hourly", mutex="shared")
+    sched.add_job(print, "interval", hours=1, id="paused", mutex="paused").pause()
+    sched.add_job(busy, "interval", seconds=1, id="busy", mutex="busy")
+    sched.start()
+    try:
+        assert started.wait(20)
+        fires = sched._next_fires()
+        assert fires["daily"] == pytest.approx(12 * 3600, abs=120)
+        soonest = min(sched.get_job(job_id).next_run_time for job_id in ("hourly", "two-hourly"))
+        assert 0 < fires["shared"] == pytest.approx((soonest - datetime.now(soonest.tzinfo)).total_seconds(), abs=5), (
+            "the soonest of its jobs"
+        )
+        assert fires["paused"] is None, "a paused job has no fire time"
+        assert fires["busy"] == 0.0, "a run going: due now"
+    finally:
+        release.set()
+        sched.shutdown()
+        store.close()
+
+
+def test_only_a_node_with_guarded_locks_listens_for_offers() -> None:
+    """Balanced placement is the default: a node that runs tasks alone (a heartbeat round, no
+    guarded lock) does not poll the live nodes for offers; it starts to once it guards a lock."""
+    store = MemoryLockStore()
+    manager = LeaseManager(store, Node("a", "ip-a"), {}, placement=BalancedPlacement("a"))
+    manager.attach(lambda: None)  # a task worker's renewals
+    try:
+        assert manager._thread is not None and manager.offers._thread is None
+        manager.add_lock("lock-00", TTL)
+        assert manager.offers._thread is not None
+    finally:
+        manager.stop(timeout=0)
+        store.close()

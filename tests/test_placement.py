@@ -64,13 +64,14 @@ def test_nodes_patterns_keep_a_lock_on_the_matching_nodes() -> None:
 
 
 def test_placement_mode_names_the_fix() -> None:
-    assert placement_mode(None) == "first" and placement_mode("Balanced") == "balanced"
+    assert placement_mode(None) == "balanced" and placement_mode("First") == "first"
     with pytest.raises(ConfigurationError, match="first, balanced"):
         placement_mode("random")
     with pytest.raises(ConfigurationError, match="reports-"):
         MutexScheduler(lock_url="memory://").mutex(lock="x", nodes=[])
     assert isinstance(new_placement("first", "a"), FirstPlacement)
-    assert MutexScheduler(lock_url="memory://").placement == "first"  # balanced is opt-in until moves lose no fire time
+    assert MutexScheduler(lock_url="memory://").placement == "balanced"  # the default
+    assert MutexScheduler(lock_url="memory://", placement="first").placement == "first"  # earlier releases' behaviour
 
 
 # -- lease managers on one store --------------------------------------------------------------------

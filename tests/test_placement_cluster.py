@@ -233,3 +233,37 @@ def test_a_heavier_node_holds_twice_the_share_and_tagged_locks_stay_on_tagged_no
             cleanup_sql(url)
     runs = _fire_times(tmp_path)
     assert not [k for k, n in runs.items() if n > 1], "no fire time ran twice"
+
+
+@pytest.mark.parametrize("kind", backend_params_full_matrix(("sqlite",), ("postgresql",)))
+def test_every_node_stopped_at_once_exits_at_once_when_no_fire_time_is_due(kind: str, tmp_path: Path) -> None:
+    """Two nodes with only daily jobs, both stopped by SIGTERM at once (docker compose down): no
+    fire time falls within a stopping node's wait for a successor (heartbeat.LEAVE_WAIT), so each
+    releases its locks at once and exits in well under 5 s (it waited the whole LEAVE_WAIT before),
+    and each lock keeps its record (its token) for the node that takes it later."""
+    url = _url(kind, tmp_path)
+    store = lock_store_from_url(url)
+    nodes = Nodes(url, tmp_path)
+    nodes.env.update({"MANY_JOBS": "0", "MANY_JOBS_DAILY": "4"})
+    try:
+        for node_id in ("n0", "n1"):
+            nodes.start(node_id)
+        wait("both nodes to hold a lock", lambda: set(held_by(store)) == {"n0", "n1"}, 6 * LEASE)
+        tokens = {r.name: r.token for r in store.list() if r.name.startswith("many-daily-")}
+        procs = [nodes.procs.pop(n) for n in ("n0", "n1")]
+        start = time.monotonic()
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.communicate(timeout=60)
+        took = time.monotonic() - start
+        after = {r.name: r for r in store.list() if r.name.startswith("many-daily-")}
+    finally:
+        nodes.close()
+        store.close()
+        if kind == "postgresql":
+            cleanup_sql(url)
+    print(f"\n[{kind}] every node stopped at once: both exited after {took:.2f}s")
+    assert took < 5.0, f"both nodes stopped after {took:.2f}s: they waited for a successor with no fire time due"
+    assert {n: r.holder for n, r in after.items()} == dict.fromkeys(tokens), "every lock released"
+    assert {n: r.token for n, r in after.items()} == tokens, "released with its record, not deleted or handed on"

@@ -122,9 +122,9 @@ def main(lock_url: str | None) -> None:
     "--placement",
     type=click.Choice(PLACEMENTS),
     envvar="MUTEXCRON_PLACEMENT",
-    help="Which locks this node asks for: first, every node asks for every lock and the first holds it; balanced "
-    "(opt-in), every live node its fair share of the guarded locks, each move handed over at a fire-time boundary "
-    "[env MUTEXCRON_PLACEMENT; default first].",
+    help="Which locks this node asks for: balanced (the default), every live node its fair share of the guarded "
+    "locks, each move handed over at a fire-time boundary; first, every node asks for every lock and the first "
+    "holds it (the behaviour of earlier releases) [env MUTEXCRON_PLACEMENT; default balanced].",
 )
 @click.option(
     "--weight",

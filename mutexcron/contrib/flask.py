@@ -55,14 +55,9 @@ class FlaskMutexScheduler(MutexScheduler):
     """The ``MutexScheduler`` behind :class:`APScheduler`: a job added without ``mutex=`` is guarded
     (a lock per job id), as Flask-APScheduler's apps expect every job to run once.
 
-    Its placement is ``balanced`` unless ``placement=`` or ``$MUTEXCRON_PLACEMENT`` says otherwise:
-    every worker holds its share of the locks, and a worker that stops (a gunicorn reload, a deploy)
-    hands each lock to a live worker at a fire-time boundary, so a reload loses no fire time."""
-
-    def __init__(self, *args: Any, **options: Any) -> None:
-        if options.get("placement") is None and not os.environ.get("MUTEXCRON_PLACEMENT"):
-            options["placement"] = "balanced"
-        super().__init__(*args, **options)
+    Its placement is ``balanced``, the default (unless ``placement=`` or ``$MUTEXCRON_PLACEMENT``
+    says otherwise): every worker holds its share of the locks, and a worker that stops (a gunicorn
+    reload, a deploy) hands each lock to a live worker at a fire-time boundary, so a reload loses no fire time."""
 
     def add_job(
         self, func: Any, trigger: Any = None, args: Any = None, kwargs: Any = None, id: str | None = None,

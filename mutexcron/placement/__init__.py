@@ -2,9 +2,9 @@
 
 Placement decides who *asks* for a lock, never who wins it: acquiring still goes only through
 the store's conditional, fenced operation, and a node not placed for a lock still takes it over
-once its placed owner is gone. ``first`` (the default) keeps the behaviour of earlier releases
-(every node asks for every lock); ``balanced`` (opt-in) gives every live node a fair share, and
-hands each lock that moves over to its successor at a fire-time boundary (``heartbeat.LeaseManager``,
+once its placed owner is gone. ``balanced`` (the default) gives every live node a fair share, and
+hands each lock that moves over to its successor at a fire-time boundary; ``first`` keeps the
+behaviour of earlier releases (every node asks for every lock) (``heartbeat.LeaseManager``,
 ``LockStore.hand_over``).
 """
 

@@ -10,12 +10,12 @@ from ..locks import LockStore
 from ..node import NodeTraits
 from .rendezvous import node_allowed
 
-#: The placement modes: ``first`` (the default) and ``balanced`` (opt-in: a lock that moves is handed
-#: over to its successor at a fire-time boundary, see docs/operations.md).
+#: The placement modes: ``first`` (every node asks for every lock, the first to ask holds it: the
+#: behaviour of earlier releases) and ``balanced`` (every live node its fair share; a lock that moves
+#: is handed over to its successor at a fire-time boundary, see docs/operations.md).
 PLACEMENTS = ("first", "balanced")
-#: ``first`` stays the default until balanced's stop behaviour (a stopping node waits for a successor,
-#: heartbeat.LEAVE_WAIT) has run under the whole suite and the drills.
-DEFAULT_PLACEMENT = "first"
+#: A cluster shares the work by default; ``--placement first`` keeps the earlier behaviour.
+DEFAULT_PLACEMENT = "balanced"
 
 
 def placement_mode(mode: str | None) -> str:

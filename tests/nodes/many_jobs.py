@@ -4,6 +4,7 @@ Each node appends ``<job> <fire time> <node>`` per run to ``$MANY_JOBS_DIR/runs-
 (with ``MANY_JOBS_ATTRS=1``, then the run count ``n`` the job's attrs handed it: each run returns n + 1),
 buffered and flushed twice a second so that recording costs the job almost nothing, and writes
 ``$MANY_JOBS_DIR/ready-<pid>`` once its scheduler has started (the test's window starts after all).
+``MANY_JOBS_DAILY=n`` adds n daily cron jobs, each on its own lock, firing 12 hours from the start.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import collections
 import os
 import threading
 import time
+from datetime import datetime, timedelta
 
 from apscheduler.events import EVENT_SCHEDULER_STARTED, SchedulerEvent
 
@@ -66,3 +68,8 @@ for j in range(int(os.environ["MANY_JOBS"])):
 # $MANY_JOBS_TAGGED=n: n more jobs, each on its own lock, that only nodes tagged eu may hold.
 for j in range(int(os.environ.get("MANY_JOBS_TAGGED", "0"))):
     sched.add_job(make(f"eu{j}"), "cron", second="*", id=f"eu{j}", mutex={"lock": f"many-eu-{j}", "nodes": "tag:eu"})
+
+# $MANY_JOBS_DAILY=n: n more jobs, each on its own lock, that fire once a day, 12 hours from now.
+daily = datetime.now() + timedelta(hours=12)
+for j in range(int(os.environ.get("MANY_JOBS_DAILY", "0"))):
+    sched.add_job(make(f"daily{j}"), "cron", hour=daily.hour, minute=daily.minute, id=f"daily{j}", mutex=f"many-daily-{j}")
