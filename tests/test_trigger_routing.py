@@ -23,7 +23,7 @@ pytestmark = pytest.mark.sqlite
 
 def test_a_jobs_code_is_its_crc32_bucket_the_same_everywhere() -> None:
     assert trigger_code("nightly_report") == f"mutexcron.trigger.{zlib.crc32(b'nightly_report') % 256:03d}"
-    assert trigger_code("billing_sync") == "mutexcron.trigger.%03d" % (zlib.crc32(b"billing_sync") % 256)
+    assert (trigger_code("nightly_report"), trigger_code("billing_sync")) == ("mutexcron.trigger.178", "mutexcron.trigger.189")
     assert trigger_code("rapport-été") == f"mutexcron.trigger.{zlib.crc32('rapport-été'.encode()) % 256:03d}"
     assert trigger_code("\udcff") == trigger_code("\udcff")  # a lone surrogate (an odd file name) is hashed too
     buckets = {trigger_code(f"job-{i}") for i in range(5000)}
