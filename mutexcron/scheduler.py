@@ -545,13 +545,13 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         self._started_pid = os.getpid()
         _at_exit(self._stop_at_exit)
         start_feed(self, self.lock_store, self.node_id)  # the event feed the dashboard shows (observability/feed)
-        # The heartbeat thread starts first: BlockingScheduler.start() does not return.
-        self._leases.start()
         guarded = any(not g.config.callable_lock for g in self._guarded.values()) or (self._has_shared_stores() and not paused)
-        if self.triggers and self._tasks.available() and guarded:
+        if self.triggers and self._tasks.available() and guarded:  # before a lock is taken: see _lock_taken
             # `mutexcron trigger JOB`: a guarded job through its lock, requested with the job's own code
             defined = {*self._guarded, *(job.id for job in aps.pending_jobs(self))}
             self._trigger_routes = register_triggers(self, sorted(defined))  # type: ignore[arg-type]
+        # The heartbeat thread starts first: BlockingScheduler.start() does not return.
+        self._leases.start()
         self._tasks.start(self.node_id, self._leases, self._emit)
         self._start_pruner()
         super().start(paused)  # type: ignore[misc]
@@ -596,6 +596,11 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             self._catch_up.queue(name, before, handed=handed)
         if self._standby is not None:
             self._standby.taken(name, before)
+        if self._trigger_routes is not None and before is not None:
+            # The lock's jobs by its record, this node's or not (one removed from the jobs file): a
+            # request naming the lock reaches its holder, which fails it at once if it lacks the job.
+            for job_id in {*before.fire_times, *(before.triggers or {})}:
+                self._trigger_routes.serve(job_id)
 
     def _create_default_jobstore(self) -> Any:
         store = super()._create_default_jobstore()  # type: ignore[misc]

@@ -123,3 +123,29 @@ def test_a_job_added_after_start_is_served_at_once(node: tuple[MutexScheduler, l
     assert ran.wait(15), "the request of the job added after start never ran"
     assert time.monotonic() - started < 10
     wait_for("the request's end", lambda: sched.tasks.get(trigger_code(job), job) is None)
+
+
+def test_the_holder_fails_at_once_a_request_of_a_job_removed_from_its_jobs_file(tmp_path: Path) -> None:
+    """A request naming a lock reaches its holder even for a job the holder no longer defines (the
+    lock record names the jobs that ran under it): it fails "not defined" at once, not at the deadline."""
+    url = f"sqlite:///{tmp_path}/removed.db"
+    gone = other_bucket("a")
+    before = MutexScheduler(lock_url=url)
+    before.add_job(print, "interval", hours=1, id="a", mutex="reports")
+    before.add_job(print, "interval", hours=1, id=gone, mutex="reports")
+    before.start()
+    try:
+        request(before, gone)
+        wait_for("the run of the job about to be removed", lambda: before.tasks.get(trigger_code(gone), gone) is None)
+    finally:
+        before.shutdown()
+    after = MutexScheduler(lock_url=url)
+    after.add_job(print, "interval", hours=1, id="a", mutex="reports")
+    after.start()
+    try:
+        wait_for("the holder to serve the removed job's requests", lambda: trigger_code(gone) in after.tasks.handlers)
+        after.tasks.store.add(trigger_code(gone), gone, timedelta(0), {"requested_by": "test", "lock": "reports"})
+        failed: TaskRecord = wait_for("the failed request", lambda: _failed(after, gone))
+        assert failed.last_error is not None and failed.last_error.startswith("not defined: "), failed
+    finally:
+        after.shutdown()
