@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from mutexcron import MutexScheduler
+from mutexcron import MutexScheduler, TaskPool
 from mutexcron.guard.triggers import TRIGGER_BUCKETS, TRIGGER_CODE, is_trigger_code, trigger_code
 from mutexcron.tasks import TaskRecord
 
@@ -149,3 +149,41 @@ def test_the_holder_fails_at_once_a_request_of_a_job_removed_from_its_jobs_file(
         assert failed.last_error is not None and failed.last_error.startswith("not defined: "), failed
     finally:
         after.shutdown()
+
+
+@pytest.mark.parametrize("kind", [pytest.param("sqlite"), pytest.param("postgresql", marks=pytest.mark.postgresql)])
+def test_the_store_notice_for_a_job_added_after_start_wakes_the_worker(kind: str, tmp_path: Path) -> None:
+    """The worker's waker listens for the codes it was built with (PostgreSQL NOTIFY, SQLite's
+    change check): it is rebuilt with the new job's code, so a request made elsewhere wakes it,
+    long before the backstop."""
+    from tests.backends import cleanup_sql, require_server
+
+    if kind == "sqlite":
+        url = f"sqlite:///{tmp_path}/notice.db"
+    else:
+        base = require_server(kind)
+        tag = f"{time.time_ns() % 10**9}"
+        url = f"{base}{'&' if '?' in base else '?'}table=mc_route_{tag}&tasks_table=mc_route_{tag}_tasks"
+    sched = MutexScheduler(lock_url=url)
+    sched.add_job(print, "interval", hours=1, id="a", mutex="lock-a")
+    sched.start()
+    try:
+        worker = wait_for("the task worker", lambda: sched._tasks.worker)
+        worker.backstop = 60.0
+        ran = threading.Event()
+        job = other_bucket("a")
+        sched.add_job(ran.set, "interval", hours=1, id=job, mutex="lock-late")
+        wait_for("the lock of the new job", lambda: sched.lock_store.read("lock-late") is not None)
+        time.sleep(1.5)  # the worker asleep again, on its new waker
+        producer = TaskPool(url)  # another client: no wake-up inside this process
+        try:
+            started = time.monotonic()
+            producer.store.add(trigger_code(job), job, timedelta(0), {"requested_by": "test"})
+        finally:
+            producer.close()
+        assert ran.wait(20), "the request of the job added after start never ran"
+        assert time.monotonic() - started < 5, "woken by the store's notice, not the 60 s backstop"
+    finally:
+        sched.shutdown()
+        if kind != "sqlite":
+            cleanup_sql(url)
