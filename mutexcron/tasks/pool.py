@@ -121,7 +121,7 @@ class TaskPool:
         existing = self.handlers.get(handler.code)
         if existing is not None and existing.func is not handler.func:
             raise ConfigurationError(f"task code {handler.code!r} already has a handler ({existing.name}); one handler per code")
-        self.handlers[handler.code] = handler
+        self.handlers = {**self.handlers, handler.code: handler}  # replaced: a reader on another thread iterates it
         if self._on_handler is not None:
             self._on_handler(handler)
 
