@@ -924,7 +924,9 @@ def _heading(ctx: Context, page: PageDef) -> str:
 def _filters(ctx: Context) -> str:
     chosen = selection_filter(ctx.query)
     key = escape(chosen["key_contains"] or "", quote=True)
-    codes = sorted({c.code for c in ctx.snap.tasks or ()} | ({chosen["code"]} if chosen["code"] else set()))
+    listed = {c.code for c in ctx.snap.tasks or ()}
+    listed = {c for c in listed if c == TRIGGER_CODE or not is_trigger_code(c)}  # up to 256: the key filter finds a request
+    codes = sorted(listed | ({chosen["code"]} if chosen["code"] else set()))
     code_options = '<option value="">every code</option>' + "".join(
         f"<option{' selected' if c == chosen['code'] else ''}>{_t(c)}</option>" for c in codes
     )
