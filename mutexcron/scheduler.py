@@ -26,7 +26,7 @@ from .guard.catchup import CatchUp
 from .guard.decorators import ScheduleDecorators
 from .guard.firetimes import guard_trigger, zone_of
 from .guard.job import GuardContext, GuardedJob, MutexConfig, MutexThreadPoolExecutor, _as_config, _seconds
-from .guard.triggers import register_triggers
+from .guard.triggers import TriggerRoutes, register_triggers
 from .heartbeat import LEAVE_WAIT, LeaseManager
 from .jobstores.hooks import SharedJobsMixin
 from .jobstores.lockstore import refuse_local_lock_store, shared_lock_url
@@ -149,6 +149,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         given = check_retention(task_retention)
         self.task_retention = retention_from_env(given) if task_retention is DEFAULT_RETENTION else given
         self._pruner: Pruner | None = None
+        self._trigger_routes: TriggerRoutes | None = None  # the trigger codes served, once started
         self._claim_batch = ClaimBatch()
         self._leases: LeaseManager | None = None
         self._standby: Standby | None = None  # balanced placement: the loop sees only held locks' jobs
@@ -301,6 +302,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             self._shared_jobs.register(job.id, raw, guard)
         elif config is not None:
             self._register_guard(job.id, func)
+        self._route_triggers(job.id)
         try:
             raw.__dict__.setdefault("__mutexcron_jobs__", []).append(job)
         except AttributeError:  # builtins, partials...: mutex= must then be given to add_job
@@ -544,11 +546,13 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         self._started_pid = os.getpid()
         _at_exit(self._stop_at_exit)
         start_feed(self, self.lock_store, self.node_id)  # the event feed the dashboard shows (observability/feed)
+        guarded = any(not g.config.callable_lock for g in self._guarded.values()) or (self._has_shared_stores() and not paused)
+        if self.triggers and self._tasks.available() and guarded:  # before a lock is taken: see _lock_taken
+            # `mutexcron trigger JOB`: a guarded job through its lock, requested with the job's own code
+            defined = {*self._guarded, *(job.id for job in aps.pending_jobs(self))}
+            self._trigger_routes = register_triggers(self, sorted(defined))  # type: ignore[arg-type]
         # The heartbeat thread starts first: BlockingScheduler.start() does not return.
         self._leases.start()
-        guarded = any(not g.config.callable_lock for g in self._guarded.values()) or (self._has_shared_stores() and not paused)
-        if self.triggers and self._tasks.available() and guarded:
-            register_triggers(self)  # type: ignore[arg-type]  # `mutexcron trigger JOB`: a guarded job through its lock
         self._tasks.start(self.node_id, self._leases, self._emit)
         self._start_pruner()
         super().start(paused)  # type: ignore[misc]
@@ -593,6 +597,11 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             self._catch_up.queue(name, before, handed=handed)
         if self._standby is not None:
             self._standby.taken(name, before)
+        if self._trigger_routes is not None and before is not None:
+            # The lock's jobs by its record, this node's or not (one removed from the jobs file): a
+            # request naming the lock reaches its holder, which fails it at once if it lacks the job.
+            for job_id in {*before.fire_times, *(before.triggers or {})}:
+                self._trigger_routes.serve(job_id)
 
     def _create_default_jobstore(self) -> Any:
         store = super()._create_default_jobstore()  # type: ignore[misc]
@@ -749,6 +758,12 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
     def _emit(self, event: MutexEvent) -> None:
         """Deliver a lease or run event to the listeners (:mod:`mutexcron.events`), the log lines included."""
         aps.dispatch_event(self, event)
+
+    def _route_triggers(self, job_id: str) -> None:
+        """A job defined here after start (an ``add_job``, a shared job restored): this node now
+        serves the trigger requests' code of ``job_id``."""
+        if self._trigger_routes is not None:
+            self._trigger_routes.serve(job_id)
 
     def guard_of(self, job_id: str) -> GuardedJob | None:
         """The guard of a guarded job (not of a callable-lock one), or None."""

@@ -248,3 +248,59 @@ def test_two_apps_on_one_store_a_request_runs_on_the_app_that_defines_it_and_a_f
 def _failed_request(nodes: Nodes) -> str:
     listed = nodes.cli("tasks", "list", "--json", "--state", "failed")
     return listed.stdout if listed.returncode == 0 else listed.stderr
+
+
+@pytest.mark.parametrize("kind", backend_params_full_matrix(("sqlite", "postgresql"), ("mysql", "redis")))
+def test_two_apps_on_one_store_the_other_apps_nodes_never_claim_a_request(nodes: Nodes) -> None:
+    """A request of app A's job goes only to app A's nodes: app B's nodes never claim it (before,
+    every node claimed every request, and B's deferred it again and again: its attempts counted up
+    under b0 and b1 while it waited for A), and A's node runs it as soon as it holds the lock."""
+    nodes.start("app_b.py", "b0", "b1")
+    wait_for_lock(nodes, "billing")  # app B's nodes are up and looking for requests
+    asked = subprocess.Popen([sys.executable, "-m", "mutexcron", "trigger", JOB, "--force", "--timeout", "90"],
+                             cwd=nodes.workdir, env=nodes.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)  # fmt: skip
+    try:
+        request = wait_for_request(nodes)
+        time.sleep(3.0)  # app B's nodes look for requests once a second: three looks at least
+        request = wait_for_request(nodes)
+        assert request["attempt"] == 0 and request["owner"] is None and request["state"] == "queued", (request, nodes.logs())
+        started = time.monotonic()
+        nodes.start("app_a.py", "a0")
+        out, err = asked.communicate(timeout=120)
+    finally:
+        if asked.poll() is None:
+            asked.kill()
+            asked.communicate()
+    assert asked.returncode == 0, out + err + nodes.logs()
+    assert f"{JOB}: ran at fire time" in out and out.strip().endswith(": success"), out
+    assert time.monotonic() - started < 60, "app A's node ran it once it had started and taken the lock"
+    assert [r["node"] for r in nodes.runs()] and all(r["node"] == "a0" for r in nodes.runs()), nodes.runs()
+    for node in ("b0", "b1"):
+        assert JOB not in nodes.log(node), nodes.log(node)[-3000:]
+
+
+def wait_for_lock(nodes: Nodes, lock: str, timeout: float = 45) -> None:
+    store = lock_store_from_url(nodes.url)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            record = store.read(lock)
+            if record is not None and record.holder is not None:
+                return
+            time.sleep(0.2)
+    finally:
+        store.close()
+    raise AssertionError(f"no node took {lock!r}\n{nodes.logs()}")
+
+
+def wait_for_request(nodes: Nodes, timeout: float = 30) -> dict[str, Any]:
+    """The trigger request of ``JOB``, whatever its code (every field, as `mutexcron tasks list --json`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        listed = nodes.cli("tasks", "list", "--json", "--key-contains", JOB)
+        found = [t for t in json.loads(listed.stdout or "[]") if t["key"] == JOB and t["state"] != "done"]
+        if found:
+            return dict(found[0])
+        time.sleep(0.2)
+    raise AssertionError(f"no request of {JOB}\n{nodes.logs()}")

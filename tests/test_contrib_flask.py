@@ -133,7 +133,9 @@ def test_jobs_are_guarded_and_the_api_acts_through_the_cluster(tmp_path: Path, n
         added = client.post("/scheduler/jobs", json={"id": "x", "func": f"{__name__}:_job", "trigger": "interval", "seconds": 9})
         assert added.status_code == 500 and sched.get_job("x") is None, added.json
         assert client.post("/scheduler/jobs/from_config/run").status_code == 200
-        request = sched.tasks.get("mutexcron.trigger", "from_config")
+        from mutexcron.guard.triggers import trigger_code
+
+        request = sched.tasks.get(trigger_code("from_config"), "from_config")  # the code its nodes serve
         assert request is None or request.payload["requested_by"] == "Flask-APScheduler API"
         assert client.post("/scheduler/jobs/nope/run").status_code == 404
     finally:

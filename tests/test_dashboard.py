@@ -985,6 +985,27 @@ def test_alarms_link_to_their_lock_job_task_code_or_node_and_internal_codes_are_
     assert "<h1>Lock billing</h1>" in lock_page and "close_invoices" in lock_page
 
 
+def test_the_trigger_requests_codes_are_one_row(tmp_path: Path) -> None:
+    """One code per bucket of job ids (mutexcron/guard/triggers.py): up to 257 codes, one row."""
+    from mutexcron.guard.triggers import trigger_code
+
+    url = f"sqlite:///{tmp_path}/dash.db"
+    populate(url)
+    tasks = task_store_from_url(lock_store_from_url(url).url)
+    try:
+        jobs = ["nightly_report", "billing_sync"]
+        assert trigger_code(jobs[0]) != trigger_code(jobs[1])
+        tasks.add("mutexcron.trigger", "old-cli", timedelta(hours=1))
+        for job in jobs:
+            tasks.add(trigger_code(job), job, timedelta(hours=1))
+    finally:
+        tasks.close()
+    tasks_page, with_internal = pages(url, "/tasks", "/tasks?internal=1")
+    assert "show mutexcron's own codes (1)" in tasks_page and "mutexcron.trigger" not in tasks_page.split("<table")[1]
+    assert "mutexcron.trigger <span class=\"muted\">(3 codes, one per bucket of job ids)</span>" in with_internal
+    assert trigger_code(jobs[0]) not in with_internal.split("show mutexcron")[0]
+
+
 def test_the_event_feed_node_states_and_folded_tracebacks_on_the_overview_job_and_task_pages(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/dash.db"
     populate(url)

@@ -942,3 +942,24 @@ def test_a_name_with_a_lone_surrogate_is_refused_before_anything_is_written(task
     assert store.list(limit=10) == [] and store.summary() == []  # nothing written
     with pytest.raises(ConfigurationError, match="lone surrogate"):
         store.cancel("c", "k\ud800")
+
+
+@every_backend
+def test_a_claim_of_every_trigger_code_at_once_takes_the_due_ones_earliest_first(tasks_ctx: TaskCtx) -> None:
+    """A node with a thousand guarded jobs serves up to 257 trigger codes (mutexcron/guard/triggers.py):
+    its claim and its look for the next due one list them all in one call (SQL: one statement, or
+    MySQL's pick-and-take transaction, with bound parameters; SQLite allows 500 parts)."""
+    from mutexcron.guard.triggers import TRIGGER_CODE, trigger_code
+
+    store = tasks_ctx.make()
+    codes = [TRIGGER_CODE, *sorted({trigger_code(f"job-{i}") for i in range(5000)})]
+    assert len(codes) == 257
+    now = store.now()
+    for i in range(6):
+        store.add(trigger_code(f"job-{i}"), f"job-{i}", now - timedelta(seconds=60 - i))
+    store.add(trigger_code("job-9"), "job-9", now + timedelta(hours=1))
+    store.add("email", "not-a-trigger", now - timedelta(hours=1))
+    assert store.next_due(codes) == 0.0
+    assert [t.key for t in store.claim(A, codes, 4, 30)] == ["job-0", "job-1", "job-2", "job-3"]
+    assert [t.key for t in store.claim(B, codes, 10, 30)] == ["job-4", "job-5"]
+    assert store.claim(B, codes, 10, 30) == [] and 0 < (store.next_due(codes) or 0) <= 30  # the leases' end

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from mutexcron.cli.main import main
 from mutexcron.errors import Defer, FailTask
 from mutexcron.events import EVENT_RUN_FINISHED, EVENT_RUN_SKIPPED, MutexEvent
-from mutexcron.guard.triggers import NOT_DEFINED, NOT_GUARDED, PAUSED, TRIGGER_CODE, UNKNOWN, _TriggerHandler
+from mutexcron.guard.triggers import NOT_DEFINED, NOT_GUARDED, PAUSED, TRIGGER_CODE, UNKNOWN, _TriggerHandler, trigger_code
 from mutexcron.locks import FireClaim, Node, Presence, RunInfo, lock_store_from_url
 from mutexcron.tasks.base import TaskRecord
 from mutexcron.tasks.handlers import Task
@@ -267,7 +267,7 @@ def test_the_request_names_the_lock_and_its_holder_fails_a_job_it_lacks(monkeypa
     requests = Requests(gone)
     result = trigger(seeded(), "report", monkeypatch=monkeypatch, requests=requests)
     assert result.exit_code == 2 and "not run: job 'report' is not defined" in result.output
-    assert requests.added[0][0] == TRIGGER_CODE and requests.added[0][3]["lock"] == "reports"
+    assert requests.added[0][0] == trigger_code("report") and requests.added[0][3]["lock"] == "reports"
     with pytest.raises(FailTask, match=f"^{NOT_DEFINED}job 'report' is not defined on 'reports''s holder"):
         _TriggerHandler(FakeScheduler(has_job=False, holds=("reports",)))(task({"lock": "reports"}))
 

@@ -10,7 +10,7 @@ import click
 
 from ..errors import MutexcronError
 from ..guard.run_requests import describe_run, run_for
-from ..guard.triggers import NOT_DEFINED, NOT_GUARDED, PAUSED, TRIGGER_CODE, UNKNOWN
+from ..guard.triggers import NOT_DEFINED, NOT_GUARDED, PAUSED, UNKNOWN, trigger_code
 from ..locks import DEFAULT_LOCK_URL, LockStore, lock_store_from_url
 from ..locks.record import LockRecord
 from ..names import INTERNAL_LOCK_PREFIX, printable
@@ -146,27 +146,28 @@ def _request_and_wait(store: TaskStore, job: str, timeout: float, lock: str | No
     # pending (later than --timeout: while this command waits, it withdraws the request itself).
     deadline = timeout + ORPHAN_GRACE
     payload = {"requested_by": "mutexcron trigger", "deadline": deadline, **({"lock": lock} if lock is not None else {})}
-    stale = store.get(TRIGGER_CODE, job)
+    code = trigger_code(job)  # the nodes that define the job serve it
+    stale = store.get(code, job)
     if stale is not None and stale.state == "failed":  # an earlier request's failure (a catch-up) never answers this one
-        store.cancel(TRIGGER_CODE, job)
-    result = store.add(TRIGGER_CODE, job, timedelta(0), payload, on_conflict="keep")
-    request = store.get(TRIGGER_CODE, job)
+        store.cancel(code, job)
+    result = store.add(code, job, timedelta(0), payload, on_conflict="keep")
+    request = store.get(code, job)
     fire_time = request.due.isoformat() if request is not None else "?"
     shown = "a trigger was already pending; waiting for it" if result == "kept" else "requested"
     click.echo(f"{job}: {shown} (fire time {fire_time}, store {store.masked_url})", err=True)
     deadline, owner = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
-        task = store.get(TRIGGER_CODE, job)
+        task = store.get(code, job)
         if task is None:
             said = _what_ran(url, lock, job, request.due) if request is not None else None
             click.echo(f"{job}: {said or f'ran at fire time {fire_time}' + (f' on {owner}' if owner else '') + ': success'}")
             return
         if task.state == "failed":
-            store.cancel(TRIGGER_CODE, job)
+            store.cancel(code, job)
             _report_failed(job, fire_time, task.owner, task.last_error or "")
         owner = task.owner if task.state == "running" else owner
         time.sleep(0.1)
-    store.cancel(TRIGGER_CODE, job)
+    store.cancel(code, job)
     click.echo(
         f"{job}: no node ran it within {timeout:g}s; the request is withdrawn. Is a node running the jobs file "
         "that defines this job (`mutexcron status` shows the lock and its holder)?",

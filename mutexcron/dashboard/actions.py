@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from ..errors import ConfigurationError
 from ..guard.run_requests import request_runs, run_for
-from ..guard.triggers import TRIGGER_CODE
+from ..guard.triggers import trigger_code
 from ..locks import LockStore, lock_store_from_url
 from ..names import check_name
 from ..observability.feed import FeedEvent, feed_store_for
@@ -161,11 +161,12 @@ class Actions:
         if job_id not in self.known_jobs():
             raise ActionError(f"no guarded job {job_id!r} has run on this store (nor is it in the jobs file)", 404)
         with self._tasks() as store:
-            earlier = store.get(TRIGGER_CODE, job_id)
+            code = trigger_code(job_id)  # the nodes that define the job serve it
+            earlier = store.get(code, job_id)
             if earlier is not None and earlier.state == "failed":
-                store.cancel(TRIGGER_CODE, job_id)
-            result = store.add(TRIGGER_CODE, job_id, timedelta(0), {"requested_by": by}, on_conflict="keep")
-            request = store.get(TRIGGER_CODE, job_id)
+                store.cancel(code, job_id)
+            result = store.add(code, job_id, timedelta(0), {"requested_by": by}, on_conflict="keep")
+            request = store.get(code, job_id)
         fire_time = request.due.isoformat() if request is not None else None
         shown = "a trigger was already pending" if result == "kept" else "requested"
         self.audit.add(by, "trigger", job_id, shown)
@@ -174,7 +175,7 @@ class Actions:
     def trigger_outcome(self, job: str, lock: str, fire_time: str | None) -> dict[str, Any]:
         """A read: the request's state, or, once it is gone, the run recorded for its fire time (else the
         first run after it: a scheduled run that claimed a later fire time first is the run it asked for)."""
-        request = self.reader.task(TRIGGER_CODE, job)
+        request = self.reader.task(trigger_code(job), job)
         if request is not None and (fire_time is None or request.due.isoformat() == fire_time):
             if request.state == "failed":
                 return {"state": "error", "error": request.last_error, "node": request.owner}

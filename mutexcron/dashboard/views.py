@@ -25,6 +25,7 @@ from ..formatting import share as _share
 from ..formatting import tags as _tags
 from ..formatting import weight as _weight
 from ..formatting import when as _when
+from ..guard.triggers import TRIGGER_CODE, is_trigger_code
 from ..locks.record import LockRecord, NodePresence, RunRecord
 from ..names import printable
 from ..observability.feed import FEED_KINDS, FeedEvent
@@ -588,6 +589,7 @@ def _codes(ctx: Context) -> str:
     summaries = {c.code: c for c in snap.tasks}
     for code in flow.per_minute if flow is not None else ():  # finished lately, none left: still charted
         summaries.setdefault(code, CodeSummary(code))
+    summaries, grouped = _group_triggers(summaries)
     hidden = [code for code in summaries if code.startswith(INTERNAL_PREFIX)]
     if not ctx.query.get("internal"):  # mutexcron's own codes (trigger requests): not the user's
         summaries = {code: c for code, c in summaries.items() if code not in hidden}
@@ -600,8 +602,10 @@ def _codes(ctx: Context) -> str:
             if ctx.jobs is None or c.code in ctx.jobs.task_codes or not c.due_now
             else _badge("no handler in the jobs file", "warn")
         )
-        link = ctx.link("tasks", code=c.code, state="failed" if c.failed else None)
-        rows.append((f'<a href="{link}">{_t(c.code)}</a> {handled}',
+        link = ctx.link("tasks", code=grouped.get(code, [code])[0], state="failed" if c.failed else None)
+        name = (f'<a href="{link}">{_t(c.code)}</a>' if len(grouped.get(code, ())) < 2 else
+                f'{_t(c.code)} <span class="muted">({len(grouped[code])} codes, one per bucket of job ids)</span>')  # fmt: skip
+        rows.append((f"{name} {handled}",
                      str(c.queued), str(c.due_now), str(c.running),
                      _badge(str(c.failed), "err") if c.failed else "0",
                      escape(_age(c.oldest_overdue))))  # fmt: skip
@@ -658,6 +662,21 @@ def selection_filter(query: Mapping[str, str]) -> dict[str, str | None]:
         "state": state if state in STATES else None,
         "key_contains": query.get("key") or None,
     }
+
+
+def _group_triggers(summaries: dict[str, CodeSummary]) -> tuple[dict[str, CodeSummary], dict[str, list[str]]]:
+    """The trigger requests' codes (one per bucket of job ids) counted as one ``mutexcron.trigger``
+    row, and the codes in it."""
+    codes = sorted(code for code in summaries if is_trigger_code(code))
+    if not codes:
+        return summaries, {}
+    parts = [summaries[code] for code in codes]
+    overdue = [c.oldest_overdue for c in parts if c.oldest_overdue is not None]
+    group = CodeSummary(TRIGGER_CODE, queued=sum(c.queued for c in parts), due_now=sum(c.due_now for c in parts),
+                        running=sum(c.running for c in parts), failed=sum(c.failed for c in parts),
+                        oldest_overdue=max(overdue, default=None))  # fmt: skip
+    rest = {code: c for code, c in summaries.items() if code not in codes}
+    return {**rest, TRIGGER_CODE: group}, {TRIGGER_CODE: codes}
 
 
 def _selection(ctx: Context) -> str:
@@ -905,7 +924,9 @@ def _heading(ctx: Context, page: PageDef) -> str:
 def _filters(ctx: Context) -> str:
     chosen = selection_filter(ctx.query)
     key = escape(chosen["key_contains"] or "", quote=True)
-    codes = sorted({c.code for c in ctx.snap.tasks or ()} | ({chosen["code"]} if chosen["code"] else set()))
+    listed = {c.code for c in ctx.snap.tasks or ()}
+    listed = {c for c in listed if c == TRIGGER_CODE or not is_trigger_code(c)}  # up to 256: the key filter finds a request
+    codes = sorted(listed | ({chosen["code"]} if chosen["code"] else set()))
     code_options = '<option value="">every code</option>' + "".join(
         f"<option{' selected' if c == chosen['code'] else ''}>{_t(c)}</option>" for c in codes
     )

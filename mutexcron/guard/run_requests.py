@@ -33,18 +33,19 @@ def request_runs(lock_url: str, lock: str, jobs: Sequence[str], requested_by: st
 
     Returns each request's fire time (its due, by the store's clock)."""
     from ..tasks import task_store_from_url
-    from .triggers import CATCH_UP_DEADLINE, TRIGGER_CODE
+    from .triggers import CATCH_UP_DEADLINE, trigger_code
 
     payload = {"requested_by": requested_by, "lock": lock, "deadline": CATCH_UP_DEADLINE}
     tasks = task_store_from_url(lock_url)
     fire_times: dict[str, datetime] = {}
     try:
         for job in jobs:
-            stale = tasks.get(TRIGGER_CODE, job)
+            code = trigger_code(job)  # the nodes that define the job serve it
+            stale = tasks.get(code, job)
             if stale is not None and stale.state == "failed":
-                tasks.cancel(TRIGGER_CODE, job)
-            tasks.add(TRIGGER_CODE, job, timedelta(0), payload, on_conflict="keep")
-            request = tasks.get(TRIGGER_CODE, job)
+                tasks.cancel(code, job)
+            tasks.add(code, job, timedelta(0), payload, on_conflict="keep")
+            request = tasks.get(code, job)
             if request is not None:
                 fire_times[job] = request.due
     finally:
@@ -80,7 +81,7 @@ def wait_for_runs(lock_url: str, lock: str, requests: dict[str, datetime], timeo
     shows it); a failed one gives its error (a paused lock, a job its holder does not define)."""
     from ..locks import lock_store_from_url
     from ..tasks import task_store_from_url
-    from .triggers import TRIGGER_CODE
+    from .triggers import trigger_code
 
     tasks, locks = task_store_from_url(lock_url), lock_store_from_url(lock_url)
     outcomes: dict[str, str] = {}
@@ -89,7 +90,7 @@ def wait_for_runs(lock_url: str, lock: str, requests: dict[str, datetime], timeo
         while True:
             for job, fire_time in requests.items():
                 if job not in outcomes:
-                    outcome = _outcome(tasks.get(TRIGGER_CODE, job), locks.history(lock, job), fire_time)
+                    outcome = _outcome(tasks.get(trigger_code(job), job), locks.history(lock, job), fire_time)
                     if outcome is not None:
                         outcomes[job] = outcome
             if len(outcomes) == len(requests) or time.monotonic() >= deadline:

@@ -1,17 +1,23 @@
 """``mutexcron trigger JOB``: run one guarded job now, through its lock, on the node that holds it.
 
-A trigger is a durable task (:mod:`mutexcron.tasks`) with code :data:`TRIGGER_CODE` and the job id
-as key, added with ``due = now`` by the store's clock. Every started scheduler with guarded jobs
-handles that code: the node that holds the job's lock (or takes it, if nobody holds it) runs the
-job once with the trigger's due as its fire time. The fire claim in the lock record makes that
-run happen at most once across the cluster, it is recorded like any run (hand-off, events, run
-info), and the task completes only after that: ``mutexcron trigger`` waits for it. A node that
-does not hold the lock defers the task (a quarter of a second, then longer) for the holder.
+A trigger is a durable task (:mod:`mutexcron.tasks`) with code :func:`trigger_code` of the job id
+(``mutexcron.trigger.<bucket>``, the bucket a stable hash of the job id) and the job id as key,
+added with ``due = now`` by the store's clock. A started scheduler with guarded jobs handles the
+codes of the jobs it defines (and the plain :data:`TRIGGER_CODE` of earlier versions' requests), so
+a node of another app on the same store never sees a request, unless one of its jobs hashes to the
+same bucket (it then defers it, as for a job it does not define). The node that holds the job's
+lock (or takes it, if nobody holds it) runs the job once with the trigger's due as its fire time.
+The fire claim in the lock record makes that run happen at most once across the cluster, it is
+recorded like any run (hand-off, events, run info), and the task completes only after that:
+``mutexcron trigger`` waits for it. A node that does not hold the lock defers the task (a quarter
+of a second, then longer) for the holder.
 """
 
 from __future__ import annotations
 
 import logging
+import zlib
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from ..errors import Defer, FailTask
@@ -24,12 +30,20 @@ from ..tasks.pool import TaskPool
 from .job import GuardedJob
 from .run_requests import describe_run, run_for
 
-__all__ = ["CATCH_UP_DEADLINE", "NOT_DEFINED", "NOT_GUARDED", "PAUSED", "TRIGGER_CODE", "UNKNOWN", "register_triggers"]
+__all__ = [
+    "CATCH_UP_DEADLINE", "NOT_DEFINED", "NOT_GUARDED", "PAUSED", "TRIGGER_BUCKETS", "TRIGGER_CODE", "UNKNOWN",
+    "TriggerRoutes", "is_trigger_code", "register_triggers", "trigger_code",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
-#: The task code of trigger requests; the key is the job id.
+#: The task code of earlier versions' trigger requests (still served), and the prefix of the
+#: routed codes (:func:`trigger_code`); the key is the job id.
 TRIGGER_CODE = "mutexcron.trigger"
+#: How many routed trigger codes there are: a node lists at most this many (plus the plain one)
+#: in its claims, and a request reaches a node of another app only when one of that app's jobs
+#: falls in the same bucket.
+TRIGGER_BUCKETS = 256
 #: Seconds between two looks for trigger requests where the store sends no notice (MySQL/MariaDB,
 #: MongoDB; SQLite's change check): a request waits at most this long to be seen, and a node that
 #: serves only triggers asks the store 5 times (SQLite 40 times) less often than for delayed tasks.
@@ -60,15 +74,46 @@ class _Scheduler(Protocol):
     def running_guarded_jobs(self) -> dict[str, int]: ...
 
 
-def register_triggers(sched: _Scheduler) -> None:
-    """Handle trigger requests on this node (once per scheduler)."""
-    if TRIGGER_CODE in sched.tasks.handlers:
-        return
-    handler = _TriggerHandler(sched)
-    # Non-holders defer the request to the holder: many short attempts, never a failure by count
-    # (a catch-up request fails at its deadline instead; `mutexcron trigger` withdraws its own).
-    sched.tasks.add_handler(Handler(TRIGGER_CODE, handler, lease=30.0, max_attempts=100_000, backoff=0.25,
-                                    backoff_max=2.0, jitter=0.5, poll=TRIGGER_POLL))  # fmt: skip
+def trigger_code(job_id: str) -> str:
+    """The task code of a trigger request for ``job_id``: ``mutexcron.trigger.NNN``, NNN the CRC-32
+    of its UTF-8 bytes modulo :data:`TRIGGER_BUCKETS` (the same in every process and version)."""
+    bucket = zlib.crc32(job_id.encode("utf-8", "surrogatepass")) % TRIGGER_BUCKETS
+    return f"{TRIGGER_CODE}.{bucket:03d}"
+
+
+def is_trigger_code(code: str) -> bool:
+    """True for the code of a trigger request: routed (:func:`trigger_code`) or plain (an earlier version's)."""
+    return code == TRIGGER_CODE or code.startswith(TRIGGER_CODE + ".")
+
+
+class TriggerRoutes:
+    """The trigger codes this node serves: the plain one, and one per bucket of the jobs it defines."""
+
+    def __init__(self, sched: _Scheduler) -> None:
+        self._pool = sched.tasks
+        self._handler = _TriggerHandler(sched)
+
+    def serve(self, job_id: str) -> None:
+        """Serve the requests for ``job_id`` (a job this node defines) from now on."""
+        self._serve_code(trigger_code(job_id))
+
+    def _serve_code(self, code: str) -> None:
+        if code in self._pool.handlers:
+            return
+        # Non-holders defer the request to the holder: many short attempts, never a failure by count
+        # (a catch-up request fails at its deadline instead; `mutexcron trigger` withdraws its own).
+        self._pool.add_handler(Handler(code, self._handler, lease=30.0, max_attempts=100_000, backoff=0.25,
+                                       backoff_max=2.0, jitter=0.5, poll=TRIGGER_POLL))  # fmt: skip
+
+
+def register_triggers(sched: _Scheduler, job_ids: Iterable[str]) -> TriggerRoutes:
+    """Handle trigger requests on this node: the plain code, and the codes of ``job_ids`` (the jobs
+    it defines; :meth:`TriggerRoutes.serve` adds a job defined later)."""
+    routes = TriggerRoutes(sched)
+    routes._serve_code(TRIGGER_CODE)
+    for job_id in job_ids:
+        routes.serve(job_id)
+    return routes
 
 
 class _TriggerHandler:

@@ -128,6 +128,7 @@ class SharedJobs:
             if previous is not None and previous[1].lock != guard.lock:
                 self._release_if_unused(previous[1].lock)
         self._lease_locks()
+        self.sched._route_triggers(job_id)
 
     def owns(self, job_id: str) -> bool:
         return job_id in self._guards

@@ -50,6 +50,7 @@ class TaskPool:
         self._build_lock = threading.Lock()
         self.handlers: dict[str, Handler] = {}
         self._on_add: Callable[[str], None] | None = None  # wakes this process's worker
+        self._on_handler: Callable[[Handler], None] | None = None  # a handler added once the worker runs
         if isinstance(url, TaskStore):
             if options:
                 raise TypeError("options belong to the store: build it with them, or pass a URL")
@@ -63,7 +64,7 @@ class TaskPool:
         """A pool whose store is built on first use (a scheduler's: its URL may still change)."""
         pool = cls.__new__(cls)
         pool._store, pool._url, pool._options, pool._build_lock = None, url, {}, threading.Lock()
-        pool.handlers, pool._on_add = {}, None
+        pool.handlers, pool._on_add, pool._on_handler = {}, None, None
         return pool
 
     def _rebind(self, url: str) -> None:
@@ -115,11 +116,14 @@ class TaskPool:
         return register
 
     def add_handler(self, handler: Handler) -> None:
-        """Register a ready :class:`Handler`. One handler per code."""
+        """Register a ready :class:`Handler`. One handler per code. Once the scheduler's worker
+        runs, it serves the new code too (from its next look at the store)."""
         existing = self.handlers.get(handler.code)
         if existing is not None and existing.func is not handler.func:
             raise ConfigurationError(f"task code {handler.code!r} already has a handler ({existing.name}); one handler per code")
-        self.handlers[handler.code] = handler
+        self.handlers = {**self.handlers, handler.code: handler}  # replaced: a reader on another thread iterates it
+        if self._on_handler is not None:
+            self._on_handler(handler)
 
     def codes(self) -> list[str]:
         """The codes with a handler in this pool (mutexcron's own, such as the trigger requests', left out)."""

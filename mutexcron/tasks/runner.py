@@ -66,6 +66,7 @@ class TaskRunner:
         worker.clock_offset = lambda: getattr(heartbeat, "clock_offset", None)
         heartbeat.attach(worker.renew_round)
         self.pool._on_add = lambda _code: worker.notify()
+        self.pool._on_handler = lambda handler: worker.add_handlers({handler.code: handler})
         self.worker = worker
         worker.start()
 

@@ -179,6 +179,7 @@ class TaskWorker:
         self._unstarted: list[_Run] = []  # claims a stop caught before their handler started
         self._stopping = False
         self._waker: Waker | None = None
+        self._codes_version = self._waker_version = 0  # handler maps so far, and the one the waker listens for
         self._thread: threading.Thread | None = None
         self._threads: list[threading.Thread] = []
         self.on_renew_needed: Callable[[], None] | None = None  # wakes the heartbeat thread early
@@ -241,6 +242,29 @@ class TaskWorker:
         self._thread.start()
         if shown := public_codes(self.codes):  # a node serving only trigger requests has nothing to announce
             log.info("node %s runs task handlers for %s (%d threads)", self.node_id, ", ".join(shown), self.concurrency)
+
+    def add_handlers(self, handlers: Mapping[str, Handler]) -> None:
+        """Serve more codes from now on (a scheduler's trigger codes for a job added after start).
+
+        The handler map is replaced, never changed in place (the claim and handler threads read
+        it without the mutex); the claim thread listens for the new codes from its next round.
+        """
+        added = {code: h for code, h in handlers.items() if self.handlers.get(code) is not h}
+        if not added:
+            return
+        with self._mutex:
+            self.handlers = {**self.handlers, **added}
+            self._codes_version += 1
+        self.notify()
+
+    def _listen_to_new_codes(self) -> None:
+        """In the claim thread: a waker for the codes added since the last one (store notices name codes)."""
+        version = self._codes_version
+        if version == self._waker_version or self._waker is None or self._stopping:
+            return
+        old, self._waker = self._waker, self.store.waker(self.codes, poll=self.poll)
+        self._waker_version = version
+        old.close()
 
     def notify(self) -> None:
         """Look at the store now (a task was added in this process)."""
@@ -338,6 +362,7 @@ class TaskWorker:
                 self._sleep(1.0)
 
     def _claim_round(self, more: bool) -> bool:
+        self._listen_to_new_codes()
         nap = self._hand_back_waiting_too_long()
         room, low = self._room()
         if room <= 0 or not low:

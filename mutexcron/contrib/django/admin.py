@@ -14,7 +14,7 @@ from django.utils.html import format_html
 from django_apscheduler.admin import DjangoJobAdmin
 from django_apscheduler.models import DjangoJob
 
-from ...guard.triggers import TRIGGER_CODE
+from ...guard.triggers import trigger_code
 from ...tasks import task_store_from_url
 from . import lock_url
 
@@ -34,7 +34,7 @@ class ClusterDjangoJobAdmin(DjangoJobAdmin):  # type: ignore[misc]
         try:
             asked = []
             for job in queryset:
-                store.add(TRIGGER_CODE, job.id, timedelta(0), {"requested_by": f"{REQUESTED_BY} ({request.user})"},
+                store.add(trigger_code(job.id), job.id, timedelta(0), {"requested_by": f"{REQUESTED_BY} ({request.user})"},
                           on_conflict="keep")  # fmt: skip
                 asked.append(job.id)
             pending = _wait_for(store, asked, timeout)
@@ -54,7 +54,7 @@ def _wait_for(store: Any, jobs: list[str], timeout: float) -> dict[str, str]:
     while True:
         pending = {}
         for job_id in jobs:
-            task = store.get(TRIGGER_CODE, job_id)
+            task = store.get(trigger_code(job_id), job_id)
             if task is not None and task.state == "failed":
                 pending[job_id] = f"not run: {task.last_error}"
             elif task is not None:
