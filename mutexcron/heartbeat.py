@@ -45,7 +45,7 @@ from .locks.base import Presence
 from .locks.record import LockRecord
 from .observability.clock_offset import ClockOffset
 from .observability.sqlite_clocks import SQLiteClockCheck
-from .placement import FirstPlacement, Placement
+from .placement import DEFAULT_HAND_OVER_WAIT, FirstPlacement, Placement
 from .version import __version__
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ MOVES_PER_ROUND = 64
 #: no live node is there to hand them to (a gunicorn reload: the new workers are still booting, which
 #: takes seconds on a loaded machine); at most the scheduler's ``shutdown_timeout``, and only if the
 #: node saw other nodes (a node alone stops at once).
-LEAVE_WAIT = 20.0
+LEAVE_WAIT = DEFAULT_HAND_OVER_WAIT  # the scheduler's hand_over_wait (--hand-over-wait) overrides it
 #: Seconds until each guarded lock's next fire time on this node (the soonest of its jobs'; 0: a run
 #: of it is due or going now; None: it has none, its jobs are paused or will never fire again); a
 #: lock left out (its fire times are not known here) counts as due at once. The scheduler gives it

@@ -27,7 +27,7 @@ from .guard.decorators import ScheduleDecorators
 from .guard.firetimes import guard_trigger, zone_of
 from .guard.job import GuardContext, GuardedJob, MutexConfig, MutexThreadPoolExecutor, _as_config, _seconds
 from .guard.triggers import TriggerRoutes, register_triggers
-from .heartbeat import LEAVE_WAIT, LeaseManager
+from .heartbeat import LeaseManager
 from .jobstores.hooks import SharedJobsMixin
 from .jobstores.lockstore import refuse_local_lock_store, shared_lock_url
 from .locks import DEFAULT_LOCK_URL, URL_ENV, LockStore, Node, default_lock_url, lock_store_from_url, store_scope_note
@@ -36,7 +36,7 @@ from .mutex.lock import Mutex
 from .node import NodeTraits, default_node_id, outbound_ip
 from .observability.feed.writer import start_feed
 from .observability.pings import register as register_pings
-from .placement import Placement, new_placement, placement_mode
+from .placement import HAND_OVER_WAIT_ENV, Placement, hand_over_wait_seconds, new_placement, placement_mode
 from .placement.standby import Standby
 from .readonly import only_reading
 from .tasks.pool import TaskPool
@@ -111,6 +111,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         placement: str | None = None,
         weight: float | None = None,
         tags: Sequence[str] | None = None,
+        hand_over_wait: float | None = None,
         **kwargs: Any,
     ) -> None:
         self.lock_url = lock_url or default_lock_url()
@@ -134,6 +135,10 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         self._guard_context = GuardContext(self.unactive_interval, self.local_ip)
         self.shutdown_timeout = shutdown_timeout
         self.placement = placement_mode(placement or os.environ.get("MUTEXCRON_PLACEMENT"))
+        #: Balanced placement: the longest a stopping node waits for a successor (at most shutdown_timeout).
+        self.hand_over_wait = hand_over_wait_seconds(
+            hand_over_wait if hand_over_wait is not None else os.environ.get(HAND_OVER_WAIT_ENV)
+        )
         #: This node's weight and tags (placement reads every node's from its presence).
         self.traits = NodeTraits.checked(
             weight if weight is not None else os.environ.get("MUTEXCRON_WEIGHT"),
@@ -180,6 +185,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         placement: str | None = None,
         weight: float | str | None = None,
         tags: Sequence[str] | None = None,
+        hand_over_wait: float | None = None,
     ) -> None:
         """Override the lock settings before ``start()`` (the CLI's options use this).
 
@@ -201,6 +207,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             self.shutdown_timeout = shutdown_timeout
         if placement is not None:
             self.placement = placement_mode(placement)
+        if hand_over_wait is not None:
+            self.hand_over_wait = hand_over_wait_seconds(hand_over_wait)
         if weight is not None or tags is not None:
             self.traits = NodeTraits.checked(
                 self.traits.weight if weight is None else weight, self.traits.tags if tags is None else tags
@@ -707,7 +715,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         leases = self._leases
         if leases is not None and self.running and not leases.stopping:  # type: ignore[attr-defined]
             # Balanced: each lock to its successor, jobs still running, while a fire time needs it.
-            leases.hand_over_all(min(LEAVE_WAIT, timeout), self._next_fires)
+            leases.hand_over_all(min(self.hand_over_wait, timeout), self._next_fires)
             aps.stop_processing(self)  # no new fire times while guarded runs end (pause() would tell listeners)
             started = time.monotonic()
             leases.begin_stop()  # no takeover or new run while the task worker stops

@@ -22,6 +22,12 @@ import pytest
 from tests import leaks
 from tests.backends import StoreCtx, open_backend
 
+#: The suite's nodes wait at most 3 s for a successor when they stop: every test cluster stops all
+#: its nodes at once, and each would wait out the default 20 s (kept for a gunicorn reload's new
+#: workers). The reload tests build their nodes' environment without MUTEXCRON_ variables, so they
+#: run the default, as do the tests that check it.
+os.environ.setdefault("MUTEXCRON_HAND_OVER_WAIT", "3")
+
 _before_session: set[str] | None = None
 
 

@@ -69,6 +69,18 @@ def test_only_a_slightly_late_recovery_is_forgiven_by_the_ci_slack() -> None:
     assert _beyond_ci_slack("2 task(s) lost")
 
 
+def assert_cleaned_up_unless_forgiven(report: dict[str, Any], stderr: str) -> None:
+    """A drill that passed cleans up; one whose verdict is FAIL keeps its nodes' logs (and says
+    where): when this test forgave that verdict (a late recovery on a loaded CI), the logs are
+    kept as the drill promises, and removed here."""
+    if not report["failures"]:
+        assert_cleaned_up(stderr)
+        return
+    kept = re.search(r"the nodes' logs and records are kept in (\S+)", stderr)
+    assert kept and Path(kept[1]).is_dir(), stderr
+    shutil.rmtree(kept[1])
+
+
 def assert_task_drill_passed(report: dict[str, Any], url: str) -> None:
     summary = drill_summary(report)
     failures = [f for f in report["failures"] if _beyond_ci_slack(f)]
@@ -141,7 +153,7 @@ def test_task_drill_passes_on_sqlite(tmp_path: Path) -> None:
     assert_task_drill_passed(report, url)
     assert report["store"] == url and report["task_code"].startswith("mutexcron-drill-")
     assert "term: SIGTERM" in stderr and "handed-back task(s) started on" in stderr
-    assert_cleaned_up(stderr)
+    assert_cleaned_up_unless_forgiven(report, stderr)
 
 
 @pytest.mark.cluster
@@ -153,7 +165,7 @@ def test_task_drill_passes_on_sqlite(tmp_path: Path) -> None:
 def test_task_drill_passes_on_a_server_store(server_url: str, tmp_path: Path) -> None:
     report, stderr = run_task_drill_cli(server_url, cwd=tmp_path)
     assert_task_drill_passed(report, server_url)
-    assert_cleaned_up(stderr)
+    assert_cleaned_up_unless_forgiven(report, stderr)
 
 
 @pytest.mark.cluster

@@ -18,7 +18,15 @@ from mutexcron.heartbeat import OFFER_WITHIN, LeaseManager
 from mutexcron.locks import Node
 from mutexcron.locks.memory import MemoryLockStore
 from mutexcron.node import NodeTraits
-from mutexcron.placement import BalancedPlacement, FirstPlacement, assign, new_placement, node_allowed, placement_mode
+from mutexcron.placement import (
+    DEFAULT_HAND_OVER_WAIT,
+    BalancedPlacement,
+    FirstPlacement,
+    assign,
+    new_placement,
+    node_allowed,
+    placement_mode,
+)
 from mutexcron.placement.balanced import FREE_GRACE, REASON_KEPT
 from tests.backends import FakeClock
 
@@ -72,6 +80,34 @@ def test_placement_mode_names_the_fix() -> None:
     assert isinstance(new_placement("first", "a"), FirstPlacement)
     assert MutexScheduler(lock_url="memory://").placement == "balanced"  # the default
     assert MutexScheduler(lock_url="memory://", placement="first").placement == "first"  # earlier releases' behaviour
+
+
+def test_the_hand_over_wait_comes_from_the_argument_the_environment_or_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MUTEXCRON_HAND_OVER_WAIT", raising=False)
+    assert MutexScheduler(lock_url="memory://").hand_over_wait == DEFAULT_HAND_OVER_WAIT == 20.0
+    monkeypatch.setenv("MUTEXCRON_HAND_OVER_WAIT", "7.5")
+    assert MutexScheduler(lock_url="memory://").hand_over_wait == 7.5
+    assert MutexScheduler(lock_url="memory://", hand_over_wait=0).hand_over_wait == 0.0  # the argument wins
+    sched = MutexScheduler(lock_url="memory://")
+    sched.configure_mutex(hand_over_wait=3)
+    assert sched.hand_over_wait == 3.0
+    for bad in ("-1", "soon", "nan"):
+        monkeypatch.setenv("MUTEXCRON_HAND_OVER_WAIT", bad)
+        with pytest.raises(ConfigurationError, match="MUTEXCRON_HAND_OVER_WAIT"):
+            MutexScheduler(lock_url="memory://")
+
+
+def test_a_stopping_node_waits_for_a_successor_at_most_the_hand_over_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MUTEXCRON_HAND_OVER_WAIT", raising=False)
+    waits: list[float] = []
+    for given, timeout, expected in ((None, 30.0, 20.0), (4.0, 30.0, 4.0), (4.0, 2.0, 2.0)):
+        sched = MutexScheduler(lock_url=f"memory://wait-{len(waits)}", shutdown_timeout=timeout, hand_over_wait=given)
+        sched.add_job(print, "interval", hours=1, id="j", mutex=True)
+        sched.start()
+        assert sched._leases is not None
+        monkeypatch.setattr(sched._leases, "hand_over_all", lambda seconds, fires: waits.append(seconds))
+        sched.shutdown()
+        assert waits[-1] == expected, (given, timeout)
 
 
 # -- lease managers on one store --------------------------------------------------------------------

@@ -127,6 +127,15 @@ def main(lock_url: str | None) -> None:
     "holds it (the behaviour of earlier releases) [env MUTEXCRON_PLACEMENT; default balanced].",
 )
 @click.option(
+    "--hand-over-wait",
+    type=click.FloatRange(min=0),
+    envvar="MUTEXCRON_HAND_OVER_WAIT",
+    metavar="SECONDS",
+    help="Balanced placement: on SIGTERM/SIGINT, how long this node keeps the locks whose jobs fire meanwhile, "
+    "waiting for a live node to hand each to (a gunicorn reload's new workers); at most --shutdown-timeout. Keep it "
+    "below your orchestrator's stop grace (docker: 10 s) [env MUTEXCRON_HAND_OVER_WAIT; default 20].",
+)
+@click.option(
     "--weight",
     metavar="NUMBER",
     envvar="MUTEXCRON_WEIGHT",
@@ -156,6 +165,7 @@ def run(
     metrics_host: str | None,
     startup_timeout: float,
     placement: str | None,
+    hand_over_wait: float | None,
     weight: str | None,
     tags: tuple[str, ...],
     log_level: str,
@@ -185,6 +195,7 @@ def run(
                 ("metrics_port", metrics_port),
                 ("metrics_host", metrics_host),
                 ("placement", placement),
+                ("hand_over_wait", hand_over_wait),
                 ("weight", weight),
             )
             if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE

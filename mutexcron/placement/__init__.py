@@ -12,16 +12,27 @@ from __future__ import annotations
 
 from ..node import NodeTraits
 from .balanced import BalancedPlacement
-from .base import PLACEMENTS, FirstPlacement, Placement, placement_mode
+from .base import (
+    DEFAULT_HAND_OVER_WAIT,
+    HAND_OVER_WAIT_ENV,
+    PLACEMENTS,
+    FirstPlacement,
+    Placement,
+    hand_over_wait_seconds,
+    placement_mode,
+)
 from .rendezvous import TAG_PREFIX, assign, node_allowed
 
 __all__ = [
+    "DEFAULT_HAND_OVER_WAIT",
+    "HAND_OVER_WAIT_ENV",
     "PLACEMENTS",
     "TAG_PREFIX",
     "BalancedPlacement",
     "FirstPlacement",
     "Placement",
     "assign",
+    "hand_over_wait_seconds",
     "new_placement",
     "node_allowed",
     "placement_mode",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
@@ -16,6 +17,29 @@ from .rendezvous import node_allowed
 PLACEMENTS = ("first", "balanced")
 #: A cluster shares the work by default; ``--placement first`` keeps the earlier behaviour.
 DEFAULT_PLACEMENT = "balanced"
+
+
+#: The longest a stopping node under balanced placement keeps a lock whose jobs fire within it, waiting
+#: for a live node to hand it to (a gunicorn reload: the new workers are still booting), in seconds;
+#: at most the scheduler's ``shutdown_timeout``. ``MUTEXCRON_HAND_OVER_WAIT`` / ``--hand-over-wait`` set it.
+DEFAULT_HAND_OVER_WAIT = 20.0
+HAND_OVER_WAIT_ENV = "MUTEXCRON_HAND_OVER_WAIT"
+
+
+def hand_over_wait_seconds(value: float | str | None) -> float:
+    """``value`` (None: :data:`DEFAULT_HAND_OVER_WAIT`) as seconds >= 0; a ConfigurationError names the fix."""
+    if value is None or value == "":
+        return DEFAULT_HAND_OVER_WAIT
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ConfigurationError(
+            f"hand_over_wait must be a number of seconds >= 0 (0: release at once), not {value!r} "
+            f"(--hand-over-wait / {HAND_OVER_WAIT_ENV})"
+        )
+    return seconds
 
 
 def placement_mode(mode: str | None) -> str:
