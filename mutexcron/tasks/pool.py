@@ -28,6 +28,10 @@ __all__ = ["TaskPool"]
 BULK_PAGE = 1000
 
 
+#: Serializes handler additions (rare), so that two threads adding codes at once lose neither.
+_ADDING_HANDLERS = threading.Lock()
+
+
 class TaskPool:
     """The durable task pool on one store.
 
@@ -118,10 +122,13 @@ class TaskPool:
     def add_handler(self, handler: Handler) -> None:
         """Register a ready :class:`Handler`. One handler per code. Once the scheduler's worker
         runs, it serves the new code too (from its next look at the store)."""
-        existing = self.handlers.get(handler.code)
-        if existing is not None and existing.func is not handler.func:
-            raise ConfigurationError(f"task code {handler.code!r} already has a handler ({existing.name}); one handler per code")
-        self.handlers = {**self.handlers, handler.code: handler}  # replaced: a reader on another thread iterates it
+        with _ADDING_HANDLERS:  # the heartbeat thread adds trigger codes while the app may add jobs
+            existing = self.handlers.get(handler.code)
+            if existing is not None and existing.func is not handler.func:
+                raise ConfigurationError(
+                    f"task code {handler.code!r} already has a handler ({existing.name}); one handler per code"
+                )
+            self.handlers = {**self.handlers, handler.code: handler}  # replaced: a reader on another thread iterates it
         if self._on_handler is not None:
             self._on_handler(handler)
 
