@@ -16,6 +16,7 @@ import pytest
 
 from mutexcron.errors import AttrsError
 from mutexcron.locks import FireClaim, HeldClaim, Node, Presence, RunInfo
+from mutexcron.locks.base import FORGET_CLEARED, FORGET_DELETED, FORGET_MISSING, LockStore
 from mutexcron.node import NodeTraits
 from tests import workers
 from tests.backends import ALL_BACKENDS, StoreCtx, backend_params
@@ -574,7 +575,7 @@ def test_the_holder_records_its_time_zone_fenced_and_every_read_shows_it(ctx: St
 def test_forget_deletes_a_lock_never_held_clears_any_other_and_tokens_never_go_back(ctx: StoreCtx) -> None:
     """Issue 25 item 6: `mutexcron forget LOCK`. A record paused by a typo (never held) goes; a
     live lease is refused unless forced; a forgotten lock's next holder gets a greater token."""
-    from mutexcron.locks.base import FORGET_CLEARED, FORGET_DELETED, FORGET_HELD, FORGET_MISSING
+    from mutexcron.locks.base import FORGET_HELD
 
     ops, a, b = ctx.make(), ctx.make(), ctx.make()
     ops.set_paused("biling", True, "ops")
@@ -603,6 +604,72 @@ def test_forget_deletes_a_lock_never_held_clears_any_other_and_tokens_never_go_b
     assert ops.forget("billing", force=True) in (FORGET_CLEARED, FORGET_DELETED)
     assert b.renew_many(B, {"billing": 2}) == set()
     assert a.acquire_or_renew("billing", A, ttl=60).token == 3
+
+
+def _token_after_cycles(a: LockStore, b: LockStore, name: str, cycles: int) -> int:
+    """Take and release ``name`` by turns ``cycles`` times; the last token."""
+    token = 0
+    for i in range(cycles):
+        store, node = (a, A) if i % 2 == 0 else (b, B)
+        token = store.acquire_or_renew(name, node, ttl=60).token
+        assert store.release(name, node, token)
+    return token
+
+
+def test_a_forgotten_record_is_let_go_and_its_tokens_stay_spent(ctx: StoreCtx) -> None:
+    """Issue 32 B5: the lock records of finished one-off jobs are let go. A forgotten record leaves
+    ``list()`` at once and the store (at once, or ``retired_keep`` seconds later, by the next
+    forget); the store-wide token floor keeps every token it issued spent: the name taken again,
+    created by a pause, or any other new name, gets a greater token."""
+    ops, a, b = ctx.make(), ctx.make(), ctx.make()
+    ops.retired_keep = 0.0  # the next forget deletes what was retired before it
+    spent = _token_after_cycles(a, b, "once-1", 5)
+    assert spent == 5 and ops.forget("once-1") in (FORGET_CLEARED, FORGET_DELETED)
+    assert [r.name for r in ops.list()] == [], "a forgotten record is out of the list at once"
+    _token_after_cycles(a, b, "once-2", 1)
+    assert ops.forget("once-2") in (FORGET_CLEARED, FORGET_DELETED)  # deletes once-1 if it was retired
+    assert ops.read("once-1") is None, "deleted by the next forget"
+
+    again = b.acquire_or_renew("once-1", B, ttl=60, claim=FireClaim.new("once-1", 1))
+    assert again.acquired and again.claimed and again.token > spent, "the same name, added again"
+    assert not a.hand_off("once-1", A, spent, {"late": True}), "the old holder's token stays fenced"
+    ops.set_paused("created-by-pause", True, "ops")  # a record made at token 0
+    assert a.acquire_or_renew("created-by-pause", A, ttl=60).token > spent
+    assert a.acquire_or_renew("brand-new", A, ttl=60).token > spent
+
+
+def test_forgetting_many_records_leaves_a_bounded_store(ctx: StoreCtx) -> None:
+    """300 one-off jobs finished: their records do not pile up (``retired_keep`` 0: each forget
+    deletes those retired before it)."""
+    ops, a = ctx.make(), ctx.make()
+    ops.retired_keep = 0.0
+    for i in range(30):
+        token = a.acquire_or_renew(f"job-{i}", A, ttl=60).token
+        assert a.hand_off(f"job-{i}", A, token, {"n": i}, RunInfo(0.01, job=f"job-{i}"))
+        assert a.release(f"job-{i}", A, token)
+        assert ops.forget(f"job-{i}") in (FORGET_CLEARED, FORGET_DELETED)
+    assert ops.list() == []
+    assert sum(ops.read(f"job-{i}") is not None for i in range(30)) <= 1, "at most the last one is still retired"
+    assert ops.history("job-29") == []
+
+
+def test_a_retired_record_is_revived_by_an_acquire_or_a_pause(ctx: StoreCtx) -> None:
+    """A record forgotten and then taken again (or paused) before it is deleted stays: it is a lock
+    in use again, with its token above the floor."""
+    ops, a = ctx.make(), ctx.make()
+    spent = _token_after_cycles(a, a, "revived", 1)
+    assert ops.forget("revived") in (FORGET_CLEARED, FORGET_DELETED)
+    token = a.acquire_or_renew("revived", A, ttl=60).token
+    assert token > spent and a.release("revived", A, token)
+    assert ops.forget("paused-later") == FORGET_MISSING
+    _token_after_cycles(a, a, "paused-later", 1)
+    assert ops.forget("paused-later") in (FORGET_CLEARED, FORGET_DELETED)
+    ops.set_paused("paused-later", True, "ops")
+    ops.retired_keep = 0.0
+    _token_after_cycles(a, a, "other", 1)
+    assert ops.forget("other") in (FORGET_CLEARED, FORGET_DELETED)
+    assert {r.name for r in ops.list()} == {"revived", "paused-later"}, "in use again: neither is deleted"
+    assert ops.read("paused-later").paused  # type: ignore[union-attr]
 
 
 def test_forget_node_deletes_a_presence_seen_long_enough_ago(ctx: StoreCtx) -> None:

@@ -45,11 +45,20 @@ Rules every implementation follows (the contract suite in ``tests/test_contract.
   ordinary ``acquire_or_renew`` (a holder's renewal: the token stays); every other node sees a live
   lease until ``within`` runs out, then a stale one that anyone may take (a dead successor strands
   nothing). Stores with notices tell the successor at once (PostgreSQL ``NOTIFY``, a Redis publish).
-* Forget: ``forget`` is an operator's write, one conditional operation: unless forced, it changes
-  nothing while a holder's lease is live by the store's clock. A record no node ever held (token
-  0) is deleted; any other record is deleted only where the store keeps its tokens apart from the
-  records (Redis), else cleared to a released record that keeps its token: either way the next
-  holder's token is above every token issued before. ``forget_node`` deletes a node's presence.
+* Forget: ``forget`` is one conditional write (an operator's, or a node's for the lock of a
+  finished one-off shared job): unless forced, it changes nothing while a holder's lease is live
+  by the store's clock. A record no node ever held (token 0) is deleted. Any other record is let go
+  while its tokens stay spent: the store keeps one **token floor** (per table, key namespace or
+  collection), raised to at least the record's token before or in the same atomic operation that
+  clears it. Stores whose forget is one atomic operation over the record and the floor (Redis,
+  memory) delete the record at once. The others (SQL, MongoDB) *retire* it: cleared to a released
+  record, marked with the store's time, left out of ``list()``, and deleted by a later ``forget``
+  once it has been retired :data:`RETIRED_KEEP` seconds, far longer than any write can take
+  (statement and socket timeouts), so a write that read the floor before it was raised cannot
+  land after the deletion. Every token given to a record created or taken over is above the
+  floor: ``max(token, floor) + 1``; an acquire or ``set_paused`` of a retired record un-retires it.
+  So tokens only go up across release, forget, deletion and re-add. ``forget_node`` deletes a
+  node's presence.
 """
 
 from __future__ import annotations
@@ -187,9 +196,13 @@ HISTORY_ERROR_LIMIT = 500
 #: A node's presence is dropped once it is older than this many seconds (store clock).
 PRESENCE_TTL = 600
 
+#: Seconds a retired lock record (``forget`` on SQL and MongoDB) stays before a later ``forget``
+#: deletes it: far above any store write's own bound (a 10 s statement timeout, socket timeouts).
+RETIRED_KEEP = 600.0
+
 #: What :meth:`LockStore.forget` did: the record is gone ...
 FORGET_DELETED = "deleted"
-#: ... it is a released record that keeps only its name and fencing token (the store keeps the token there) ...
+#: ... it is retired: a released record, out of ``list()``, deleted :data:`RETIRED_KEEP` seconds later ...
 FORGET_CLEARED = "cleared"
 #: ... nothing: a holder's lease is live by the store's clock (and ``force`` was not given) ...
 FORGET_HELD = "held"
@@ -415,6 +428,9 @@ class LockStore(ABC):
     #: Runs kept per job in the run history (``?history=N``; stores set it from their URL).
     history_length: int = DEFAULT_HISTORY
 
+    #: Seconds a retired record stays before a later ``forget`` deletes it (see the contract).
+    retired_keep: float = RETIRED_KEEP
+
     def __init__(self, url: str) -> None:
         self.url = url
 
@@ -580,9 +596,10 @@ class LockStore(ABC):
         takeover; its writes are fenced.
 
         Returns:
-            :data:`FORGET_DELETED` (a record never held, or a store that keeps tokens apart from
-            records), :data:`FORGET_CLEARED` (a released record keeps the token, so that the next
-            holder's is greater), :data:`FORGET_HELD` or :data:`FORGET_MISSING`.
+            :data:`FORGET_DELETED` (a record never held, or a store whose forget is atomic over
+            the record and its token floor), :data:`FORGET_CLEARED` (retired: the floor keeps
+            its token, so that the next holder's is greater), :data:`FORGET_HELD` or
+            :data:`FORGET_MISSING`.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot forget locks")
 
