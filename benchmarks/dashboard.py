@@ -127,7 +127,7 @@ def drop(url: str) -> None:
     try:
         tasks = url.rpartition("tasks_table=")[2]
         with backend.engine.connect() as conn:
-            for name in (backend.table, f"{backend.table}_nodes", f"{backend.table}_feed", tasks):
+            for name in (backend.table, f"{backend.table}_nodes", f"{backend.table}_floor", f"{backend.table}_feed", tasks):
                 conn.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
     finally:
         backend.close()

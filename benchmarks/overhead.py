@@ -101,7 +101,7 @@ def isolated(kind: str, tag: str | None = None) -> Isolated:
 
 
 def drop(kind: str, url: str) -> None:
-    """Remove the tables (locks, ``<table>_nodes``, ``<table>_feed``, tasks), namespace or collection of an isolated URL."""
+    """Remove the tables (locks, ``<table>_nodes``, ``_floor``, ``_feed``, tasks), namespace or collection of an isolated URL."""
     store: Any = lock_store_from_url(url)
     try:
         if kind in ("mysql", "postgresql"):
@@ -110,7 +110,7 @@ def drop(kind: str, url: str) -> None:
             tasks = SQLTaskStore(url)
             try:
                 with store.engine.connect() as conn:
-                    for table in (store.table, store.nodes_table, f"{store.table}_feed", tasks.table):
+                    for table in (store.table, store.nodes_table, store.floor_table, f"{store.table}_feed", tasks.table):
                         conn.exec_driver_sql(f"DROP TABLE IF EXISTS {table}")
                     conn.commit()
             finally:

@@ -115,14 +115,15 @@ def sql_url(base: str, prefix: str) -> str:
 
 
 def sql_tables(url: str) -> list[str]:
-    """Every table mutexcron creates for a SQL URL: the lock table, its ``_nodes`` presence table,
+    """Every table mutexcron creates for a SQL URL: the lock table, its ``_nodes`` presence table, its ``_floor`` token floor,
     its ``_feed`` event feed and, when the URL names one (``?tasks_table=``), the task table (the default one is shared)."""
     from mutexcron.backends.sql import DEFAULT_TABLE
     from mutexcron.urls import pop_query
 
     _, options = pop_query(url, "table", "tasks_table")
     table = options.get("table", DEFAULT_TABLE)
-    return [table, f"{table}_nodes", f"{table}_feed", *([options["tasks_table"]] if "tasks_table" in options else [])]
+    tasks = [options["tasks_table"]] if "tasks_table" in options else []
+    return [table, f"{table}_nodes", f"{table}_floor", f"{table}_feed", *tasks]
 
 
 def cleanup_sql(url: str) -> None:
@@ -153,13 +154,15 @@ def drop_tasks_table(url: str) -> None:
 
 
 def drop_store_tables(url: str) -> None:
-    """Drop every table of a SQL URL: the lock table (``?table=``), its ``_nodes`` and ``_feed`` tables and the task table."""
+    """Drop every table of a SQL URL: the lock table (``?table=``), its ``_nodes``, ``_floor``,
+    ``_feed`` tables and the task table."""
     from mutexcron.tasks.stores.sql import SQLTaskStore
 
     store = SQLTaskStore(url)
     try:
         with store.backend.engine.connect() as conn:
-            for name in (store.backend.table, f"{store.backend.table}_nodes", f"{store.backend.table}_feed", store.table):
+            locks = store.backend.table
+            for name in (locks, f"{locks}_nodes", f"{locks}_floor", f"{locks}_feed", store.table):
                 conn.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
             conn.commit()
     finally:

@@ -616,13 +616,13 @@ def _token_after_cycles(a: LockStore, b: LockStore, name: str, cycles: int) -> i
     return token
 
 
-def test_a_forgotten_record_is_let_go_and_its_tokens_stay_spent(ctx: StoreCtx) -> None:
+def test_a_forgotten_record_is_let_go_and_its_tokens_stay_spent(ctx: StoreCtx, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 32 B5: the lock records of finished one-off jobs are let go. A forgotten record leaves
     ``list()`` at once and the store (at once, or ``retired_keep`` seconds later, by the next
     forget); the store-wide token floor keeps every token it issued spent: the name taken again,
     created by a pause, or any other new name, gets a greater token."""
+    monkeypatch.setattr(LockStore, "retired_keep", 0.0)  # every store: the next forget deletes what was retired before it
     ops, a, b = ctx.make(), ctx.make(), ctx.make()
-    ops.retired_keep = 0.0  # the next forget deletes what was retired before it
     spent = _token_after_cycles(a, b, "once-1", 5)
     assert spent == 5 and ops.forget("once-1") in (FORGET_CLEARED, FORGET_DELETED)
     assert [r.name for r in ops.list()] == [], "a forgotten record is out of the list at once"
@@ -638,11 +638,11 @@ def test_a_forgotten_record_is_let_go_and_its_tokens_stay_spent(ctx: StoreCtx) -
     assert a.acquire_or_renew("brand-new", A, ttl=60).token > spent
 
 
-def test_forgetting_many_records_leaves_a_bounded_store(ctx: StoreCtx) -> None:
-    """300 one-off jobs finished: their records do not pile up (``retired_keep`` 0: each forget
+def test_forgetting_many_records_leaves_a_bounded_store(ctx: StoreCtx, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thirty one-off jobs finished: their records do not pile up (``retired_keep`` 0: each forget
     deletes those retired before it)."""
+    monkeypatch.setattr(LockStore, "retired_keep", 0.0)
     ops, a = ctx.make(), ctx.make()
-    ops.retired_keep = 0.0
     for i in range(30):
         token = a.acquire_or_renew(f"job-{i}", A, ttl=60).token
         assert a.hand_off(f"job-{i}", A, token, {"n": i}, RunInfo(0.01, job=f"job-{i}"))
@@ -653,7 +653,7 @@ def test_forgetting_many_records_leaves_a_bounded_store(ctx: StoreCtx) -> None:
     assert ops.history("job-29") == []
 
 
-def test_a_retired_record_is_revived_by_an_acquire_or_a_pause(ctx: StoreCtx) -> None:
+def test_a_retired_record_is_revived_by_an_acquire_or_a_pause(ctx: StoreCtx, monkeypatch: pytest.MonkeyPatch) -> None:
     """A record forgotten and then taken again (or paused) before it is deleted stays: it is a lock
     in use again, with its token above the floor."""
     ops, a = ctx.make(), ctx.make()
@@ -665,7 +665,7 @@ def test_a_retired_record_is_revived_by_an_acquire_or_a_pause(ctx: StoreCtx) -> 
     _token_after_cycles(a, a, "paused-later", 1)
     assert ops.forget("paused-later") in (FORGET_CLEARED, FORGET_DELETED)
     ops.set_paused("paused-later", True, "ops")
-    ops.retired_keep = 0.0
+    monkeypatch.setattr(LockStore, "retired_keep", 0.0)
     _token_after_cycles(a, a, "other", 1)
     assert ops.forget("other") in (FORGET_CLEARED, FORGET_DELETED)
     assert {r.name for r in ops.list()} == {"revived", "paused-later"}, "in use again: neither is deleted"

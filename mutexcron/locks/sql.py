@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -165,6 +166,9 @@ class SQLLockStore(LockStore):
         self._sql = STATEMENTS[backend.dialect.name].bind(self.table, backend.clock)
         #: The presence table (the lock table's name + ``_nodes``).
         self.nodes_table = f"{self.table}_nodes"
+        self.floor_table = f"{self.table}_floor"  # one row: the token floor (see ``forget``)
+        self._floor_mutex = threading.Lock()
+        self._floor_copy: tuple[float | None, int] = (None, 0)  # (time.monotonic() read, value): MySQL
         self._presence_rows: set[str] = set()  # nodes whose presence row this store object has written
         self._nodes_sql: str | None = None  # the presence read, chosen at its first use (:meth:`_nodes_read`)
         self._pads = False  # set when the table is first used: a MySQL table whose collation ignores trailing spaces
@@ -302,6 +306,8 @@ class SQLLockStore(LockStore):
             "ft": claim.fire_us if claim else NO_CLAIM,
             "nonce": claim.nonce if claim else "",
         }
+        if self._sql.floor_cached:
+            params["floor"] = self._floor()
         try:
             rows = self._upsert(params)
         except UncertainOutcome:
@@ -314,11 +320,28 @@ class SQLLockStore(LockStore):
             return AcquireResult(acquired, record, acquired and claim_won(fires, claim), claimed_by=stored_nonce(fires, claim))
         # Refused (PostgreSQL and SQLite return no row): re-read to show the holder.
         current = self.read(name)
-        if current is None:  # the first acquire creates the row; only a DELETE by hand removes it
+        if current is None:  # refused: a row is there (forget deletes only rows retired long ago, with no holder)
             raise StoreError(f"lock {name!r} vanished from {self.table} on {self.masked_url} during acquire")
         # Held by this node although this statement was refused: another call of this node took it
         # in between. Not this call's renewal.
         return AcquireResult(False, current, False, uncertain=current.holder == node.node_id)
+
+    def _floor(self) -> int:
+        """The token floor as read at most ``retired_keep / 4`` seconds ago (MySQL's ``acquire`` binds it).
+
+        Safe: a record is deleted only ``retired_keep`` seconds after the floor was raised for it
+        (:meth:`forget`), so a floor read less than that ago already covers every record deleted
+        before a write that uses it.
+        """
+        with self._floor_mutex:
+            read_at, value = self._floor_copy
+            if read_at is not None and time.monotonic() - read_at < max(0.0, self.retired_keep) / 4:
+                return value
+        rows, _ = self._execute(self._sql.floor_read, {}, "acquire (token floor)")
+        fresh = int(rows[0][0]) if rows else 0
+        with self._floor_mutex:
+            self._floor_copy = (time.monotonic(), max(fresh, self._floor_copy[1]))
+            return self._floor_copy[1]
 
     def _upsert(self, params: Mapping[str, Any]) -> list[Any]:
         """Run the conditional upsert; return the row it left, or [] if refused without RETURNING."""
@@ -557,18 +580,28 @@ class SQLLockStore(LockStore):
         return self._record(rows[0])
 
     def forget(self, name: str, *, force: bool = False) -> str:
-        """One transaction: delete a record never held, else clear it (conditional on no live
-        lease unless ``force``), else read whether it is held or missing."""
-        params = {"name": name, "force": bool(force), "off": False}
+        """One transaction: delete a record never held; else, unless a holder's lease is live (and
+        not ``force``), raise the token floor to its token and retire it; then delete the records
+        retired at least ``retired_keep`` seconds ago."""
+        keep = max(0.0, float(self.retired_keep))
+        reap = {"dur": keep, "dur_us": int(keep * 1_000_000)}
 
         def work(conn: Connection) -> str:
             text = self.backend.text
             if conn.execute(text(self._sql.forget_unheld), {"name": name}).rowcount == 1:
                 return FORGET_DELETED
-            if conn.execute(text(self._sql.forget), params).rowcount == 1:
-                return FORGET_CLEARED
-            found = conn.execute(text(self._sql.read_one), {"name": name}).fetchall()
-            return FORGET_HELD if found else FORGET_MISSING
+            found = conn.execute(text(self._sql.forget_lock_row), {"name": name}).fetchall()
+            if not found:
+                return FORGET_MISSING
+            token, free = int(found[0][0]), bool(found[0][1])
+            if not (free or force):
+                return FORGET_HELD
+            conn.execute(text(self._sql.floor_raise), {"token": token})
+            with self._floor_mutex:  # this process's own acquires see the new floor at once
+                self._floor_copy = (self._floor_copy[0], max(self._floor_copy[1], token))
+            conn.execute(text(self._sql.forget), {"name": name, "token": token, "off": False})
+            conn.execute(text(self._sql.forget_retired), reap)
+            return FORGET_CLEARED
 
         return self._transaction(work, "forget")
 

@@ -290,27 +290,49 @@ class LockStatements:
     #: PostgreSQL: the notice to the successor, in the hand-over's transaction (empty: no notices).
     hand_over_notice: str = ""
     set_zone: str = "UPDATE {t} SET zone = :zone, triggers = :triggers WHERE name = :name AND holder = :me AND token = :token"
+    #: The token floor in ``acquire``: read in the statement, or (``floor_cached``) the store's copy,
+    #: bound as :floor (see :meth:`mutexcron.locks.sql.SQLLockStore.forget`).
+    floor: str = "COALESCE((SELECT token FROM {f} WHERE id = 1), 0)"
+    floor_cached: bool = False
+    floor_read: str = "SELECT token FROM {f} WHERE id = 1"
     #: ``forget`` of a record no node ever held (token 0, e.g. paused by name only): it goes.
     forget_unheld: str = "DELETE FROM {t} WHERE name = :name AND token = 0"
-    #: ``forget`` of any other record: cleared to a released one that keeps its token (a deleted
-    #: row would restart the tokens at 1), unless a holder's lease is live and :force is false.
+    #: ``forget``: the record's token, and whether its lease is free (no holder, or stale), its row
+    #: locked for the rest of the transaction (SQLite: the transaction holds the write lock).
+    forget_lock_row: str = (
+        "SELECT token, CASE WHEN holder IS NULL OR {stale} THEN 1 ELSE 0 END FROM {t} WHERE name = :name FOR UPDATE"
+    )
+    #: ``forget``: the store-wide token floor raised to at least :token (the one-row ``{f}`` table).
+    floor_raise: str = (
+        "INSERT INTO {f} AS f (id, token) VALUES (1, :token) "
+        "ON CONFLICT (id) DO UPDATE SET token = GREATEST(f.token, excluded.token)"
+    )
+    #: ``forget`` of any other record: retired, a released record cleared of everything but its
+    #: name and token, stamped ``retired_at``; an acquire or a pause revives it (``retired_at = NULL``).
     forget: str = (
         "UPDATE {t} SET holder = NULL, attrs = '{{}}', fires = '{{}}', history = '{{}}', runs = NULL, "
         "last_run_started = NULL, last_run_finished = NULL, last_error = NULL, paused = :off, paused_at = NULL, "
-        "paused_by = NULL, resume_catch_up = :off, zone = NULL, triggers = NULL "
-        "WHERE name = :name AND (holder IS NULL OR {stale} OR :force)"
+        "paused_by = NULL, resume_catch_up = :off, zone = NULL, triggers = NULL, retired_at = {now} "
+        "WHERE name = :name AND token = :token"
     )
+    #: ``forget``: delete the records retired at least :dur seconds ago and not taken since (see
+    #: :data:`mutexcron.locks.base.RETIRED_KEEP`: no write that read an older floor is still going).
+    forget_retired: str = "DELETE FROM {t} WHERE retired_at <= {cutoff} AND holder IS NULL"
     #: ``forget_node``: the node's presence row, if last seen at least :dur seconds ago.
     forget_node: str = "DELETE FROM {n} WHERE node_id = :node AND seen <= {cutoff}"
     read_one: str = "SELECT {cols}, {age} AS age FROM {t} WHERE name = :name"
     read_many: str = "SELECT {cols}, {age} AS age FROM {t} WHERE name IN ({names})"
-    read_all: str = "SELECT {cols}, {age} AS age FROM {t} ORDER BY name"
+    #: ``list``: retired records (``forget``) are left out.
+    read_all: str = "SELECT {cols}, {age} AS age FROM {t} WHERE retired_at IS NULL ORDER BY name"
 
     def bind(self, table: str, clock: SQLClock) -> LockStatements:
         """This row with every template filled for ``table`` and the backend's ``clock`` (``{pairs}`` and ``{names}`` kept)."""
         fill = {
             "t": table,
             "n": f"{table}_nodes",
+            "f": f"{table}_floor",
+            # The token floor (``forget``): every token given to a new or taken-over record is above it.
+            "floor": self.floor.format(f=f"{table}_floor"),
             "cols": COLUMNS,
             "node_cols": NODE_COLUMNS,
             "now": clock.now,
@@ -364,9 +386,11 @@ POSTGRESQL = LockStatements(
     zone              varchar(64),
     triggers          text,
     history           jsonb        NOT NULL DEFAULT '{{}}',
-    runs              text
+    runs              text,
+    retired_at        timestamptz
 )""",
         "CREATE INDEX IF NOT EXISTS {t}_holder ON {t} (holder)",
+        "CREATE TABLE IF NOT EXISTS {f} (id smallint PRIMARY KEY, token bigint NOT NULL DEFAULT 0)",
     ),
     nodes_ddl=(
         """CREATE TABLE IF NOT EXISTS {n} (
@@ -389,6 +413,7 @@ POSTGRESQL = LockStatements(
         ("runs", "text"),
         ("zone", "varchar(64)"),
         ("triggers", "text"),
+        ("retired_at", "timestamptz"),
     ),
     added_node_columns=(("traits", "text"),),
     history_set=_PG_HISTORY,
@@ -396,7 +421,7 @@ POSTGRESQL = LockStatements(
     set_paused=f"""
 INSERT INTO {{t}} AS l {_PAUSE_VALUES}
 ON CONFLICT (name) DO UPDATE SET paused = excluded.paused, paused_at = excluded.paused_at,
-    paused_by = excluded.paused_by, resume_catch_up = excluded.resume_catch_up
+    paused_by = excluded.paused_by, resume_catch_up = excluded.resume_catch_up, retired_at = NULL
 RETURNING {{cols}}, {{l_age}} AS age""",
     # One statement: the renewal and the presence upsert are data-modifying CTEs of one query.
     renew_presence="""
@@ -415,13 +440,13 @@ ON CONFLICT (node_id) DO UPDATE SET ip = excluded.ip, version = excluded.version
     clock_offset = excluded.clock_offset, locks = excluded.locks, traits = excluded.traits""",
     acquire="""
 INSERT INTO {t} AS l (name, holder, active_ip, token, hb, ttl_ms, attrs, fires)
-VALUES (:name, :me, :ip, 1, {now}, :ttl_ms, '{{}}',
+VALUES (:name, :me, :ip, {floor} + 1, {now}, :ttl_ms, '{{}}',
         CASE WHEN CAST(:ft AS bigint) >= 0
              THEN jsonb_build_object(CAST(:job AS text), jsonb_build_array(CAST(:ft AS bigint), CAST(:nonce AS text)))
              ELSE '{{}}'::jsonb END)
 ON CONFLICT (name) DO UPDATE SET
-    token = CASE WHEN l.holder IS NOT DISTINCT FROM CAST(:me AS varchar) THEN l.token ELSE l.token + 1 END,
-    holder = :me, active_ip = :ip, hb = {now}, ttl_ms = :ttl_ms,
+    token = CASE WHEN l.holder IS NOT DISTINCT FROM CAST(:me AS varchar) THEN l.token ELSE GREATEST(l.token, {floor}) + 1 END,
+    holder = :me, active_ip = :ip, hb = {now}, ttl_ms = :ttl_ms, retired_at = NULL,
     fires = CASE WHEN l.paused THEN l.fires
                  WHEN COALESCE(CAST(l.fires -> CAST(:job AS text) ->> 0 AS bigint), -1) < CAST(:ft AS bigint)
                  THEN l.fires || jsonb_build_object(CAST(:job AS text),
@@ -470,10 +495,11 @@ RETURNING l.name""",
 _MY_FREE = "(holder = :me OR holder IS NULL OR {stale})"
 _MYSQL_ACQUIRE = """
 INSERT INTO {t} (name, holder, active_ip, token, hb, ttl_ms, attrs, fires)
-VALUES (:name, :me, :ip, 1, {now}, :ttl_ms, '{{}}',
+VALUES (:name, :me, :ip, {floor} + 1, {now}, :ttl_ms, '{{}}',
         IF(:ft >= 0, JSON_OBJECT(:job, JSON_ARRAY(:ft, :nonce)), '{{}}'))
 ON DUPLICATE KEY UPDATE
-    token = IF({free}, IF(holder <=> :me, token, token + 1), token),
+    token = IF({free}, IF(holder <=> :me, token, GREATEST(token, {floor}) + 1), token),
+    retired_at = IF({free}, NULL, retired_at),
     fires = IF({free} AND NOT paused AND COALESCE(CAST(JSON_EXTRACT(fires, :jpath0) AS SIGNED), -1) < :ft,
                JSON_MERGE_PATCH(fires, JSON_OBJECT(:job, JSON_ARRAY(:ft, :nonce))), fires),
     holder = IF({free}, :me, holder),
@@ -532,6 +558,11 @@ def _my_claim_many(template: str, fires: str, claims: str) -> str:
 
 MYSQL = LockStatements(
     dialect="mysql",
+    # InnoDB reads a table in an INSERT's subquery with a shared lock: a forget frozen inside its
+    # transaction would hold every acquire. The store's copy of the floor, bound, locks nothing.
+    floor=":floor",
+    floor_cached=True,
+    floor_raise="INSERT INTO {f} (id, token) VALUES (1, :token) ON DUPLICATE KEY UPDATE token = GREATEST(token, :token)",
     ddl=(
         """CREATE TABLE IF NOT EXISTS {t} (
     name              VARCHAR(191) NOT NULL PRIMARY KEY,
@@ -553,8 +584,10 @@ MYSQL = LockStatements(
     triggers          LONGTEXT     NULL,
     history           LONGTEXT     NULL,
     runs              LONGTEXT     NULL,
+    retired_at        DATETIME(6)  NULL,
     INDEX {t}_holder (holder)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
+        "CREATE TABLE IF NOT EXISTS {f} (id SMALLINT NOT NULL PRIMARY KEY, token BIGINT NOT NULL DEFAULT 0) ENGINE=InnoDB",
     ),
     nodes_ddl=(
         """CREATE TABLE IF NOT EXISTS {n} (
@@ -577,13 +610,15 @@ MYSQL = LockStatements(
         ("runs", "LONGTEXT NULL"),
         ("zone", "VARCHAR(64) NULL"),
         ("triggers", "LONGTEXT NULL"),
+        ("retired_at", "DATETIME(6) NULL"),
     ),
     added_node_columns=(("traits", "LONGTEXT NULL"),),
     history_set=_MY_HISTORY,
     runs_set=_MY_RUNS,
     set_paused=f"""
 INSERT INTO {{t}} {_PAUSE_VALUES}
-ON DUPLICATE KEY UPDATE paused = :paused, paused_at = {{now}}, paused_by = :by, resume_catch_up = :catch_up""",
+ON DUPLICATE KEY UPDATE paused = :paused, paused_at = {{now}}, paused_by = :by, resume_catch_up = :catch_up,
+    retired_at = NULL""",
     # One statement: the node's row joined with the renewed locks (a LEFT JOIN: the node row is
     # updated with no lock held too). It needs the node row: the store inserts it first (once).
     renew_presence="""
@@ -647,9 +682,11 @@ SQLITE = LockStatements(
     zone              TEXT,
     triggers          TEXT,
     history           TEXT,
-    runs              TEXT
+    runs              TEXT,
+    retired_at        TEXT
 )""",
         "CREATE INDEX IF NOT EXISTS {t}_holder ON {t} (holder)",
+        "CREATE TABLE IF NOT EXISTS {f} (id INTEGER NOT NULL PRIMARY KEY, token INTEGER NOT NULL DEFAULT 0)",
     ),
     nodes_ddl=(
         """CREATE TABLE IF NOT EXISTS {n} (
@@ -672,6 +709,7 @@ SQLITE = LockStatements(
         ("runs", "TEXT"),
         ("zone", "TEXT"),
         ("triggers", "TEXT"),
+        ("retired_at", "TEXT"),
     ),
     added_node_columns=(("traits", "TEXT"),),
     history_set=_SQLITE_HISTORY,
@@ -679,19 +717,24 @@ SQLITE = LockStatements(
     set_paused=f"""
 INSERT INTO {{t}} {_PAUSE_VALUES}
 ON CONFLICT (name) DO UPDATE SET paused = excluded.paused, paused_at = excluded.paused_at,
-    paused_by = excluded.paused_by, resume_catch_up = excluded.resume_catch_up
+    paused_by = excluded.paused_by, resume_catch_up = excluded.resume_catch_up, retired_at = NULL
 RETURNING {{cols}}, {{age}}""",
     # No statement writes two tables: renew_many and presence_upsert run in one BEGIN IMMEDIATE
     # transaction (in-process, no network round trip).
     renew_presence="",
+    # The write lock is the transaction's (BEGIN IMMEDIATE): no row locks, no FOR UPDATE.
+    forget_lock_row="SELECT token, CASE WHEN holder IS NULL OR {stale} THEN 1 ELSE 0 END FROM {t} WHERE name = :name",
+    floor_raise=(
+        "INSERT INTO {f} (id, token) VALUES (1, :token) ON CONFLICT (id) DO UPDATE SET token = max(token, excluded.token)"
+    ),
     begin="BEGIN IMMEDIATE",
     acquire="""
 INSERT INTO {t} (name, holder, active_ip, token, hb, ttl_ms, attrs, fires)
-VALUES (:name, :me, :ip, 1, {now}, :ttl_ms, '{{}}',
+VALUES (:name, :me, :ip, {floor} + 1, {now}, :ttl_ms, '{{}}',
         CASE WHEN :ft >= 0 THEN json_object(:job, json_array(:ft, :nonce)) ELSE '{{}}' END)
 ON CONFLICT (name) DO UPDATE SET
-    token = CASE WHEN holder IS :me THEN token ELSE token + 1 END,
-    holder = :me, active_ip = :ip, hb = {now}, ttl_ms = :ttl_ms,
+    token = CASE WHEN holder IS :me THEN token ELSE max(token, {floor}) + 1 END,
+    holder = :me, active_ip = :ip, hb = {now}, ttl_ms = :ttl_ms, retired_at = NULL,
     fires = CASE WHEN paused THEN fires
                  WHEN COALESCE((SELECT json_extract(value, '$[0]') FROM json_each(fires) WHERE key = :job), -1) < :ft
                  THEN json_patch(fires, json_object(:job, json_array(:ft, :nonce))) ELSE fires END
