@@ -165,6 +165,7 @@ class LeaseManager:
         self._presence_at: float | None = None  # monotonic: when this node last published its presence
         self._renewed_at: float | None = None  # monotonic: when this node last renewed its leases
         self._retiring: set[str] = set()  # locks to release once their running jobs end (remove_lock)
+        self._letting_go: set[str] = set()  # of those, the locks whose record is forgotten then (let_go)
         self._gave_up: str | None = None  # why this node can run no guarded job any more (give_up)
         self._awaiting_hand_over = False  # a lock placed here is still held by another node
         self._handing: set[str] = set()  # locks being handed over: no run begins on them
@@ -201,14 +202,17 @@ class LeaseManager:
             self._retiring.discard(name)
         self.start()
 
-    def remove_lock(self, name: str) -> None:
+    def remove_lock(self, name: str, *, let_go: bool = False) -> None:
         """Stop guarding ``name`` (its last job was removed, or a paused scheduler's shared job):
-        release it if held, at once or when its running jobs end."""
+        release it if held, at once or when its running jobs end. ``let_go``: the lock of a
+        finished one-off job; once this node released it, its record is forgotten too."""
         with self._mutex:
             if name not in self._locks:
                 return
             if self._running.get(name):
                 self._retiring.add(name)  # end_run releases it
+                if let_go:
+                    self._letting_go.add(name)
                 return
             del self._locks[name]
             held = self._held.pop(name, None)
@@ -218,15 +222,27 @@ class LeaseManager:
             self._zone_refused.pop(name, None)
         self.views.forget(name)  # no view left to wake the thread for
         self.handoff.forget(name)
-        if held is not None:
-            self._release(name, held.token)
+        if held is not None and self._release(name, held.token) and let_go:
+            self._forget_record(name)
 
-    def _release(self, name: str, token: int, **details: Any) -> None:
+    def _forget_record(self, name: str) -> None:
+        """The record of a finished one-off job's lock, just released by this node: forgotten (its
+        token stays spent, see ``LockStore.forget``). A failure keeps it; `mutexcron forget` can."""
+        try:
+            outcome = self.store.forget(name)
+        except (StoreUnavailableError, StoreError, NotImplementedError) as exc:
+            log.info("the record of lock %r (a finished one-off job) is kept: %s", name, exc)
+            return
+        log.debug("the record of lock %r (a finished one-off job): %s", name, outcome)
+
+    def _release(self, name: str, token: int, **details: Any) -> bool:
         try:
             if self.store.release(name, self.node, token):
                 self._emit(EVENT_LOCK_RELEASED, name, token, **details)
+                return True
         except (StoreUnavailableError, StoreError) as exc:
             log.warning("could not release lock %r (%s); it will expire after its lease", name, exc)
+        return False
 
     def ttl(self, name: str) -> float:
         with self._mutex:
@@ -516,10 +532,12 @@ class LeaseManager:
                 del self._running[name]
             self._idle.notify_all()
             retire = name in self._retiring and name not in self._running
+            let_go = retire and name in self._letting_go
             if retire:
                 self._retiring.discard(name)
+                self._letting_go.discard(name)
         if retire:
-            self.remove_lock(name)
+            self.remove_lock(name, let_go=let_go)
 
     # -- attrs -------------------------------------------------------------------------------------
     def attrs(self, name: str, token: int) -> dict[str, Any]:

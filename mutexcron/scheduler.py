@@ -307,7 +307,7 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         except (ValueError, TypeError) as exc:
             raise ConfigurationError(f"cannot add job {id!r}: {exc}") from None
         if shared:
-            self._shared_jobs.register(job.id, raw, guard)
+            self._shared_jobs.register(job.id, raw, guard, job.trigger)
         elif config is not None:
             self._register_guard(job.id, func)
         self._route_triggers(job.id)
@@ -374,7 +374,8 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
         if last:
             del per_lock[guard.lock]
             if self._leases is not None and not guard.config.callable_lock:
-                self._leases.remove_lock(guard.lock)
+                let_go = self._shared_jobs is not None and self._shared_jobs.lets_go(guard.lock)
+                self._leases.remove_lock(guard.lock, let_go=let_go)
         if self._catch_up is not None:
             self._catch_up.forget(job_id, guard.lock if last else None)
         metrics = self._observability.metrics if self._observability is not None else None

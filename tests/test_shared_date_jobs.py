@@ -122,6 +122,39 @@ def test_a_process_adding_one_off_jobs_lets_go_of_them_once_they_are_gone(tmp_pa
         other.shutdown(wait=False)
 
 
+@pytest.mark.parametrize("kind", backend_params("sqlite", "postgresql"))
+def test_finished_one_off_jobs_let_their_lock_records_go(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """B5: the lock store kept a record per one-off job ever run. Now the holder forgets the record
+    of a finished one-off job's own lock (its token stays spent), and keeps a lock that other jobs
+    share or that a recurring job uses."""
+    from mutexcron.locks.base import LockStore
+    from tests.backends import open_backend
+
+    monkeypatch.setattr(LockStore, "retired_keep", 0.0)  # a forget deletes the records retired before it
+    with open_backend(kind, tmp_path) as ctx:
+        locks = ctx.make()
+        node = MutexScheduler(jobstores={"default": SQLAlchemyJobStore(url=f"sqlite:///{tmp_path}/jobs.db")},
+                              lock_store=locks, node_id="holder", triggers=False)  # fmt: skip
+        shared_jobs.clear_runs()
+        node.start()
+        try:
+            node.add_job(shared_jobs.tick, "interval", seconds=30, id="recurring", kwargs={"job": "recurring"},
+                         next_run_time=datetime.now(timezone.utc))  # fmt: skip
+            soon = datetime.now(timezone.utc) + timedelta(seconds=1)
+            for i in range(20):
+                node.add_job(shared_jobs.tick, "date", run_date=soon, id=f"once-{i}", kwargs={"job": f"once-{i}"})
+            _wait(lambda: all(shared_jobs.runs_of(f"once-{i}") for i in range(20)), 30)
+            _wait(lambda: {r.name for r in locks.list()} == {"recurring"}, 15)
+            left = [i for i in range(20) if locks.read(f"once-{i}") is not None]
+            assert len(left) <= 1, f"records deleted but the last one retired at most: {left}"
+            node.add_job(shared_jobs.tick, "date", run_date=datetime.now(timezone.utc), id="once-0", kwargs={"job": "again"})
+            _wait(lambda: shared_jobs.runs_of("again"), 15)
+            assert all(r[0] != "again" or r[2] == "holder" for r in shared_jobs.RUNS)
+        finally:
+            node.shutdown(wait=False)
+            shared_jobs.clear_runs()
+
+
 @pytest.mark.sqlite
 def test_job_defaults_coalesce_is_honoured_for_a_guarded_job(tmp_path: Path) -> None:
     """B2: ``job_defaults={"coalesce": False}`` was silently replaced by coalesce=True."""

@@ -31,6 +31,7 @@ from apscheduler.events import (
 )
 from apscheduler.schedulers.base import STATE_PAUSED, STATE_RUNNING
 from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.date import DateTrigger
 from apscheduler.util import obj_to_ref
 
 from ..errors import ConfigurationError
@@ -80,6 +81,8 @@ class SharedJobs:
         self._guards: dict[str, tuple[Any, GuardedJob]] = {}  # job id -> (its function, its guard)
         self._leased: set[str] = set()  # locks handed to the lease manager
         self._explicit: set[str] = set()  # jobs added with next_run_time= given
+        self._one_off: set[str] = set()  # date jobs guarded by a lock of their own (named as the job)
+        self._letting_go: set[str] = set()  # their locks, once the job is gone: the holder forgets the record
         self._warned: dict[str, str] = {}  # job id -> the restore error last warned about
         self._kept = threading.local()  # the job id whose removal by this thread's loop pass was refused
         self._default_executor: type | None = None  # the scheduler's own executor class
@@ -115,11 +118,12 @@ class SharedJobs:
     def explicit_next_run_time(self, job_id: str) -> bool:
         return job_id in self._explicit
 
-    def register(self, job_id: str, func: Any, guard: GuardedJob) -> None:
-        """The guard of a shared job, built where the job is added or restored."""
+    def register(self, job_id: str, func: Any, guard: GuardedJob, trigger: Any = None) -> None:
+        """The guard of a shared job, built where the job is added or restored (``trigger``: the job's)."""
         with self._mutex:
             previous = self._guards.get(job_id)
             self._guards[job_id] = (func, guard)
+            self._note_one_off(job_id, guard.lock, trigger)
             context = self.sched._guard_context
             if previous is not None:
                 context.jobs_per_lock[previous[1].lock] -= 1
@@ -162,7 +166,10 @@ class SharedJobs:
         if not self._same_lock(store, job, guard.lock):
             return False  # a new guard is not registered: this node takes no lock for it
         if known is None or known[1] is not guard:
-            self.register(job.id, func, guard)
+            self.register(job.id, func, guard, job.trigger)
+        else:
+            with self._mutex:
+                self._note_one_off(job.id, guard.lock, job.trigger)
         job.func = guard
         job.trigger = guard_trigger(job.trigger, job.id, anchor=False)
         return True
@@ -286,13 +293,23 @@ class SharedJobs:
             for lock in locks:
                 leases.remove_lock(lock)
 
+    def _note_one_off(self, job_id: str, lock: str, trigger: Any) -> None:
+        """Under ``_mutex``: remember whether the job is a date job with a lock of its own."""
+        if lock == job_id and isinstance(trigger, DateTrigger):
+            self._one_off.add(job_id)
+        elif trigger is not None:
+            self._one_off.discard(job_id)
+
     def forget(self, store: SharedJobStore, job_id: str, *, keep_warning: bool = False) -> None:
         """The job is gone from the store (removed anywhere, or its last run submitted), or this node
-        refuses it: its guard goes by the scheduler's ``forget_job``, as for any removed guarded job
-        (when a run of it still going ends), and with the last job of its lock, the lock."""
+        refuses it (``keep_warning``): its guard goes by the scheduler's ``forget_job``, as for any
+        removed guarded job (when a run of it still going ends), and with the last job of its lock,
+        the lock. A gone one-off job's own lock record is let go by its holder (:meth:`lets_go`)."""
         with self._mutex:
             known = self._guards.pop(job_id, None)
             self._explicit.discard(job_id)
+            one_off = job_id in self._one_off and not keep_warning
+            self._one_off.discard(job_id)
             if not keep_warning:
                 self._warned.pop(job_id, None)
             if known is None:
@@ -300,8 +317,19 @@ class SharedJobs:
             lock = known[1].lock
             if not any(g.lock == lock for _f, g in self._guards.values()):
                 self._leased.discard(lock)  # forget_job lets go of it; a new job of it leases it again
+                if one_off:
+                    self._letting_go.add(lock)
         if self.sched._guarded.get(job_id) is known[1]:
             self.sched.forget_job(job_id)
+
+    def lets_go(self, lock: str) -> bool:
+        """True (once) if ``lock`` was the own lock of a one-off job now gone from its store: its
+        record is forgotten once released (memory and lock records stay bounded, issue 32 B5)."""
+        with self._mutex:
+            if lock in self._letting_go:
+                self._letting_go.discard(lock)
+                return not any(g.lock == lock for _f, g in self._guards.values())
+            return False
 
     def keep(self, job_id: str) -> None:
         """The loop's removal of a finished date job was refused: another writer changed it meanwhile
