@@ -179,6 +179,23 @@ def cleanup_redis(url: str) -> None:
         store.close()
 
 
+def cleanup_redis_until_quiet(url: str, quiet: float = 1.0, bound: float = 10.0) -> None:
+    """:func:`cleanup_redis`, again until the namespace stays empty for ``quiet`` seconds (a writer
+    that outlived its test may still land a key), at most ``bound`` seconds."""
+    from mutexcron.locks.redis import RedisLockStore
+
+    deadline = time.monotonic() + bound
+    store = RedisLockStore(url)
+    try:
+        while True:
+            store.destroy_namespace()
+            time.sleep(quiet)
+            if not store.destroy_namespace() or time.monotonic() > deadline:
+                return
+    finally:
+        store.close()
+
+
 def _mongodb_cleanup(url: str) -> None:
     from mutexcron.locks.mongodb import MongoDBLockStore
 

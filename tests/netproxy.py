@@ -23,6 +23,7 @@ class DelayProxy:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._closed = threading.Event()
+        self._sockets_lock = threading.Lock()  # a connection accepted as close() runs is closed too
         self._sockets: list[socket.socket] = []
         threading.Thread(target=self._accept, name="delay-proxy", daemon=True).start()
 
@@ -37,7 +38,12 @@ class DelayProxy:
             except OSError:
                 return
             server = socket.create_connection(self.target)
-            self._sockets += [client, server]
+            with self._sockets_lock:
+                if self._closed.is_set():
+                    client.close()
+                    server.close()
+                    return
+                self._sockets += [client, server]
             for source, sink, delay in ((client, server, "request_delay"), (server, client, "reply_delay")):
                 chunks: queue.Queue[tuple[float, bytes]] = queue.Queue()
                 threading.Thread(target=self._read, args=(source, chunks, delay), daemon=True).start()
@@ -68,7 +74,8 @@ class DelayProxy:
             pass
 
     def close(self) -> None:
-        self._closed.set()
+        with self._sockets_lock:
+            self._closed.set()
         self._listener.close()
         for sock in self._sockets:
             try:
