@@ -187,3 +187,26 @@ def test_the_store_notice_for_a_job_added_after_start_wakes_the_worker(kind: str
         sched.shutdown()
         if kind != "sqlite":
             cleanup_sql(url)
+
+
+@pytest.mark.memory
+def test_an_earlier_request_queued_past_its_deadline_never_answers_a_new_one() -> None:
+    """Issue 32 ("a stale or failed request never blocks a new one"): a catch-up request for a job no
+    running node defined stayed queued; once a node that defines it started, it failed it (past its
+    deadline), and that failure answered the `mutexcron trigger` made meanwhile, which had joined it."""
+    from mutexcron.guard.run_requests import withdraw_stale_request
+    from mutexcron.tasks.stores.memory import MemoryTaskStore
+
+    now = [1000.0]
+    store = MemoryTaskStore(f"memory://stale-requests-{id(now)}", clock=lambda: now[0])
+    code = trigger_code("nightly")
+    store.add(code, "nightly", timedelta(0), {"deadline": 300.0})
+    withdraw_stale_request(store, code, "nightly")
+    assert store.get(code, "nightly") is not None, "within its deadline: kept (a new request joins it)"
+    now[0] += 301.0
+    withdraw_stale_request(store, code, "nightly")
+    assert store.get(code, "nightly") is None, "queued past its deadline: withdrawn"
+    store.add(code, "nightly", timedelta(0), {"requested_by": "an earlier version"})  # no deadline
+    now[0] += 10_000.0
+    withdraw_stale_request(store, code, "nightly")
+    assert store.get(code, "nightly") is not None, "a request with no deadline is never judged stale"

@@ -9,7 +9,7 @@ from typing import NoReturn
 import click
 
 from ..errors import MutexcronError
-from ..guard.run_requests import describe_run, run_for
+from ..guard.run_requests import describe_run, run_for, withdraw_stale_request
 from ..guard.triggers import NOT_DEFINED, NOT_GUARDED, PAUSED, UNKNOWN, trigger_code
 from ..locks import DEFAULT_LOCK_URL, LockStore, lock_store_from_url
 from ..locks.record import LockRecord
@@ -147,9 +147,7 @@ def _request_and_wait(store: TaskStore, job: str, timeout: float, lock: str | No
     deadline = timeout + ORPHAN_GRACE
     payload = {"requested_by": "mutexcron trigger", "deadline": deadline, **({"lock": lock} if lock is not None else {})}
     code = trigger_code(job)  # the nodes that define the job serve it
-    stale = store.get(code, job)
-    if stale is not None and stale.state == "failed":  # an earlier request's failure (a catch-up) never answers this one
-        store.cancel(code, job)
+    withdraw_stale_request(store, code, job)  # a failed or expired earlier request never answers this one
     result = store.add(code, job, timedelta(0), payload, on_conflict="keep")
     request = store.get(code, job)
     fire_time = request.due.isoformat() if request is not None else "?"

@@ -16,20 +16,41 @@ from datetime import datetime, timedelta
 
 from ..locks.record import RunRecord
 from ..names import printable
-from ..tasks.base import TaskRecord
+from ..tasks.base import TaskRecord, TaskStore
 
-__all__ = ["CATCH_UP_BY", "describe_run", "request_runs", "run_for", "wait_for_runs"]
+__all__ = ["CATCH_UP_BY", "describe_run", "request_runs", "run_for", "wait_for_runs", "withdraw_stale_request"]
 
 #: Who a catch-up's requests say asked for them.
 CATCH_UP_BY = "mutexcron resume --catch-up"
+
+
+def withdraw_stale_request(tasks: TaskStore, code: str, job: str) -> None:
+    """Withdraw an earlier request for ``job`` that must not answer a new one: one that failed, or
+    one still queued past its own deadline (store clock: no node that defines the job claimed it
+    in time, so the first that does would fail it, and with it the new request)."""
+    stale = tasks.get(code, job)
+    if stale is None or stale.state == "running":
+        return
+    if stale.state == "failed" or _past_deadline(stale, tasks.now()):
+        tasks.cancel(code, job)
+
+
+def _past_deadline(request: TaskRecord, now: datetime) -> bool:
+    deadline = request.payload.get("deadline") if isinstance(request.payload, dict) else None
+    if deadline is None or request.created is None:
+        return False
+    try:
+        return (now - request.created).total_seconds() > float(deadline)
+    except (TypeError, ValueError):
+        return False
 
 
 def request_runs(lock_url: str, lock: str, jobs: Sequence[str], requested_by: str = CATCH_UP_BY) -> dict[str, datetime]:
     """One trigger request per job of ``lock``: its holder runs each once now. A job the lock's
     holder no longer has, or that no node runs within
     :data:`~mutexcron.guard.triggers.CATCH_UP_DEADLINE` seconds, fails its request instead of
-    waiting forever. A request already pending for a job is kept; an earlier request that failed
-    is withdrawn first (its failure never answers this one).
+    waiting forever. A request already pending for a job is kept; an earlier request that failed,
+    or that is still queued past its deadline, is withdrawn first (it never answers this one).
 
     Returns each request's fire time (its due, by the store's clock)."""
     from ..tasks import task_store_from_url
@@ -41,9 +62,7 @@ def request_runs(lock_url: str, lock: str, jobs: Sequence[str], requested_by: st
     try:
         for job in jobs:
             code = trigger_code(job)  # the nodes that define the job serve it
-            stale = tasks.get(code, job)
-            if stale is not None and stale.state == "failed":
-                tasks.cancel(code, job)
+            withdraw_stale_request(tasks, code, job)
             tasks.add(code, job, timedelta(0), payload, on_conflict="keep")
             request = tasks.get(code, job)
             if request is not None:
