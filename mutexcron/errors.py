@@ -32,6 +32,15 @@ class StoreUnavailableError(StoreError):
     """The lock store cannot be reached right now. Guarded jobs do not run until it can."""
 
 
+class PartlyCompletedError(StoreUnavailableError):
+    """A batch of task completions the store could not finish: ``ended`` holds the positions of
+    the items it did record (committed before the failure), so that a retry leaves them out."""
+
+    def __init__(self, message: str, ended: frozenset[int]) -> None:
+        super().__init__(message)
+        self.ended = ended
+
+
 class SchemaMissingError(StoreError):
     """A read-only store (the dashboard's) found no table where the store keeps its records: no
     node has used this store yet, and a reader never creates one."""

@@ -1,4 +1,4 @@
-"""Task completions batched on a thread of their own (mutexcron/tasks/completions.py), on the memory store."""
+"""Task completions batched on a thread of their own (mutexcron/tasks/completions.py), on the memory store (and SQLite)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from mutexcron.errors import ConfigurationError, StoreUnavailableError
-from mutexcron.tasks import Done, Outcome
+from mutexcron.tasks import Done, Fail, Outcome
 from mutexcron.tasks.completions import Completion, CompletionQueue
 from mutexcron.tasks.stores.memory import MemoryTaskStore
 
@@ -137,3 +138,39 @@ def test_a_completion_the_store_refuses_as_bad_input_does_not_take_its_batch_dow
     queue.close()
     assert got[claimed[0][0]] is True and got[claimed[2][0]] is True
     assert isinstance(got[claimed[1][0]], ConfigurationError)
+
+
+@pytest.mark.sqlite
+def test_an_outage_between_a_batchs_two_writes_never_counts_its_recorded_completions_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Done items of a batch end in one statement, the others after it: an outage in between
+    left the first recorded and the retried batch reported them refused (their fence was gone)."""
+    from mutexcron.tasks import task_store_from_url
+    from mutexcron.tasks.stores.sql import SQLTaskStore
+
+    sql: Any = task_store_from_url(f"sqlite:///{tmp_path}/tasks.db")
+    for i in range(3):
+        sql.add("c", f"k{i}", timedelta(seconds=-1))
+    claimed = {t.key: t.token for t in sql.claim(NODE, ["c"], 3, 60)}
+    real, down = SQLTaskStore._complete_each, [True]
+
+    def complete_each(self: Any, node: str, items: Any) -> Any:
+        if down:
+            down.pop()
+            raise StoreUnavailableError("store down between the two writes")
+        return real(self, node, items)
+
+    monkeypatch.setattr(SQLTaskStore, "_complete_each", complete_each)
+    results = Results()
+    queue = CompletionQueue(sql, NODE, results, linger=lambda: True, max_delay=0.2)
+    queue.start()
+    try:
+        queue.submit(Completion("c", "k0", claimed["k0"], Done(), give_up=60))
+        queue.submit(Completion("c", "k1", claimed["k1"], Done(), give_up=60))
+        queue.submit(Completion("c", "k2", claimed["k2"], Fail("boom"), give_up=60))
+        got = results.wait(3)
+    finally:
+        queue.close()
+        sql.close()
+    assert got == {"k0": True, "k1": True, "k2": True}, "recorded before the outage: done, not refused"

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import StoreUnavailableError
+from ..errors import PartlyCompletedError, StoreUnavailableError
 from .base import Outcome, TaskStore
 
 __all__ = ["MAX_BATCH", "MAX_DELAY", "Completion", "CompletionQueue"]
@@ -181,6 +181,10 @@ class CompletionQueue:
             try:
                 results = self.store.complete_many(self.node_id, [(c.code, c.key, c.token, c.outcome) for c in batch])
             except StoreUnavailableError as exc:
+                if isinstance(exc, PartlyCompletedError):  # recorded before the failure: settled, not retried
+                    for i in sorted(exc.ended):
+                        self._settle(batch[i], True)
+                    batch = [item for i, item in enumerate(batch) if i not in exc.ended]
                 batch = self._give_up_on(batch, exc, pause)
                 time.sleep(pause if batch else 0)
                 pause = min(pause * 2, 2.0)

@@ -47,7 +47,7 @@ from sqlalchemy.engine import Connection
 
 from ...backends.base import UncertainOutcome
 from ...backends.sql import TABLE_RE, SQLBackend, absolute_sqlite_url
-from ...errors import ConfigurationError, StaleTaskError, StoreError, StoreUnavailableError
+from ...errors import ConfigurationError, PartlyCompletedError, StaleTaskError, StoreError, StoreUnavailableError
 from ...timeutil import as_utc
 from ...urls import mask_url, pop_query
 from .. import base as task_base
@@ -469,7 +469,11 @@ class SQLTaskStore(TaskStore):
         if ended:  # the rest (refused, or with a pending re-add, or another outcome) go the usual way
             rest = [i for i, (c, k, t, outcome) in enumerate(completions) if not self._ended(ended, c, k, t, outcome)]
             results = [True] * len(items)
-            for i, result in zip(rest, self._complete_each(node, [items[i] for i in rest]), strict=True):
+            try:
+                settled = self._complete_each(node, [items[i] for i in rest])
+            except StoreUnavailableError as exc:  # the Done items are committed: a retry must not count them refused
+                raise PartlyCompletedError(str(exc), frozenset(range(len(items))) - frozenset(rest)) from exc
+            for i, result in zip(rest, settled, strict=True):
                 results[i] = result
             return results
         return self._complete_each(node, items)
