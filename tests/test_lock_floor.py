@@ -14,6 +14,7 @@ tokens spent (the shared behaviour is in ``tests/test_contract.py``).
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -49,8 +50,9 @@ def test_redis_300_forgotten_locks_leave_only_the_floor_key(ctx: StoreCtx) -> No
     assert all(store.forget(f"once-{i}") == FORGET_DELETED for i in range(300))
     client = store.backend.client
     keys = sorted(client.scan_iter(match=store.backend.key("*"), count=1000))
-    assert keys == [store._floor_key], f"{len(keys)} keys left, e.g. {keys[:3]}"
-    assert int(client.get(store._floor_key)) == max(tokens) + 1 == 2
+    floor_key = store.backend.key("lock_token_floor")
+    assert keys == [floor_key], f"{len(keys)} keys left, e.g. {keys[:3]}"
+    assert int(client.get(floor_key)) == max(tokens) + 1 == 2
     assert store.acquire_or_renew("once-0", A, ttl=60).token == 3, "above the floor, not from a fresh counter"
     assert store.acquire_or_renew("another", A, ttl=60).token == 3
 
@@ -102,7 +104,7 @@ def test_a_forget_racing_acquires_never_lets_a_token_come_back(ctx: StoreCtx) ->
     for thread in threads:
         thread.join(timeout=120)
     assert not errors, errors
-    assert all(later > earlier for earlier, later in zip(issued, issued[1:])), "race's tokens only go up"
+    assert all(later > earlier for earlier, later in itertools.pairwise(issued)), "race's tokens only go up"
     assert len(issued) == rounds and len(fresh) + contention == rounds and contention < rounds / 2
     beaten = [(token, before) for token, before in fresh if token <= before]
     assert not beaten, f"{len(beaten)} new names got a token at or below a forgotten one, e.g. {beaten[:3]}"
