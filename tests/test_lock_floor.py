@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
@@ -238,6 +239,22 @@ def test_mongodb_forget_retires_only_the_token_it_raised_the_floor_to(
     assert store.collection.find_one({"_id": {"floor": "tokens"}})["token"] == 2
     assert store.read("l").token == 2  # type: ignore[union-attr]
     assert store.forget("missing") == FORGET_MISSING
+
+
+@pytest.mark.parametrize("kind", backend_params("mongomock"))
+def test_mongodb_a_retired_record_given_a_token_above_the_floor_is_not_deleted(ctx: StoreCtx) -> None:
+    """A writer that takes a retired record without clearing ``retired`` (an earlier mutexcron
+    version during an upgrade) gives it a token the floor does not hold: that record stays."""
+    store = ctx.make()
+    store.retired_keep = 0.0
+    _finish(store, "old")
+    assert store.forget("old") == FORGET_CLEARED and "old" not in _raw_ids(store)
+    _finish(store, "kept")
+    store.collection.update_one({"_id": "kept"}, {"$set": {"retired": datetime(2030, 1, 1, tzinfo=timezone.utc)}})
+    store.collection.update_one({"_id": "kept"}, {"$set": {"token": 99}})  # taken and released by that writer
+    _finish(store, "other")
+    assert store.forget("other") == FORGET_CLEARED
+    assert _raw_ids(store) == ["kept"], "token 99 is above the floor (2): not deleted"
 
 
 # -- memory ---------------------------------------------------------------------------------------

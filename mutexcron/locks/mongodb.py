@@ -524,7 +524,7 @@ class MongoDBLockStore(LockStore):
         clears it to a released record marked ``retired`` (server time), out of ``list()``. Then one
         ``delete_many`` deletes the records retired at least ``retired_keep`` seconds ago and not
         taken again. A record taken and released again between the read and the write is read
-        again (a few times, then StoreUnavailableError: contention).
+        again (a few times, then StoreUnavailableError: contention). Four round trips in all.
         """
         for _ in range(_FORGET_TRIES):
             with self.backend.errors("forget (read)"):
@@ -532,11 +532,12 @@ class MongoDBLockStore(LockStore):
             if doc is None:
                 return FORGET_MISSING
             try:
-                outcome = self._forget_write(name, int(doc.get("token") or 0), force)
+                outcome, floor = self._forget_write(name, int(doc.get("token") or 0), force)
             except UncertainOutcome as exc:
                 raise self.backend.uncertain(exc) from exc
+            if outcome == FORGET_CLEARED:
+                self._delete_retired(floor)
             if outcome is not None:
-                self._delete_retired()
                 return outcome
             if not force:
                 live = {"$expr": {"$gte": ["$hb", {"$subtract": [self.now_expr(), "$ttl"]}]}}
@@ -545,33 +546,42 @@ class MongoDBLockStore(LockStore):
                         return FORGET_HELD
         raise self.backend.uncertain(UncertainOutcome("forget", "the lock was taken again while it was forgotten"))
 
-    def _forget_write(self, name: str, token: int, force: bool) -> str | None:
+    def _forget_write(self, name: str, token: int, force: bool) -> tuple[str | None, int]:
         """Delete a record never held, or raise the floor to ``token`` and retire the record if it
-        still has that token; None if neither matched. Raises UncertainOutcome."""
+        still has that token: the outcome (None if nothing matched) and the floor it saw (0 if
+        none). Raises UncertainOutcome."""
         with self.backend.errors("forget", write=True):
             if token == 0:
                 deleted = self.collection.delete_one({"_id": name, "token": {"$in": [0, None]}}).deleted_count
-                return FORGET_DELETED if deleted else None
-            self._raise_floor(token)
+                return (FORGET_DELETED if deleted else None), 0
+            floor = self._raise_floor(token)
             now = self.now_expr()
             query: dict[str, Any] = {"_id": name, "token": {"$lte": token}}
             if not force:
                 query["$or"] = [{"holder": None}, {"$expr": {"$lt": ["$hb", {"$subtract": [now, "$ttl"]}]}}]
             retired = self.collection.update_one(query, [{"$set": _retired_fields(now)}]).matched_count
-            return FORGET_CLEARED if retired else None
+            return (FORGET_CLEARED if retired else None), floor
 
-    def _raise_floor(self, token: int) -> None:
-        """The floor to at least ``token`` (one ``$max`` upsert; a racing upsert's duplicate key: again, as an update)."""
+    def _raise_floor(self, token: int) -> int:
+        """The floor raised to at least ``token`` (one ``$max`` upsert; a racing upsert's duplicate
+        key: again, as an update): its value after."""
+        update = {"$max": {"token": token}}
         try:
-            self.collection.update_one({"_id": _floor_id()}, {"$max": {"token": token}}, upsert=True)
+            doc = self.collection.find_one_and_update(
+                {"_id": _floor_id()}, update, upsert=True, return_document=ReturnDocument.AFTER
+            )
         except pymongo.errors.DuplicateKeyError:
-            self.collection.update_one({"_id": _floor_id()}, {"$max": {"token": token}})
+            doc = self.collection.find_one_and_update({"_id": _floor_id()}, update, return_document=ReturnDocument.AFTER)
+        return int((doc or {}).get("token") or token)
 
-    def _delete_retired(self) -> None:
+    def _delete_retired(self, floor: int) -> None:
         """Delete the records retired at least ``retired_keep`` seconds ago (server clock) and not
-        taken again since (an acquire or ``set_paused`` clears ``retired``; a holder is never retired)."""
+        taken again since (an acquire or ``set_paused`` clears ``retired``; a holder is never
+        retired), whose token the floor holds (``floor``, as this forget saw it: a token above it
+        was given after the retirement by a writer that left ``retired`` alone, an earlier
+        mutexcron version during an upgrade; that record stays)."""
         cutoff = {"$subtract": [self.now_expr(), _ms(self.retired_keep)]}
-        query = {"_id": {"$type": "string"}, "holder": None, "retired": {"$type": "date"},
+        query = {"_id": {"$type": "string"}, "holder": None, "retired": {"$type": "date"}, "token": {"$lte": floor},
                  "$expr": {"$lte": ["$retired", cutoff]}}  # fmt: skip
         try:
             with self.backend.errors("forget (delete retired)", write=True):
