@@ -101,9 +101,10 @@ class FakeClient:
 
 class FlakyCollection:
     """A mongomock collection whose next write can fail *after* applying (applied, unacknowledged)
-    or *instead of* applying (never happened), as a write-concern timeout leaves it unknown."""
+    or *instead of* applying (never happened), as a write-concern timeout leaves it unknown. A
+    list of such steps plans the next calls of that method in turn (``("", None)``: it works)."""
 
-    def __init__(self, target: Any, plan: dict[str, tuple[str, BaseException]], log: list[str], label: str = "primary"):
+    def __init__(self, target: Any, plan: dict[str, Any], log: list[str], label: str = "primary"):
         self._target, self._plan, self._log, self._label = target, plan, log, label
 
     def with_options(self, **kwargs: Any) -> FlakyCollection:
@@ -115,7 +116,12 @@ class FlakyCollection:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             self._log.append(f"{self._label}:{name}")
-            when, exc = self._plan.pop(name, ("", None))
+            step = self._plan.pop(name, ("", None))
+            if isinstance(step, list):
+                step, later = step[0], step[1:]
+                if later:
+                    self._plan[name] = later
+            when, exc = step
             if when == "instead":
                 raise exc  # type: ignore[misc]
             result = method(*args, **kwargs)
@@ -140,7 +146,7 @@ def recording() -> tuple[MongoDBLockStore, RecordingCollection]:
 def flaky() -> Iterator[SimpleNamespace]:
     clock = FakeClock()
     target = mongomock.MongoClient(tz_aware=True).get_database("db").get_collection(f"c{secrets.token_hex(3)}")
-    plan: dict[str, tuple[str, BaseException]] = {}
+    plan: dict[str, Any] = {}
     log: list[str] = []
     client = FakeClient(FlakyCollection(target, plan, log))
 
@@ -187,14 +193,21 @@ def test_production_store_sends_server_now_in_filters_and_updates(recording: Any
     store.read_many(["l", "m"])
     store.list()
 
+    # A record held before is renewed or taken in one write; a missing one (this empty collection
+    # answers none) is then created by an upsert whose token is above the floor read just before.
     (query, update), kwargs = collection.sent("find_one_and_update")[0]
-    assert kwargs["upsert"] is True
+    assert kwargs["upsert"] is False
     stale = {"$expr": {"$lt": ["$hb", {"$subtract": ["$$NOW", "$ttl"]}]}}
-    assert query == {"_id": "l", "$or": [{"holder": A.node_id}, {"holder": None}, stale]}
+    assert query == {"_id": "l", "$or": [{"holder": A.node_id}, {"holder": None}, stale], "token": {"$gt": 0}}
     assert update[0]["$set"]["hb"] == "$$NOW"
     assert update[0]["$set"]["ttl"] == 30_000
+    (create_query, create_update), create_kwargs = collection.sent("find_one_and_update")[1]
+    assert create_kwargs["upsert"] is True
+    assert create_query == {"_id": "l", "$or": [{"holder": A.node_id}, {"holder": None}, stale]}
+    taken = {"$add": [{"$max": [{"$ifNull": ["$token", 0]}, 0]}, 1]}
+    assert create_update[0]["$set"]["token"]["$cond"][2] == taken and create_update[0]["$set"]["hb"] == "$$NOW"
 
-    (_, hb_update), hb_kwargs = collection.sent("find_one_and_update")[1]
+    (_, hb_update), hb_kwargs = collection.sent("find_one_and_update")[2]
     assert hb_kwargs.get("upsert") is not True, "a heartbeat never creates a lock"
     fields = hb_update[0]["$set"]
     assert fields["hb"] == fields["last_run_finished"] == "$$NOW"
@@ -204,7 +217,7 @@ def test_production_store_sends_server_now_in_filters_and_updates(recording: Any
     assert renew_update == [{"$set": {"hb": "$$NOW"}}]
 
     pipelines = [args[0] for args, _ in collection.sent("aggregate")]
-    assert len(pipelines) == 4  # not-acquired re-read, read, read_many, list: one round trip each
+    assert len(pipelines) == 5  # the record with the floor, not-acquired re-read, read, read_many, list
     for pipeline in pipelines:
         assert {"$addFields": {"_age_ms": {"$subtract": ["$$NOW", "$hb"]}}} in pipeline
 
@@ -238,7 +251,7 @@ def test_attrs_node_ids_and_job_keys_are_sent_as_literals(recording: Any) -> Non
     assert "$job.with.dots" in literals
     assert [{"k": "$job.with.dots", "v": [5, "$nonce"]}] in literals
 
-    (_, hb_update), _ = collection.sent("find_one_and_update")[1]
+    (_, hb_update), _ = collection.sent("find_one_and_update")[2]  # after the acquire's two writes (see above)
     sent_attrs = hb_update[0]["$set"]["attrs"]
     assert set(sent_attrs) == {"$literal"}
     assert json.loads(sent_attrs["$literal"]) == attrs
@@ -303,18 +316,26 @@ def test_refused_acquire_while_this_node_holds_the_lock_is_uncertain(flaky: Any)
 
 
 # -- (4) write-concern timeout: unknown outcome, never assumed, never a renewal or a loss --------
+@pytest.mark.parametrize("write", ["take", "create"])
 @pytest.mark.parametrize("when", ["instead", "after"])
-def test_wtimeout_on_acquire_is_uncertain(flaky: Any, when: str) -> None:
-    """Whether or not the write applied, the call reports uncertain: not acquired, not claimed."""
+def test_wtimeout_on_acquire_is_uncertain(flaky: Any, when: str, write: str) -> None:
+    """Whether or not the write applied, the call reports uncertain: not acquired, not claimed.
+    ``take``: the one write taking a released record; ``create``: the upsert creating a new one
+    (the acquire's second write, after the refused first and the read of the floor)."""
     store = flaky.store()
-    flaky.plan["find_one_and_update"] = (when, wtimeout())
+    if write == "take":
+        assert store.release("l", B, store.acquire_or_renew("l", B, ttl=30).token)
+        flaky.plan["find_one_and_update"] = (when, wtimeout())
+    else:
+        flaky.plan["find_one_and_update"] = [("", None), (when, wtimeout())]
     got = store.acquire_or_renew("l", A, ttl=30, claim=FireClaim("job", 5, "n1"))
     assert got.uncertain and not got.acquired and not got.claimed, got
     assert flaky.log[-1] == "majority:aggregate", "the record shown is majority-committed data"
+    token = 2 if write == "take" else 1
     if when == "after":
         assert got.record.holder == A.node_id, "the re-read shows what the store holds"
         again = store.acquire_or_renew("l", A, ttl=30, claim=FireClaim("job", 5, "n2"))
-        assert again.acquired and not again.uncertain and again.token == 1 and not again.claimed
+        assert again.acquired and not again.uncertain and again.token == token and not again.claimed
     else:
         assert got.record.holder is None
 

@@ -124,6 +124,7 @@ def test_redis_url_defaults_fail_closed_timeouts_and_namespace() -> None:
     assert store._lock_key("billing") == "mutexcron:{default}:lock:billing"
     assert store._token_key("billing") == "mutexcron:{default}:token:billing"
     assert store._names_key == "mutexcron:{default}:names"
+    assert store._floor_key == "mutexcron:{default}:lock_token_floor"
     assert (kwargs["host"], kwargs["port"], kwargs["db"]) == ("127.0.0.1", 6379, 3)
     assert kwargs["socket_timeout"] == 5.0 and kwargs["socket_connect_timeout"] == 5.0
     assert kwargs["health_check_interval"] > 0
@@ -327,7 +328,7 @@ def test_acquire_with_claim_and_renew_many_of_10000_are_one_round_trip_each(
         names = [f"lock-{i}" for i in range(10_000)]
         pipe = store._client.pipeline(transaction=False)
         for name in names:  # 10,000 acquisitions in one pipeline: the same script, fewer waits
-            store._acquire(keys=[store._lock_key(name), store._token_key(name), store._names_key],
+            store._acquire(keys=[store._lock_key(name), store._token_key(name), store._names_key, store._floor_key],
                            args=[A.node_id, A.ip, 60_000, 0, name], client=pipe)
         assert all(json.loads(r)[0] == 1 for r in pipe.execute())
         sent = count_commands(store, monkeypatch)

@@ -362,8 +362,10 @@ def _forget(lock: str | None, node_id: str | None, force: bool, lock_url: str | 
 
     A lock whose holder's lease is live (by the store's clock) is refused unless --force, which
     takes it from its holder: that node's next renewal fails and it stops running the lock's jobs,
-    as after a takeover. The fencing token survives: where the store keeps it in the record, a
-    bare released record with the token stays, and the next holder's token is greater. A node
+    as after a takeover. Its tokens stay spent (the store's token floor keeps them), so the next
+    holder's token is greater: Redis and memory:// delete the record at once, the SQL stores and
+    MongoDB retire it (out of the lock list; a later forget deletes it once it has been retired
+    ``retired_keep``, 10 min). A node
     that is live (as ``status`` judges it: seen in the last 30 s, or within its longest lease) is
     refused unless --force: a running node writes its presence again.
     """
@@ -379,7 +381,7 @@ def _forget(lock: str | None, node_id: str | None, force: bool, lock_url: str | 
         outcome = FORGET_MISSING if before is None else store.forget(lock, force=force)
         if outcome == FORGET_MISSING:
             _fail(f"forget: {_unknown_lock(store, lock)}")
-        shown = store.masked_url
+        shown, keep = store.masked_url, store.retired_keep
     assert before is not None
     name = printable(lock)
     if outcome == FORGET_HELD:
@@ -389,11 +391,12 @@ def _forget(lock: str | None, node_id: str | None, force: bool, lock_url: str | 
               "takes the lock from it", EXIT_FAILURE)  # fmt: skip
     if before.holder is not None and force:
         click.echo(f"{name}: taken from {printable(before.holder)} (token {before.token}): its next renewal fails")
+    spent = f"its token {before.token} stays spent: the next holder's token is greater"
     if outcome == FORGET_DELETED:
-        click.echo(f"{name}: forgotten (record deleted from {shown})")
+        click.echo(f"{name}: forgotten (record deleted from {shown})" + (f"; {spent}" if before.token else ""))
     else:
-        click.echo(f"{name}: forgotten: its pause, attrs, fire times and run history are cleared in {shown}; a released "
-                   f"record keeps its token {before.token}, so that its next holder gets a greater one")  # fmt: skip
+        click.echo(f"{name}: forgotten: retired in {shown} (out of the lock list; its pause, attrs, fire times and run "
+                   f"history cleared), deleted by a later forget once retired {_age(keep)}; {spent}")  # fmt: skip
 
 
 def _forget_node(node_id: str, force: bool, lock_url: str | None) -> None:

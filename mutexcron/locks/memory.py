@@ -2,7 +2,10 @@
 
 ``memory://`` gives a private store; ``memory://NAME`` shares one store between every
 ``memory://NAME`` in the same process (handy for several schedulers in one test). The rows live
-in the ``locks`` table of a :class:`~mutexcron.backends.memory.MemoryBackend`.
+in the ``locks`` table of a :class:`~mutexcron.backends.memory.MemoryBackend`; the store's token
+floor (the highest token of a record ``forget`` deleted) in its ``lock_token_floor`` table. Every
+operation runs under the backend's mutex, so ``forget`` deletes a record at once: raising the
+floor and deleting are one step.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from typing import Any
 from ..backends.memory import MemoryBackend
 from ..node import NodeTraits
 from .base import (
-    FORGET_CLEARED,
     FORGET_DELETED,
     FORGET_HELD,
     FORGET_MISSING,
@@ -96,6 +98,11 @@ class MemoryLockStore(LockStore):
         self.backend = backend
         self._rows: dict[str, _Row] = backend.table("locks")
         self._nodes: dict[str, _NodeRow] = backend.table("nodes")
+        self._floor: dict[str, int] = backend.table("lock_token_floor")
+
+    def _next_token(self, token: int) -> int:
+        """The token of a new holder (held under the mutex): above the record's and the store's floor."""
+        return max(token, self._floor.get("tokens", 0)) + 1
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -138,7 +145,7 @@ class MemoryLockStore(LockStore):
             free = row.holder is None or row.holder == node.node_id or now - row.hb > row.ttl
             if free:
                 if row.holder != node.node_id:
-                    row.token += 1
+                    row.token = self._next_token(row.token)
                 row.holder, row.active_ip, row.hb, row.ttl = node.node_id, node.ip, now, ttl
                 if claim is not None and not row.paused:
                     stored = row.fires.get(claim.job_id)
@@ -242,11 +249,10 @@ class MemoryLockStore(LockStore):
                 return FORGET_MISSING
             if row.holder is not None and now - row.hb <= row.ttl and not force:
                 return FORGET_HELD
-            if row.token == 0:
-                del self._rows[name]
-                return FORGET_DELETED
-            self._rows[name] = _Row(holder=None, active_ip=None, token=row.token, hb=row.hb, ttl=row.ttl)
-            return FORGET_CLEARED
+            # One step under the mutex: the floor keeps the record's tokens spent, then it goes.
+            self._floor["tokens"] = max(self._floor.get("tokens", 0), row.token)
+            del self._rows[name]
+            return FORGET_DELETED
 
     def forget_node(self, node_id: str, *, min_age: float = 0.0) -> bool:
         with self.backend.mutex:
@@ -300,7 +306,8 @@ class MemoryLockStore(LockStore):
             row = self._rows.get(name)
             if row is None or row.holder != node.node_id or row.token != token:
                 return False
-            row.holder, row.active_ip, row.token, row.hb, row.ttl = successor, None, token + 1, self.clock(), within
+            row.holder, row.active_ip, row.hb, row.ttl = successor, None, self.clock(), within
+            row.token = self._next_token(token)
             return True
 
     def set_zone(

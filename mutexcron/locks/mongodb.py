@@ -4,16 +4,26 @@ One document per lock in one collection, ``_id`` = the lock name::
 
     {_id, holder, active_ip, hb: <date>, ttl: <ms>, token, attrs: <JSON text>,
      fires: {<job>: [fire_us, nonce]}, last_run_started, last_run_finished, last_error,
-     paused, paused_at, paused_by, resume_catch_up, history: {<job>: [<run>, ...]}}
+     paused, paused_at, paused_by, resume_catch_up, history: {<job>: [<run>, ...]},
+     retired: <date> | null}
 
 The run history is written by ``hand_off`` in the same update pipeline (each job's list cut to the
 last ``?history=N`` runs by ``$slice``); reads of records leave it out. Nodes' presence documents
 live in the same collection under an object ``_id`` (``{_id: {node: <node id>}, ip, version,
 seen: <date>, clock_offset, locks}``), so that ``renew_many`` writes a presence in the same
-``bulk_write`` as the renewal; lock reads only ever match string ``_id`` values.
+``bulk_write`` as the renewal; lock reads only ever match string ``_id`` values. The
+collection's token floor is the document ``{_id: {floor: "tokens"}, token}``: the highest token of
+a lock ``forget`` let go.
 
 A release never deletes the document (holder null, hb at the epoch), so the fencing token keeps
-growing. Every write is one command (``find_one_and_update`` with an update pipeline, or an
+growing. ``forget`` cannot raise the floor and delete a record in one atomic step (no
+multi-document atomicity), so it *retires* the record: it raises the floor to the record's token,
+then clears the record to a released one marked ``retired`` (the server's time), left out of
+``list()``; a later ``forget`` deletes the records retired at least ``retired_keep`` seconds
+(default :data:`~mutexcron.locks.base.RETIRED_KEEP`) ago. An acquire or ``set_paused`` un-retires a
+record. A record is created (or first taken, if ``set_paused`` made it) only by an acquire that
+read the floor just before: its token is above the floor (see
+:meth:`MongoDBLockStore.acquire_or_renew`). Every write is one command (``find_one_and_update`` with an update pipeline, or an
 ``update_many``/``update_one``) judged by the server's clock, ``$$NOW``: a holder is stale when
 ``hb < $$NOW - ttl``, with the ttl the *holder* stored. Attrs are stored as the JSON text
 :func:`~mutexcron.locks.record.dump_attrs` makes, so every JSON value round-trips exactly (``$``-prefixed
@@ -90,16 +100,26 @@ __all__ = ["MongoDBLockStore"]
 
 _MIN_INT64 = -(2**63)
 
+#: Reads and writes one ``forget`` tries before it reports contention: the record taken and
+#: released again each time between its read and its conditional write.
+_FORGET_TRIES = 3
+
 
 # Each call builds its own filter or projection: mongomock adds keys to the ones it is given.
 def _locks() -> dict[str, Any]:
-    """Lock documents: a string ``_id`` (presence documents have an object one)."""
-    return {"_id": {"$type": "string"}}
+    """Lock documents in use: a string ``_id`` (presence documents and the floor have an object
+    one), not retired."""
+    return {"_id": {"$type": "string"}, "retired": None}
 
 
 def _nodes() -> dict[str, Any]:
-    """Presence documents."""
-    return {"_id": {"$type": "object"}}
+    """Presence documents (``{_id: {node: <node id>}}``; not the floor's ``{_id: {floor: ...}}``)."""
+    return {"_id.node": {"$type": "string"}}
+
+
+def _floor_id() -> dict[str, Any]:
+    """The token floor document's ``_id``: an object, so no lock name (a string) can be it."""
+    return {"floor": "tokens"}
 
 
 def _no_history() -> dict[str, Any]:
@@ -231,11 +251,54 @@ class MongoDBLockStore(LockStore):
 
     # -- writing -----------------------------------------------------------------------------
     def acquire_or_renew(self, name: str, node: Node, ttl: float, claim: FireClaim | None = None) -> AcquireResult:
+        """One ``find_one_and_update`` of a record held before (token above 0): a renewal, a
+        takeover (the token + 1) or a refusal (then one read). A record that is missing, or was
+        never held (made by ``set_paused``), gets its first token from the collection's floor: the
+        read after the refusal fetches the floor too, and one upsert creates or takes the record
+        with ``max(token, floor) + 1``. Three round trips, once per record's life.
+
+        Why a record held before needs no floor: its token is above every token of the name's
+        earlier records, deleted by ``forget`` (it was created above the floor, which held them),
+        and tokens only go up while it lives. Why the floor read just before an upsert is enough: a
+        record is deleted only ``retired_keep`` seconds after ``forget`` raised the floor for it; a
+        floor read before that raise is followed by the upsert within one write's bound (socket
+        and server timeouts, seconds), long before the deletion, so the upsert meets the retired
+        record (and takes it over above its token) instead of creating one. Any record deleted
+        before the upsert was let go before the read, which saw its token in the floor.
+        """
+        try:
+            doc = self._acquire_write(name, node, ttl, claim, floor=None)
+        except UncertainOutcome:
+            return self._acquire_uncertain(name)
+        if doc is not None and doc.get("holder") == node.node_id:
+            return self._acquired(doc, claim)
+        stored, floor = self._read_with_floor(name)
+        if stored is None or not stored.get("token"):  # new, or never held: the first token comes from the floor
+            try:
+                doc = self._acquire_write(name, node, ttl, claim, floor=floor)
+            except UncertainOutcome:
+                return self._acquire_uncertain(name)
+            if doc is not None and doc.get("holder") == node.node_id:
+                return self._acquired(doc, claim)
+            stored = self._read_doc(name, "acquire_or_renew (read)")
+        record = self._record(stored) if stored else LockRecord(name=name)
+        # Refused, yet held by this node: another call of this node took it in between (two
+        # upserts of a new lock race). Not this call's renewal, and not a loss.
+        return AcquireResult(False, record, False, uncertain=record.holder == node.node_id)
+
+    def _acquire_write(
+        self, name: str, node: Node, ttl: float, claim: FireClaim | None, *, floor: int | None
+    ) -> dict[str, Any] | None:
+        """The acquire's one conditional write: the record after it, or None if refused.
+
+        ``floor`` None: only a record held before (token above 0), no upsert. Else an upsert whose
+        new holder's token is ``max(token, floor) + 1``. Raises UncertainOutcome.
+        """
         now = self.now_expr()
         me = {"$literal": node.node_id}
         # Free, ours, or stale by the ttl the current holder stored, judged by the server clock.
         # On an existing document that fails this, the upsert raises DuplicateKeyError.
-        query = {
+        query: dict[str, Any] = {
             "_id": name,
             "$or": [
                 {"holder": node.node_id},
@@ -243,35 +306,50 @@ class MongoDBLockStore(LockStore):
                 {"$expr": {"$lt": ["$hb", {"$subtract": [now, "$ttl"]}]}},
             ],
         }
+        taken: Any = {"$add": [{"$ifNull": ["$token", 0]}, 1]}
+        if floor is None:
+            query["token"] = {"$gt": 0}
+        else:
+            taken = {"$add": [{"$max": [{"$ifNull": ["$token", 0]}, floor]}, 1]}
         # One $set stage: every expression sees the document as it was before the update.
         fields: dict[str, Any] = {
-            "token": {"$cond": [{"$eq": ["$holder", me]}, "$token", {"$add": [{"$ifNull": ["$token", 0]}, 1]}]},
+            "token": {"$cond": [{"$eq": ["$holder", me]}, "$token", taken]},
             "holder": me,
             "active_ip": {"$literal": node.ip},
             "hb": now,
             "ttl": _ms(ttl),
+            "retired": None,  # in use again: a later forget must not delete it
         }
         if claim is not None:
             fields["fires"] = _claim_expr(claim)
         try:
             with self.backend.errors("acquire_or_renew", write=True):
-                doc = self.collection.find_one_and_update(
-                    query, [{"$set": fields}], upsert=True, return_document=ReturnDocument.AFTER, projection=_no_history()
+                doc: dict[str, Any] | None = self.collection.find_one_and_update(
+                    query,
+                    [{"$set": fields}],
+                    upsert=floor is not None,
+                    return_document=ReturnDocument.AFTER,
+                    projection=_no_history(),
                 )
         except pymongo.errors.DuplicateKeyError:
-            doc = None  # refused: the document exists and failed the filter (or a racing upsert made it)
-        except UncertainOutcome:
-            # Taken, renewed or not: unknown. Show the majority-committed document, claim nothing.
-            stored = self._read_doc(name, "acquire_or_renew (re-read)", committed=True)
-            return AcquireResult(False, self._record(stored) if stored else LockRecord(name=name), False, uncertain=True)
-        if doc is not None and doc.get("holder") == node.node_id:
-            fires = doc.get("fires")
-            return AcquireResult(True, self._record(doc, 0), claim_won(fires, claim), claimed_by=stored_nonce(fires, claim))
-        stored = self._read_doc(name, "acquire_or_renew (read)")
-        record = self._record(stored) if stored else LockRecord(name=name)
-        # Refused, yet held by this node: another call of this node took it in between (two
-        # upserts of a new lock race). Not this call's renewal, and not a loss.
-        return AcquireResult(False, record, False, uncertain=record.holder == node.node_id)
+            return None  # refused: the document exists and failed the filter (or a racing upsert made it)
+        return doc
+
+    def _acquired(self, doc: Mapping[str, Any], claim: FireClaim | None) -> AcquireResult:
+        fires = doc.get("fires")
+        return AcquireResult(True, self._record(doc, 0), claim_won(fires, claim), claimed_by=stored_nonce(fires, claim))
+
+    def _acquire_uncertain(self, name: str) -> AcquireResult:
+        """Taken, renewed or not: unknown. Show the majority-committed document, claim nothing."""
+        stored = self._read_doc(name, "acquire_or_renew (re-read)", committed=True)
+        return AcquireResult(False, self._record(stored) if stored else LockRecord(name=name), False, uncertain=True)
+
+    def _read_with_floor(self, name: str) -> tuple[dict[str, Any] | None, int]:
+        """The lock's document (or None) and the collection's token floor (0 if none), in one read."""
+        docs = self._aggregate({"_id": {"$in": [name, _floor_id()]}}, "acquire_or_renew (read)")
+        stored = next((doc for doc in docs if doc["_id"] == name), None)
+        floor = next((int(doc.get("token") or 0) for doc in docs if doc["_id"] == _floor_id()), 0)
+        return stored, floor
 
     def hand_off(
         self,
@@ -424,6 +502,7 @@ class MongoDBLockStore(LockStore):
             "token": {"$ifNull": ["$token", 0]},
             "ttl": {"$ifNull": ["$ttl", 0]},
             "hb": {"$ifNull": ["$hb", EPOCH]},
+            "retired": None,  # in use again: a later forget must not delete it
         }
         try:
             with self.backend.errors("set_paused", write=True):
@@ -436,26 +515,79 @@ class MongoDBLockStore(LockStore):
         return self._record(doc)
 
     def forget(self, name: str, *, force: bool = False) -> str:
-        """A ``delete_one`` of a document never held (token 0), else an ``update_one`` clearing it
-        to a released one that keeps its token (conditional on no live lease unless ``force``),
-        else a read of whether it is held or missing: each command alone decides."""
-        stale = {"$expr": {"$lt": ["$hb", {"$subtract": [self.now_expr(), "$ttl"]}]}}
-        query: dict[str, Any] = {"_id": name} if force else {"_id": name, "$or": [{"holder": None}, stale]}
-        cleared: dict[str, Any] = {"holder": None, "hb": EPOCH, "attrs": "{}", "fires": {}, "history": {}, "paused": False,
-                   "resume_catch_up": False}  # fmt: skip
-        gone = dict.fromkeys(
-            ("last_run_started", "last_run_finished", "last_error", "paused_at", "paused_by", "zone", "triggers"), ""
-        )
+        """Let the record go with its tokens spent: a read of its token, then conditional writes,
+        each deciding alone (no multi-document atomicity).
+
+        A record never held (token 0) is deleted (``delete_one`` conditional on token 0). Any other
+        is *retired*: the floor is raised to its token (``$max``), then one ``update_one``
+        conditional on that token (not a later holder's) and, unless ``force``, on no live lease,
+        clears it to a released record marked ``retired`` (server time), out of ``list()``. Then one
+        ``delete_many`` deletes the records retired at least ``retired_keep`` seconds ago and not
+        taken again. A record taken and released again between the read and the write is read
+        again (a few times, then StoreUnavailableError: contention). Four round trips in all.
+        """
+        for _ in range(_FORGET_TRIES):
+            with self.backend.errors("forget (read)"):
+                doc = self.collection.find_one({"_id": name}, {"token": True})
+            if doc is None:
+                return FORGET_MISSING
+            try:
+                outcome, floor = self._forget_write(name, int(doc.get("token") or 0), force)
+            except UncertainOutcome as exc:
+                raise self.backend.uncertain(exc) from exc
+            if outcome == FORGET_CLEARED:
+                self._delete_retired(floor)
+            if outcome is not None:
+                return outcome
+            if not force:
+                live = {"$expr": {"$gte": ["$hb", {"$subtract": [self.now_expr(), "$ttl"]}]}}
+                with self.backend.errors("forget (read)"):
+                    if self.collection.find_one({"_id": name, "holder": {"$ne": None}, **live}, {"_id": True}):
+                        return FORGET_HELD
+        raise self.backend.uncertain(UncertainOutcome("forget", "the lock was taken again while it was forgotten"))
+
+    def _forget_write(self, name: str, token: int, force: bool) -> tuple[str | None, int]:
+        """Delete a record never held, or raise the floor to ``token`` and retire the record if it
+        still has that token: the outcome (None if nothing matched) and the floor it saw (0 if
+        none). Raises UncertainOutcome."""
+        with self.backend.errors("forget", write=True):
+            if token == 0:
+                deleted = self.collection.delete_one({"_id": name, "token": {"$in": [0, None]}}).deleted_count
+                return (FORGET_DELETED if deleted else None), 0
+            floor = self._raise_floor(token)
+            now = self.now_expr()
+            query: dict[str, Any] = {"_id": name, "token": {"$lte": token}}
+            if not force:
+                query["$or"] = [{"holder": None}, {"$expr": {"$lt": ["$hb", {"$subtract": [now, "$ttl"]}]}}]
+            retired = self.collection.update_one(query, [{"$set": _retired_fields(now)}]).matched_count
+            return (FORGET_CLEARED if retired else None), floor
+
+    def _raise_floor(self, token: int) -> int:
+        """The floor raised to at least ``token`` (one ``$max`` upsert; a racing upsert's duplicate
+        key: again, as an update): its value after."""
+        update = {"$max": {"token": token}}
         try:
-            with self.backend.errors("forget", write=True):
-                if self.collection.delete_one({"_id": name, "token": {"$in": [0, None]}}).deleted_count:
-                    return FORGET_DELETED
-                if self.collection.update_one(query, {"$set": cleared, "$unset": gone}).matched_count:
-                    return FORGET_CLEARED
+            doc = self.collection.find_one_and_update(
+                {"_id": _floor_id()}, update, upsert=True, return_document=ReturnDocument.AFTER
+            )
+        except pymongo.errors.DuplicateKeyError:
+            doc = self.collection.find_one_and_update({"_id": _floor_id()}, update, return_document=ReturnDocument.AFTER)
+        return int((doc or {}).get("token") or token)
+
+    def _delete_retired(self, floor: int) -> None:
+        """Delete the records retired at least ``retired_keep`` seconds ago (server clock) and not
+        taken again since (an acquire or ``set_paused`` clears ``retired``; a holder is never
+        retired), whose token the floor holds (``floor``, as this forget saw it: a token above it
+        was given after the retirement by a writer that left ``retired`` alone, an earlier
+        mutexcron version during an upgrade; that record stays)."""
+        cutoff = {"$subtract": [self.now_expr(), _ms(self.retired_keep)]}
+        query = {"_id": {"$type": "string"}, "holder": None, "retired": {"$type": "date"}, "token": {"$lte": floor},
+                 "$expr": {"$lte": ["$retired", cutoff]}}  # fmt: skip
+        try:
+            with self.backend.errors("forget (delete retired)", write=True):
+                self.collection.delete_many(query)
         except UncertainOutcome as exc:
             raise self.backend.uncertain(exc) from exc
-        with self.backend.errors("forget (read)"):
-            return FORGET_HELD if self.collection.find_one({"_id": name}, {"_id": True}) else FORGET_MISSING
 
     def forget_node(self, node_id: str, *, min_age: float = 0.0) -> bool:
         old = {"$expr": {"$lte": ["$seen", {"$subtract": [self.now_expr(), int(min_age * 1000)]}]}}
@@ -580,6 +712,14 @@ def _claim_expr(claim: FireClaim) -> dict[str, Any]:
     claimed = {"$arrayToObject": {"$concatArrays": [others, mine]}}
     newer = {"$and": [{"$gt": [claim.fire_us, stored_us]}, {"$ne": [{"$ifNull": ["$paused", False]}, True]}]}
     return {"$cond": [newer, claimed, {"$ifNull": ["$fires", {}]}]}
+
+
+def _retired_fields(now: Any) -> dict[str, Any]:
+    """A retired record: released, its token kept (the floor holds it too), everything else cleared, ``retired`` at ``now``."""
+    cleared: dict[str, Any] = {"holder": None, "hb": EPOCH, "attrs": {"$literal": "{}"}, "fires": {"$literal": {}},
+               "history": {"$literal": {}}, "paused": False, "resume_catch_up": False, "retired": now}  # fmt: skip
+    gone = ("last_run_started", "last_run_finished", "last_error", "paused_at", "paused_by", "zone", "triggers")
+    return {**cleared, **dict.fromkeys(gone)}
 
 
 def _one(expression: dict[str, Any]) -> dict[str, Any]:

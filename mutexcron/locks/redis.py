@@ -1,8 +1,12 @@
 """``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://`` and ``redis+cluster://``: the Redis lock store.
 
 Every lock is one hash that never expires, ``mutexcron:{<namespace>}:lock:<name>``, beside a
-token counter ``mutexcron:{<namespace>}:token:<name>`` (INCR only, never expires, so a deleted
-hash cannot reset the fencing tokens) and the names set ``mutexcron:{<namespace>}:names``; a job's run
+token counter ``mutexcron:{<namespace>}:token:<name>`` (INCR only, never expires) and the names
+set ``mutexcron:{<namespace>}:names``. ``forget`` deletes a lock's keys, its counter included,
+after raising the namespace's token floor ``mutexcron:{<namespace>}:lock_token_floor`` (only
+goes up, never expires) to the counter and the hash's token, in the same script; every token given
+to a new holder is above the name's counter, the hash's token and that floor, so no token comes
+back after a forget, a deletion or a re-add. A job's run
 history is the list ``mutexcron:{<namespace>}:runs:<len(name)>:<name>:<job>``, indexed by the hash
 ``mutexcron:{<namespace>}:history:<name>`` (one field per job), and the nodes' presence the hash
 ``mutexcron:{<namespace>}:nodes`` with the zset ``mutexcron:{<namespace>}:nodes:seen``. Each
@@ -180,6 +184,11 @@ class RedisLockStore(LockStore):
         return self.backend.key("names")
 
     @property
+    def _floor_key(self) -> str:
+        """The namespace's token floor: the highest token of a lock ``forget`` deleted."""
+        return self.backend.key("lock_token_floor")
+
+    @property
     def _presence_keys(self) -> list[str]:
         """The nodes hash and its seen zset."""
         return [self.backend.key("nodes"), self.backend.key("nodes:seen")]
@@ -239,7 +248,7 @@ class RedisLockStore(LockStore):
         if claim is not None:
             args += [claim.job_id, claim.fire_us, claim.nonce]
         with self.backend.errors("acquire_or_renew"):
-            keys = [self._lock_key(name), self._token_key(name), self._names_key]
+            keys = [self._lock_key(name), self._token_key(name), self._names_key, self._floor_key]
             reply = self._acquire(keys=keys, args=args, client=self.backend.client)
         acquired, now, flat = json.loads(reply)
         fields = self._pairs(flat) if isinstance(flat, list) else {}
@@ -345,7 +354,7 @@ class RedisLockStore(LockStore):
         which alone decides. A run recorded in between leaves its list behind (a few bytes)."""
         with self.backend.errors("forget"):
             jobs = self.backend.client.hkeys(self._history_key(name))
-            keys = [self._lock_key(name), self._token_key(name), self._names_key, self._history_key(name)]
+            keys = [self._lock_key(name), self._token_key(name), self._names_key, self._floor_key, self._history_key(name)]
             keys += [self._runs_key(name, job.decode() if isinstance(job, bytes) else job) for job in jobs]
             outcome = self._forget(keys=keys, args=[name, "1" if force else "0"], client=self.backend.client)
         return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
@@ -399,7 +408,7 @@ class RedisLockStore(LockStore):
     def hand_over(self, name: str, node: Node, token: int, successor: str, within: float) -> bool:
         args: list[str | int] = [node.node_id, token, successor, max(1, round(within * 1000)), self._hand_over_channel]
         with self.backend.errors("hand_over"):
-            keys = [self._lock_key(name), self._token_key(name)]
+            keys = [self._lock_key(name), self._token_key(name), self._floor_key]
             return bool(self._hand_over(keys=keys, args=args, client=self.backend.client))
 
     @property

@@ -30,7 +30,8 @@ __all__ = [
 # acquire_or_renew: take the lock if it is free, released, ours or stale by the *holder's* stored
 # ttl (new token on every change of holder), claim a fire time if asked and the lock is not
 # paused; return the whole record.
-# KEYS: hash, token counter, names set. ARGV: node_id, ip, ttl_ms, token floor, name[, job, fire_us, nonce].
+# KEYS: hash, token counter, names set, the namespace's token floor (lock_token_floor).
+# ARGV: node_id, ip, ttl_ms, the client's token floor for the name, name[, job, fire_us, nonce].
 ACQUIRE_LUA = (
     LUA_NOW
     + """
@@ -43,10 +44,11 @@ if holder == ARGV[1] then
   redis.call('HSET', KEYS[1], 'hb', string.format('%d', now), 'ttl', ARGV[3], 'active_ip', ARGV[2])
 elseif (not holder) or holder == '' or (not hb) or now - hb > (ttl or 0) then
   acquired = 1
-  -- Never issue a token at or below one already issued: the counter's, the hash's own, or the
-  -- client's floor (the highest token that client process saw: it survives a server restart).
+  -- Never issue a token at or below one already issued: the counter's, the hash's own, the
+  -- client's floor (the highest token that client process saw: it survives a server restart), or
+  -- the namespace's floor (every token of a record forget deleted, with its counter).
   local counter = tonumber(redis.call('GET', KEYS[2])) or 0
-  local base = math.max(counter, token, floor)
+  local base = math.max(counter, token, floor, tonumber(redis.call('GET', KEYS[4])) or 0)
   if base > counter then redis.call('SET', KEYS[2], string.format('%d', base)) end
   token = redis.call('INCR', KEYS[2])
   redis.call('HSET', KEYS[1], 'holder', ARGV[1], 'active_ip', ARGV[2], 'hb', string.format('%d', now),
@@ -234,9 +236,11 @@ return cjson.encode({string.format('%d', now), redis.call('HGETALL', KEYS[1])})
 )
 
 # forget: unless forced (ARGV[2] '1'), nothing while a holder's lease is live (the acquire's
-# staleness rule, reversed); else lift the token counter to the hash's token (so the next holder's
-# is greater), remove the name (ARGV[1]) from the names set and delete the hash, the history hash
-# and the jobs' runs lists. KEYS: hash, token counter, names set, history hash, runs lists...
+# staleness rule, reversed); else raise the namespace's token floor to the name's counter and the
+# hash's token (so every later holder's token, of this name or any other, is greater: the acquire
+# takes the floor into its max), remove the name (ARGV[1]) from the names set and delete the hash,
+# the token counter, the history hash and the jobs' runs lists: nothing of the name is left.
+# KEYS: hash, token counter, names set, token floor, history hash, runs lists...
 # Returns 'deleted', 'held' or 'missing'.
 FORGET_LUA = (
     LUA_NOW
@@ -245,11 +249,12 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 'missing' end
 local h = redis.call('HMGET', KEYS[1], 'holder', 'hb', 'ttl', 'token')
 local holder, hb, ttl, token = h[1], tonumber(h[2]), tonumber(h[3]), tonumber(h[4]) or 0
 if ARGV[2] ~= '1' and holder and holder ~= '' and hb and now - hb <= (ttl or 0) then return 'held' end
-local counter = tonumber(redis.call('GET', KEYS[2])) or 0
-if token > counter then redis.call('SET', KEYS[2], string.format('%d', token)) end
+local floor = tonumber(redis.call('GET', KEYS[4])) or 0
+local spent = math.max(floor, token, tonumber(redis.call('GET', KEYS[2])) or 0)
+if spent > floor then redis.call('SET', KEYS[4], string.format('%d', spent)) end
 redis.call('SREM', KEYS[3], ARGV[1])
-redis.call('DEL', KEYS[1])
-for i = 4, #KEYS do redis.call('DEL', KEYS[i]) end
+redis.call('DEL', KEYS[1], KEYS[2])
+for i = 5, #KEYS do redis.call('DEL', KEYS[i]) end
 return 'deleted'
 """
 )
@@ -344,16 +349,17 @@ return 1
 """
 
 # hand_over: if ARGV[1] holds the lock with token ARGV[2], name ARGV[3] the holder with the next
-# token (from the counter, as an acquire) and a lease of ARGV[4] ms from now, no IP; keep attrs and
-# fires; publish ARGV[3] on channel ARGV[5] (the successor's wake-up). Returns 1 or 0.
-# KEYS: hash, token counter. ARGV: node_id, token, successor, within_ms, channel.
+# token (from the counter and the namespace's floor, as an acquire) and a lease of ARGV[4] ms from
+# now, no IP; keep attrs and fires; publish ARGV[3] on channel ARGV[5] (the successor's wake-up).
+# Returns 1 or 0.
+# KEYS: hash, token counter, token floor. ARGV: node_id, token, successor, within_ms, channel.
 HAND_OVER_LUA = (
     LUA_NOW
     + """
 local h = redis.call('HMGET', KEYS[1], 'holder', 'token')
 if h[1] ~= ARGV[1] or tonumber(h[2]) ~= tonumber(ARGV[2]) then return 0 end
 local counter = tonumber(redis.call('GET', KEYS[2])) or 0
-local base = math.max(counter, tonumber(h[2]))
+local base = math.max(counter, tonumber(h[2]), tonumber(redis.call('GET', KEYS[3])) or 0)
 if base > counter then redis.call('SET', KEYS[2], string.format('%d', base)) end
 local token = redis.call('INCR', KEYS[2])
 redis.call('HSET', KEYS[1], 'holder', ARGV[3], 'hb', string.format('%d', now), 'ttl', ARGV[4],
