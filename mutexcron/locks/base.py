@@ -55,9 +55,11 @@ Rules every implementation follows (the contract suite in ``tests/test_contract.
   record, marked with the store's time, left out of ``list()``, and deleted by a later ``forget``
   once it has been retired :data:`RETIRED_KEEP` seconds, far longer than any write can take
   (statement and socket timeouts), so a write that read the floor before it was raised cannot
-  land after the deletion. Every token given to a record created or taken over is above the
-  floor: ``max(token, floor) + 1``; an acquire or ``set_paused`` of a retired record un-retires it.
-  So tokens only go up across release, forget, deletion and re-add. ``forget_node`` deletes a
+  land after the deletion. A record created, or first taken from token 0 (made by a pause), gets
+  ``max(token, floor) + 1``; a record held before is above every earlier token of its name
+  already (SQL stores use ``max(token, floor) + 1`` for every takeover). An acquire or
+  ``set_paused`` of a retired record un-retires it. So tokens only go up across release, forget,
+  deletion and re-add. ``forget_node`` deletes a
   node's presence.
 """
 
