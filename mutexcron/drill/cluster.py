@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigurationError, MutexcronError, StoreError
-from ..locks import Node, lock_store_from_url
+from ..locks import LockStore, Node, lock_store_from_url
+from ..locks.base import FORGET_CLEARED, FORGET_DELETED
 from .records import NodeOps, Tick, read_ops, read_ticks
 
 #: Where Debian/Ubuntu, Fedora and source installs put libfaketime (checked in this order).
@@ -257,19 +258,19 @@ class Cluster:
             self.progress(message)
 
     def _release_lock(self) -> str:
-        """Release the drill's locks that a node still holds, through the store API.
+        """Release the drill's locks that a node still holds, through the store API, then forget them.
 
         Every node is stopped by now, so releasing on behalf of the recorded holder (conditional on
-        its token, like any release) cannot take a lease from a live node. The records stay, as
-        released records: no store deletes a lock, because a deleted record would reset its
-        fencing token.
+        its token, like any release) cannot take a lease from a live node. ``forget`` then lets
+        each record go (at once, or retired and deleted later: see ``LockStore.forget``); the
+        store's token floor keeps their tokens spent. The drill's evidence is in its own ledger.
         """
         names = self.release_locks or (self.lock,)
         try:
             store = lock_store_from_url(self.lock_url)
         except ConfigurationError as exc:
             return f"could not open the store to release {names[0]}: {exc}"
-        released = held = 0
+        released = held = forgotten = 0
         try:
             records = store.read_many(names)
             for record in records.values():
@@ -277,6 +278,7 @@ class Cluster:
                     held += 1
                     node = Node(record.holder, record.active_ip or "")
                     released += int(store.release(record.name, node, record.token))
+                forgotten += int(_forgets(store, record.name))
         except StoreError as exc:
             return f"could not release {names[0]}: {exc} (it expires after its lease)"
         finally:
@@ -284,8 +286,10 @@ class Cluster:
         what = names[0] if len(names) == 1 else f"{len(names)} drill locks ({names[0]}...)"
         if not records:
             return f"no record of {what} in the store"
-        by_us = f"; released {released} still held by a stopped node" if held else ""
-        return f"{what} left in the store as a released record{by_us} (records are kept so fencing tokens never go back)"
+        by_us = f"released {released} still held by a stopped node; " if held else ""
+        if forgotten == len(records):
+            return f"{what}: {by_us}forgotten (their fencing tokens stay spent)"
+        return f"{what}: {by_us}{forgotten} of {len(records)} forgotten, the rest left as released records"
 
     def __enter__(self) -> Cluster:
         try:
@@ -339,3 +343,11 @@ def _signals_ignored() -> Iterator[None]:
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def _forgets(store: LockStore, name: str) -> bool:
+    """``forget`` of a drill lock (never forced: a live lease stays); False where it stays."""
+    try:
+        return store.forget(name) in (FORGET_DELETED, FORGET_CLEARED)
+    except NotImplementedError:
+        return False
