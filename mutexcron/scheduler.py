@@ -518,7 +518,9 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             # when its lock is taken (placement/standby.py), not by a second run of the catch-up.
             skip = lambda job_id: shared.owns(job_id) or self._put_back(job_id)  # noqa: E731
             skip_handed = lambda job_id: self._put_back(job_id) and not shared.owns(job_id)  # noqa: E731
-            self._catch_up = CatchUp(self, lambda: self._guarded, self._emit, self.node_id, skip=skip, skip_handed=skip_handed)
+            self._catch_up = CatchUp(
+                self, lambda: self._guarded, self._emit, self.node_id, skip=skip, skip_handed=skip_handed, stored=shared.owns
+            )
             self._leases = LeaseManager(
                 store,
                 self.node,

@@ -7,6 +7,10 @@ missed-run alarm instead (:data:`~mutexcron.events.EVENT_RUN_MISSED` and one ERR
 from records the node reads anyway: the record before a takeover, and the holder's record that a
 standby reads every second. Both walks over the schedule run on one thread of their own, so they
 never delay renewals or a job's start.
+
+A shared job store's job, whose stored next run time is the cluster's, is caught up only after a
+hand-over, and only for a fire time that stored time was moved past without a run
+(:func:`~mutexcron.guard.firetimes.passed_fire_time`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from apscheduler.executors.base import MaxInstancesReachedError
 from ..events import EVENT_CAUGHT_UP, EVENT_RUN_MISSED, Emit, MutexEvent, log_event
 from ..locks.record import LockRecord
 from . import apscheduler_internals as aps
-from .firetimes import latest_fire_time
+from .firetimes import latest_fire_time, passed_fire_time, slot_of
 from .job import GuardedJob
 
 log = logging.getLogger(__name__)
@@ -46,6 +50,9 @@ class CatchUp:
         skip_handed: the same after a hand-over to this node: a shared job's loop on the giver may
             have moved its stored next run time past a fire time it then did not run (a run that
             began while the lock was being handed over), so only ``skip_handed`` jobs are skipped.
+        stored: True for a job whose stored next run time decides its fire times (a shared job
+            store's): only a fire time on its own sequence, before that stored time, is caught up.
+        clock: the time now (UTC); tests inject one.
     """
 
     def __init__(
@@ -56,11 +63,15 @@ class CatchUp:
         node_id: str = "",
         skip: Callable[[str], bool] = lambda _job_id: False,
         skip_handed: Callable[[str], bool] | None = None,
+        stored: Callable[[str], bool] = lambda _job_id: False,
+        clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
     ) -> None:
         self.scheduler = scheduler
         self.guarded = guarded
         self.skip = skip
         self.skip_handed = skip_handed or skip
+        self.stored = stored
+        self.clock = clock
         self.emit, self.node_id = emit, node_id
         self._alarmed: dict[str, datetime] = {}  # job id -> the latest fire time reported missed
         self._last_check: dict[str, float] = {}  # lock -> monotonic time of its last alarm check
@@ -116,7 +127,7 @@ class CatchUp:
         than its grace time has no claim."""
         if record is None or getattr(record, "paused", False) or not self.scheduler.running:
             return
-        now = datetime.now(timezone.utc)
+        now = self.clock()
         for job_id in self._jobs_by_lock({lock}).get(lock, []) if job_ids is None else job_ids:
             last = record.fire_times.get(job_id)
             job = self.scheduler.get_job(job_id) if last is not None else None
@@ -126,12 +137,26 @@ class CatchUp:
             after = max(last, self._alarmed.get(job_id, last))
             if record.paused_at is not None:  # fire times skipped while paused were not missed
                 after = max(after, record.paused_at)
-            missed = latest_fire_time(job.trigger, after, horizon, after=after)
+            if self.stored(job_id):
+                missed = self._overdue(job, last, after, horizon)
+            else:
+                missed = latest_fire_time(job.trigger, after, horizon, after=after)
             if missed is None:
                 continue
             self._alarmed[job_id] = missed
             self.emit(MutexEvent(EVENT_RUN_MISSED, lock=lock, job_id=job_id, node=self.node_id, fire_time=missed,
                                  last_claimed=last))  # fmt: skip
+
+    def _overdue(self, job: Any, last: datetime, after: datetime, horizon: datetime) -> datetime | None:
+        """A shared job's fire time after ``after`` and older than ``horizon`` that did not run: its
+        stored next run time, or one that stored time was moved past (its own fire times, not its
+        trigger's slots: see :meth:`_passed`)."""
+        if job.next_run_time is None:
+            return None
+        stored = slot_of(job.trigger, job.next_run_time)
+        if after < stored <= horizon:
+            return stored
+        return passed_fire_time(job.trigger, last, stored, after + timedelta(microseconds=1), horizon)
 
     def forget(self, job_id: str, lock: str | None) -> None:
         """Drop what is kept of a removed job (and of its lock, if it was the lock's last job)."""
@@ -159,7 +184,7 @@ class CatchUp:
         if not self._wait_running():
             return
         self._alarm(lock, before)
-        now = datetime.now(timezone.utc)
+        now = self.clock()
         skip = self.skip_handed if handed else self.skip
         for job_id, guard in list(self.guarded().items()):
             if guard.lock != lock or skip(job_id):
@@ -167,7 +192,8 @@ class CatchUp:
             job = self.scheduler.get_job(job_id)
             if job is None or job.next_run_time is None:
                 continue
-            missed = self._missed(job, now, before.fire_times.get(guard.job_id) if before is not None else None)
+            last = before.fire_times.get(guard.job_id) if before is not None else None
+            missed = self._passed(job, now, last) if self.stored(job_id) else self._missed(job, now, last)
             if missed is None:
                 continue
             self.emit(MutexEvent(EVENT_CAUGHT_UP, lock=lock, job_id=job_id, node=self.node_id, fire_time=missed))
@@ -175,6 +201,20 @@ class CatchUp:
                 aps.lookup_executor(self.scheduler, job.executor).submit_job(job, [missed])
             except MaxInstancesReachedError:
                 log.info("job %r still running; no catch-up", job_id)
+
+    def _passed(self, job: Any, now: datetime, last: datetime | None) -> datetime | None:
+        # A job whose stored next run time is the cluster's (a shared job store's): the giver's loop
+        # may have moved it past a fire time it then did not run. Only such a fire time is missed:
+        # a slot of the trigger the job's own fire times do not meet (its stored time was set off
+        # them: "run it now") never ran because it is not one of them. A stored time already due
+        # is the loop's to run, coalesced with the fire times before it.
+        stored = slot_of(job.trigger, job.next_run_time)
+        if stored <= now and job.coalesce:
+            return None
+        floor = self.started_at if last is None else last
+        if job.misfire_grace_time is not None:
+            floor = max(floor, now - timedelta(seconds=job.misfire_grace_time))
+        return passed_fire_time(job.trigger, last, stored, floor, now)
 
     def _missed(self, job: Any, now: datetime, last: datetime | None) -> datetime | None:
         # A job the record shows a claim for: every slot after that claim, whenever this node

@@ -11,7 +11,9 @@ the trigger, so the trigger must produce the same instants on every node:
   wall-clock time. The repeated hour's second pass (``fold=1``) is skipped.
 
 :func:`latest_fire_time` is the catch-up walk after a failover: the latest slot in a window,
-walked in UTC and bounded by time, not by a count of iterations.
+walked in UTC and bounded by time, not by a count of iterations. :func:`passed_fire_time` is a
+shared job's after a hand-over: a fire time its stored next run time was moved past, found on the
+job's own sequence of fire times (which an off-slot ``next_run_time`` moves), not on the slots.
 """
 
 from __future__ import annotations
@@ -232,3 +234,39 @@ def _last_in(source: Any, start: datetime, end: datetime, give_up: float) -> dat
             return None
         when = source.next_slot(when, when.astimezone(timezone.utc) + _US)
     return latest
+
+
+def passed_fire_time(
+    trigger: Any, last: datetime | None, stored: datetime, floor: datetime, now: datetime, budget: float = 0.2
+) -> datetime | None:
+    """The latest fire time in ``[floor, now]`` that a job's stored next run time (``stored``) was
+    moved past without a run, or None.
+
+    A scheduler's loop moves a job's next run time from one fire time to the next, each computed from
+    the one before (an interval trigger adds its interval to the previous fire time, wherever that
+    was: after ``next_run_time=`` at add or ``modify_job(next_run_time=...)``, the job's fire times
+    are that instant plus whole intervals, not the trigger's anchored slots). So such a fire time
+    lies on the sequence that starts after ``last`` (the last claimed fire time) and goes on to
+    ``stored`` exactly. A sequence that passes ``stored`` without meeting it shows ``stored`` was set
+    off it (by ``next_run_time=``, ``modify_job``, a resume), and nothing before ``stored`` is a fire
+    time the job still has: None. Without ``last`` (no claim yet) the sequence starts at the latest
+    slot in ``[floor, now]``. ``stored`` is a slot (un-jittered), as the fire times walked are. The
+    walk gives up (None: nothing run) after ``budget`` seconds of CPU.
+    """
+    source = _slot_source(trigger)
+    zone = getattr(trigger, "timezone", None) or timezone.utc
+    give_up = time.thread_time() + budget
+    if last is None:
+        when = latest_fire_time(trigger, floor, now, None, budget)
+    else:
+        previous = last.astimezone(zone)  # computed as the loop computes it: in the trigger's zone
+        when = source.next_slot(previous, previous.astimezone(timezone.utc) + _US)
+    latest = None
+    while when is not None and when < stored:
+        if floor <= when <= now:
+            latest = when
+        if time.thread_time() > give_up:
+            log.warning("catch-up walk of %r from %s to %s gave up after %.1fs of CPU", trigger, last, stored, budget)
+            return None
+        when = source.next_slot(when, when.astimezone(timezone.utc) + _US)  # in UTC, as _last_in steps
+    return latest if when == stored else None
