@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.backends import require_server
+from tests.backends import FULL_MATRIX_ONLY, require_server
 from tests.test_contrib_flask import job_runs
 from tests.test_embedding import REPO, Run, _die_with_pytest, _report, analyse, child_env, require_modules
 
@@ -164,7 +164,7 @@ def _kill_holder(project: Project) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "kind",
     [pytest.param("sqlite", marks=pytest.mark.sqlite), pytest.param("postgresql", marks=pytest.mark.postgresql),
-     pytest.param("mysql", marks=pytest.mark.mysql)],
+     pytest.param("mysql", marks=[pytest.mark.mysql, FULL_MATRIX_ONLY])],  # MySQL: the contract suites; CI time
 )  # fmt: skip
 def test_django_apscheduler_on_three_nodes(kind: str, database: dict[str, Any], tmp_path: Path) -> None:
     project = Project(database, tmp_path)

@@ -347,7 +347,7 @@ def test_flask_apscheduler_under_gunicorn(kind: str, flask_database: tuple[str, 
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("kind", backend_params_full_matrix(("sqlite", "postgresql"), ("mysql", "redis")))
+@pytest.mark.parametrize("kind", backend_params_full_matrix(("sqlite",), ("postgresql", "mysql", "redis")))
 def test_five_reloads_lose_no_fire_time(kind: str, flask_database: tuple[str, str | None, str], tmp_path: Path) -> None:
     """Issue 33/35: ``kill -HUP`` of the master 5 times, under the integration's default (balanced)
     placement. Each old worker

@@ -26,7 +26,7 @@ import pytest
 from mutexcron.locks import lock_store_from_url
 from mutexcron.locks.base import LockStore
 from mutexcron.placement.balanced import FREE_GRACE
-from tests.backends import backend_params, backend_params_full_matrix, cleanup_redis, cleanup_sql, require_server, sql_url
+from tests.backends import backend_params_full_matrix, cleanup_redis, cleanup_sql, require_server, sql_url
 
 pytestmark = pytest.mark.cluster
 
@@ -93,7 +93,7 @@ def balanced(store: LockStore, nodes: list[str]) -> bool:
     return all(abs(counts[n] - share) <= max(1.0, share * 0.1) for n in nodes) and sum(counts[n] for n in nodes) == JOBS
 
 
-@pytest.mark.parametrize("kind", backend_params("sqlite", "mysql", "postgresql", "redis"))
+@pytest.mark.parametrize("kind", backend_params_full_matrix(("sqlite", "postgresql"), ("mysql", "redis")))
 def test_three_nodes_share_the_locks_through_joins_a_leave_a_kill_and_a_return(kind: str, tmp_path: Path) -> None:
     url = _url(kind, tmp_path)
     store = lock_store_from_url(url)
@@ -150,7 +150,7 @@ def _attrs_seen(tmp_path: Path) -> Counter[tuple[str, str]]:
     return seen
 
 
-@pytest.mark.parametrize("kind", backend_params("sqlite", "mysql", "postgresql", "redis"))
+@pytest.mark.parametrize("kind", backend_params_full_matrix(("sqlite", "postgresql"), ("mysql", "redis")))
 def test_a_rolling_restart_runs_every_fire_time_once(kind: str, tmp_path: Path) -> None:
     """Every node restarted twice in turn (SIGTERM, then started again): the locks move at each
     stop and each return, each handed over at a fire-time boundary to the node placement names,

@@ -30,7 +30,13 @@ from apscheduler.events import EVENT_JOB_MODIFIED, EVENT_JOB_REMOVED
 
 from mutexcron import MutexScheduler
 from tests import shared_jobs
-from tests.backends import backend_params, cleanup_redis, cleanup_sql, drop_tasks_table, require_server
+from tests.backends import (
+    backend_params_full_matrix,
+    cleanup_redis,
+    cleanup_sql,
+    drop_tasks_table,
+    require_server,
+)
 from tests.shared_jobs import JobStoreCtx, jobstore_from_spec, open_jobstore, read_lines
 
 pytestmark = pytest.mark.cluster
@@ -129,7 +135,7 @@ def assert_once(runs: list[dict[str, Any]], cluster: Cluster) -> None:
     assert not twice, f"fire times run more than once: {twice}\n{cluster.logs()}"
 
 
-@pytest.mark.parametrize("kind", backend_params("sqlite", "mysql", "postgresql", "redis", "mongodb"))
+@pytest.mark.parametrize("kind", backend_params_full_matrix(("sqlite", "postgresql", "mongodb"), ("mysql", "redis")))
 def test_three_nodes_share_one_job_store(kind: str, lock_url: str, jobstore: JobStoreCtx, tmp_path: Path) -> None:
     cluster = Cluster(lock_url, jobstore, tmp_path)
     admin = MutexScheduler(jobstores={"default": jobstore_from_spec(jobstore.spec)}, lock_url=lock_url, triggers=False)

@@ -20,7 +20,7 @@ from apscheduler.events import EVENT_JOB_REMOVED
 
 from mutexcron import MutexScheduler
 from tests import shared_jobs
-from tests.backends import backend_params
+from tests.backends import backend_params_full_matrix
 from tests.shared_jobs import JobStoreCtx, jobstore_from_spec
 from tests.test_shared_cluster import Cluster, jobstore, lock_url, wait_for
 
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.cluster
 REMOVAL_DELAY = 4.0
 
 
-@pytest.mark.parametrize("kind", backend_params("sqlite", "postgresql", "mysql", "redis"))
+@pytest.mark.parametrize("kind", backend_params_full_matrix(("sqlite", "postgresql"), ("mysql", "redis")))
 def test_a_date_job_rescheduled_as_its_run_starts_runs_again_on_real_nodes(
     kind: str, lock_url: str, jobstore: JobStoreCtx, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

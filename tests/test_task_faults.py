@@ -21,7 +21,7 @@ from mutexcron.tasks import Done, TaskStore
 from mutexcron.tasks.handlers import Handler, Task
 from mutexcron.tasks.worker import TaskWorker
 from tests import test_task_store
-from tests.backends import FakeClock, backend_params
+from tests.backends import FakeClock, backend_params, backend_params_full_matrix
 from tests.test_task_cluster import NOW, SLACK, TaskCluster, cluster
 from tests.test_task_store import TASK_BACKENDS, TaskCtx
 from tests.test_task_worker import wait_for as wait_until
@@ -106,7 +106,7 @@ def test_a_run_whose_lease_ran_out_records_nothing_even_after_a_late_renewal(wor
 
 # -- the same rules on real `mutexcron run` nodes --------------------------------------------------
 @pytest.mark.cluster
-@pytest.mark.parametrize("kind", backend_params("sqlite", "postgresql", "mysql", "redis"))
+@pytest.mark.parametrize("kind", backend_params_full_matrix(("sqlite", "postgresql"), ("mysql", "redis")))
 def test_a_node_frozen_mid_handler_never_records_the_half_done_run(kind: str, cluster: Callable[..., TaskCluster]) -> None:
     """S1: lease 1.5 s, SIGSTOP 2.5 s in a 15-step handler that cleans up 0.3 s after it sees lost.
 
