@@ -35,7 +35,7 @@ def assert_shared_drill_passed(report: dict[str, Any]) -> None:
     assert frozen["seconds_to_first_run"] and all(
         g is not None and g <= frozen["limit"] for g in frozen["seconds_to_first_run"].values()
     ), summary
-    assert "released record" in report["cleanup"], summary
+    assert "forgotten (their fencing tokens stay spent)" in report["cleanup"], summary
 
 
 @pytest.mark.cluster

@@ -253,3 +253,24 @@ def test_catch_up_walk_runs_off_the_heartbeat_thread(tmp_path: Path, caplog: pyt
         sched.shutdown(wait=True)
     assert "catch-up after acquiring" not in caplog.text
     assert "the catch-up walk ran on the heartbeat thread" not in caplog.text
+
+
+def test_a_lock_taken_with_an_old_claim_puts_its_job_back_on_the_fire_time_due_within_the_grace() -> None:
+    """Balanced placement: a node that takes a lock puts its jobs back in the loop from the lock's last
+    claimed fire time. A claim older than the job's misfire grace (the rule when this node's clock is
+    ahead of the last holder's: ``mutexcron drill --skew``) made it start from now, so the fire time
+    due just before it took the lock ran on no node."""
+    from types import SimpleNamespace
+
+    from apscheduler.triggers.cron import CronTrigger
+
+    from mutexcron.placement.standby import _next_fire_time
+
+    job = SimpleNamespace(trigger=CronTrigger(second="*", timezone="UTC"), misfire_grace_time=4)
+    now = datetime(2026, 11, 29, 0, 36, 33, 90_000, tzinfo=timezone.utc)
+    fresh = _next_fire_time(job, now - timedelta(seconds=1.09), 2.0, now)
+    assert fresh == datetime(2026, 11, 29, 0, 36, 33, tzinfo=timezone.utc), "the slot after the last claim"
+    old = _next_fire_time(job, now - timedelta(seconds=9.09), 2.0, now)
+    assert old is not None and now - timedelta(seconds=4) <= old <= now, f"due within the grace, not after now: {old}"
+    never = _next_fire_time(job, None, 2.0, now)
+    assert never == datetime(2026, 11, 29, 0, 36, 34, tzinfo=timezone.utc), "never claimed: from now"

@@ -137,11 +137,20 @@ class Standby:
             store.update_job(job)
 
 
-def _next_fire_time(job: Any, last: datetime | None, ttl: float) -> datetime | None:
-    """The job's first fire time after ``last`` (the lock's last claimed one), or from now when none
-    was claimed or it is older than the job's misfire grace time."""
-    now = datetime.now(job.trigger.timezone) if hasattr(job.trigger, "timezone") else datetime.now().astimezone()
-    grace = job.misfire_grace_time if job.misfire_grace_time is not None else 2 * ttl
-    if last is not None and now - last <= timedelta(seconds=grace):
+def _next_fire_time(job: Any, last: datetime | None, ttl: float, now: datetime | None = None) -> datetime | None:
+    """The job's first fire time after ``last`` (the lock's last claimed one); when that claim is
+    older than the job's misfire grace time, its first fire time within that grace (the loop then
+    runs the latest one passed, once if coalesced, as a catch-up does); from now when none was
+    claimed.
+
+    A claim older than the grace is the rule when this node's clock is ahead of the last holder's
+    (fire times are each node's own clock): from now, the fire time due just before this node took
+    the lock ran on no node (seen with clocks 8 s apart at a SIGTERM hand-over)."""
+    if now is None:
+        now = datetime.now(job.trigger.timezone) if hasattr(job.trigger, "timezone") else datetime.now().astimezone()
+    grace = timedelta(seconds=job.misfire_grace_time if job.misfire_grace_time is not None else 2 * ttl)
+    if last is None:
+        return job.trigger.get_next_fire_time(None, now)  # type: ignore[no-any-return]
+    if now - last <= grace:
         return job.trigger.get_next_fire_time(last, now)  # type: ignore[no-any-return]
-    return job.trigger.get_next_fire_time(None, now)  # type: ignore[no-any-return]
+    return job.trigger.get_next_fire_time(None, now - grace)  # type: ignore[no-any-return]
