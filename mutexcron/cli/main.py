@@ -401,8 +401,8 @@ def drill(
 
     The nodes guard one every-second job under a lock of the drill's own
     (mutexcron-drill-<random>). Exit 0 on PASS, 1 on FAIL, 2 if the drill could not run,
-    130 if interrupted. Everything is cleaned up, also after Ctrl-C; the drill lock stays in the
-    store as a released record (records are never deleted, so fencing tokens never go back).
+    130 if interrupted. Everything is cleaned up, also after Ctrl-C; the drill's lock is
+    forgotten (its fencing tokens stay spent: the store's token floor).
 
     With --tasks, the same faults hit nodes running task handlers while the drill adds tasks: no
     task may be lost, a stale attempt's completion must be refused, and a killed, frozen or

@@ -18,7 +18,7 @@ and the lock store of ``--lock-url``. Then:
   interval + 1.5 s between two runs, and the change holds.
 
 Verdict: each (job, fire time) once, failover within the lease, changes propagated and kept. The
-job table (or keys) is dropped at the end; the jobs' lock records stay as released records.
+job table (or keys) is dropped at the end; the jobs' locks are forgotten (their tokens stay spent).
 """
 
 from __future__ import annotations
