@@ -317,8 +317,8 @@ class SharedJobs:
             lock = known[1].lock
             if not any(g.lock == lock for _f, g in self._guards.values()):
                 self._leased.discard(lock)  # forget_job lets go of it; a new job of it leases it again
-                if one_off:
-                    self._letting_go.add(lock)
+                if one_off and self.sched._guarded.get(job_id) is known[1]:
+                    self._letting_go.add(lock)  # taken back by the scheduler's forget_job, below (lets_go)
         if self.sched._guarded.get(job_id) is known[1]:
             self.sched.forget_job(job_id)
 
