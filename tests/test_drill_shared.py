@@ -108,3 +108,20 @@ def test_the_verdict_fails_on_a_double_run_a_late_failover_and_a_change_not_seen
     assert "job j1 ran elsewhere after 5.50s (limit 3.0s)" in text
     assert "remove of j0: node b saw it after never" in text and "reschedule of j1: node a saw it after never" in text
     assert "removed job j0 ran 2 time(s) after its removal" in text
+
+
+def test_a_sigterm_hand_off_counts_from_the_fire_time_after_the_stopping_nodes_last_run() -> None:
+    """Balanced placement: a stopping node runs the fire time due during its hand-over wait, then
+    hands over; the next node's first run is the fire time after that one. Counted from the first
+    fire time after the signal, a 2 s job's hand-off measured 2.00 s against the 1.5 s limit (seen
+    once in CI) although no fire time was missed. A fire time missed after it still fails."""
+    def verdict(elsewhere: float) -> list[str]:
+        report = SharedDrillReport(nodes=3, lease=2.0, lock_store="x", job_store="y", jobs=["j1"])
+        runs = [Run("j1", "a", float(t), 1, 100.0 + t - 1000, t) for t in range(1000, 1008, 2)]  # ..., 1006 after the signal
+        runs.append(Run("j1", "b", elsewhere, 2, 100.0 + elsewhere - 1000 + 0.01, elsewhere + 0.01))
+        report.strikes.append(Strike("term", "a", 105.5, 1005.5, ["j1"]))
+        analyse(report, runs, [])
+        return [f for f in report.failures if "after term" in f]
+
+    assert verdict(1008.0) == [], "the fire time after the stopping node's last run, at once"
+    assert verdict(1010.0) and "ran elsewhere after 2.01s" in verdict(1010.0)[0], "1008 ran on no node"

@@ -795,7 +795,9 @@ def test_four_racers_claim_every_task_exactly_once(tasks_ctx: TaskCtx) -> None:
     keys = [key for got in claimed for key, _, _ in got]
     assert len(keys) == total and len(set(keys)) == total, f"{len(keys) - len(set(keys))} claimed twice"
     assert all(token == 1 and attempt == 1 for got in claimed for _, token, attempt in got)
-    assert all(got for got in claimed), "a racer claimed nothing: not a race"
+    # The race happened: at least two racers claimed. SQLite serialises writers and its busy wait is
+    # not fair, so under load one of four processes can find the tasks gone (seen once in CI).
+    assert sum(1 for got in claimed if got) >= 2, "fewer than two racers claimed anything: not a race"
     assert store.list(state="queued", limit=10) == [] and len(store.list(state="running", limit=total + 1)) == total
 
 

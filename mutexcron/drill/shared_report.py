@@ -164,8 +164,13 @@ def _failover(report: SharedDrillReport, strike: Strike, runs: list[Run]) -> Non
     limit = report.limit(strike.phase)
     for job in strike.jobs:
         after = sorted((r for r in runs if r.job == job and r.node != strike.node and r.mono > strike.at), key=lambda r: r.mono)
-        due = _next_slot(runs, job, strike.wall)
-        # The job could not run before its first fire time after the strike: the wait counts from then.
+        since = strike.wall
+        if strike.phase == "term":  # a stopping node runs the fire times due during its hand-over wait, then hands over
+            own = [r.fire for r in runs if r.job == job and r.node == strike.node and r.mono > strike.at]
+            since = max([since, *own])
+        due = _next_slot(runs, job, since)
+        # The job could not run before its first fire time after the strike (after the stopping
+        # node's last run of it, after SIGTERM): the wait counts from then.
         strike.gaps[job] = after[0].mono - strike.at - max(0.0, due - strike.wall) if after and due is not None else None
         gap = strike.gaps[job]
         if gap is None or gap > limit:
