@@ -35,6 +35,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra not installed
     raise ConfigurationError(f"mutexcron.contrib.flask needs Flask-APScheduler: pip install 'mutexcron[flask]' ({exc})") from exc
 from ..guard import apscheduler_internals as aps
+from ..guard.run_requests import withdraw_stale_request
 from ..guard.triggers import trigger_code
 from ..jobstores import is_shared
 from ..jobstores.lockstore import sql_lock_url
@@ -156,7 +157,9 @@ class APScheduler(_FlaskAPScheduler):  # type: ignore[misc]
 
         if self._scheduler.get_job(id, jobstore) is None:
             raise JobLookupError(id)
-        self._scheduler.tasks.add(trigger_code(id), id, timedelta(0), {"requested_by": REQUESTED_BY}, on_conflict="keep")
+        tasks = self._scheduler.tasks
+        withdraw_stale_request(tasks.store, trigger_code(id), id)  # an earlier failed request never answers this one
+        tasks.add(trigger_code(id), id, timedelta(0), {"requested_by": REQUESTED_BY}, on_conflict="keep")
 
     def _refuse_local_job(self, job_id: str, jobstore: str | None, what: str) -> None:
         if not self._scheduler.running:

@@ -22,7 +22,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
 from ..errors import ConfigurationError
-from ..guard.run_requests import request_runs, run_for
+from ..guard.run_requests import request_runs, run_for, withdraw_stale_request
 from ..guard.triggers import trigger_code
 from ..locks import LockStore, lock_store_from_url
 from ..names import check_name
@@ -156,15 +156,13 @@ class Actions:
     def trigger(self, job: Any, by: str) -> dict[str, Any]:
         """``mutexcron trigger JOB`` without the wait: the request is a task the holder runs; the
         page follows it with :meth:`trigger_outcome`. An earlier request that failed (its outcome
-        was shown) is withdrawn first, so this one runs."""
+        was shown), or is still queued past its deadline, is withdrawn first, so this one runs."""
         job_id = _checked(lambda: check_name(job, "job id"))
         if job_id not in self.known_jobs():
             raise ActionError(f"no guarded job {job_id!r} has run on this store (nor is it in the jobs file)", 404)
         with self._tasks() as store:
             code = trigger_code(job_id)  # the nodes that define the job serve it
-            earlier = store.get(code, job_id)
-            if earlier is not None and earlier.state == "failed":
-                store.cancel(code, job_id)
+            withdraw_stale_request(store, code, job_id)
             result = store.add(code, job_id, timedelta(0), {"requested_by": by}, on_conflict="keep")
             request = store.get(code, job_id)
         fire_time = request.due.isoformat() if request is not None else None

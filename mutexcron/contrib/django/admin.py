@@ -14,6 +14,7 @@ from django.utils.html import format_html
 from django_apscheduler.admin import DjangoJobAdmin
 from django_apscheduler.models import DjangoJob
 
+from ...guard.run_requests import withdraw_stale_request
 from ...guard.triggers import trigger_code
 from ...tasks import task_store_from_url
 from . import lock_url
@@ -34,6 +35,7 @@ class ClusterDjangoJobAdmin(DjangoJobAdmin):  # type: ignore[misc]
         try:
             asked = []
             for job in queryset:
+                withdraw_stale_request(store, trigger_code(job.id), job.id)  # a failed earlier request never answers this one
                 store.add(trigger_code(job.id), job.id, timedelta(0), {"requested_by": f"{REQUESTED_BY} ({request.user})"},
                           on_conflict="keep")  # fmt: skip
                 asked.append(job.id)
