@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -524,6 +524,27 @@ class LeaseManager:
                 return False
             self._running[name] = self._running.get(name, 0) + 1
             return True
+
+    def pin(self, names: Collection[str]) -> set[str]:
+        """Of ``names``, those this node holds now, each counted as running until :meth:`unpin`: no
+        hand-over, release or stop lets it go meanwhile (none once :meth:`stop` began).
+
+        A shared job store's loop pass pins the locks whose due jobs it reads: it writes their next
+        run times before their runs claim. A lock handed over in between would let the successor
+        see the old next run time (due: its loop's to run, no catch-up) and then the giver move it
+        past a fire time that neither node runs."""
+        now = self.clock()
+        with self._mutex:
+            if self._stopping:
+                return set()
+            pinned = {n for n in names if (h := self._held.get(n)) is not None and now < h.deadline and n not in self._handing}
+            for name in pinned:
+                self._running[name] = self._running.get(name, 0) + 1
+        return pinned
+
+    def unpin(self, names: Collection[str]) -> None:
+        for name in names:
+            self.end_run(name)
 
     def end_run(self, name: str) -> None:
         with self._mutex:

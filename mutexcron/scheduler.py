@@ -659,16 +659,27 @@ class MutexSchedulerMixin(SharedJobsMixin, ScheduleDecorators):
             self._loop_died(exc)
             raise
         finally:
-            self._submit_batch(self._claim_batch.close())
+            self._submit_batch(self._claim_batch.close(), self._pass_pins())
 
-    def _submit_batch(self, entries: list[Any]) -> None:
-        """Hand the pass's guarded runs to the pool. Never raises: an error here would end
-        APScheduler's loop (this runs on its thread), and the node would keep its leases and run nothing."""
+    def _pass_pins(self) -> Callable[[], None]:
+        """Unpins the locks of the shared jobs this pass found due (once their runs are counted)."""
+        shared = self.__dict__.get("_shared_jobs_state")
+        pins, leases = (shared.take_pins() if shared is not None else []), self._leases
+        if not pins or leases is None:
+            return lambda: None
+        return lambda: leases.unpin(pins)
+
+    def _submit_batch(self, entries: list[Any], counted: Callable[[], None] = lambda: None) -> None:
+        """Hand the pass's guarded runs to the pool; ``counted`` is called once they are counted as
+        running. Never raises: an error here would end APScheduler's loop (this runs on its
+        thread), and the node would keep its leases and run nothing."""
         if not entries:
+            counted()
             return
         try:
-            aps.submit_work(entries[0].executor, lambda: run_batch(entries, _start_one))
+            aps.submit_work(entries[0].executor, lambda: run_batch(entries, _start_one, counted))
         except Exception as exc:  # noqa: BLE001 - no thread could be started, the pool was shut down...
+            counted()
             log.error(
                 "%d guarded run(s) due now could not be handed to the thread pool (%s); they do not run on this node",
                 len(entries),

@@ -233,6 +233,22 @@ def test_a_stopping_node_keeps_a_lock_whose_run_is_going_until_it_ends() -> None
     assert cluster.store.read(busy).holder in (None, "b")  # type: ignore[union-attr]
 
 
+def test_a_lock_pinned_by_a_loop_pass_is_neither_handed_over_nor_released_until_unpinned() -> None:
+    """A shared job store's loop pass pins the locks of the jobs it read due (their next run times
+    are written before their runs claim): a stopping node keeps each until it is unpinned."""
+    cluster, a = _two_nodes()
+    held = sorted(a.held())
+    pinned = a.pin({held[0], "not-held-here"})
+    assert pinned == {held[0]}, "only a lock this node holds is pinned"
+    thread = _leaving(a, lambda: dict.fromkeys(LOCKS, DAY))
+    assert _returns(thread, a), "nothing due within the wait"
+    assert set(a.held()) == {held[0]}, "every lock released but the pinned one"
+    a.unpin(pinned)
+    a.stop(timeout=0)
+    assert cluster.store.read(held[0]).holder in (None, "b")  # type: ignore[union-attr]
+    assert a.pin({held[0]}) == set(), "nothing is pinned once the stop began"
+
+
 def test_the_scheduler_tells_the_seconds_to_each_locks_soonest_fire_time() -> None:
     store = MemoryLockStore()
     sched = MutexScheduler(lock_store=store, node_id="a", unactive_interval=2, placement="balanced")

@@ -13,6 +13,7 @@ stopping node hands its locks over); the decision itself on hand-made records be
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -77,6 +78,46 @@ def test_a_hand_over_runs_no_slot_of_the_trigger_that_the_shared_job_does_not_ha
     time.sleep(0.5)
     fires = sorted(r[1] for r in runs_of("off"))
     assert fires == [off, off + INTERVAL], f"fire times run, after {off}: {[f - off for f in fires]}"
+
+
+@pytest.mark.sqlite
+def test_no_hand_over_between_the_loop_reading_a_due_shared_job_and_counting_its_run(nodes: Nodes) -> None:
+    """The holder's loop reads the job due at F, writes its next run time (F + 2 s), then its run
+    claims F. A hand-over asked for in between (here a stop, as on SIGTERM) waits until the run is
+    counted, and the holder runs F. Had it gone ahead, the successor's catch-up could read F (due:
+    its loop's to run) and its loop then F + 2 s (the giver's write): F would run nowhere. That
+    loss needs one interleaving of three threads on two nodes; this test checks the rule that
+    rules it out: the lock stays with the holder through the pass."""
+    first, second = nodes.new(), nodes.new()
+    web = nodes.new(paused=True)
+    web.add_job(shared_jobs.tick, "interval", seconds=2, id="pass", kwargs={"job": "pass"}, misfire_grace_time=5)
+    web.shutdown()
+    wait_for(lambda: len(runs_of("pass")) >= 2, timeout=10)  # placed: the second node joined
+    holder = first if runs_of("pass")[-1][2] == first.node_id else second
+    store = holder._jobstores["default"]
+    write = store._replace
+    struck: list[float] = []
+    holders_meanwhile: list[str | None] = []
+    stop = threading.Thread(target=holder.shutdown)
+
+    def advance_during_a_stop(job_id: str, base: bytes, ts: float | None, state: bytes, announce: bool) -> bool:
+        if not announce and not struck and job_id == "pass" and ts is not None:
+            struck.append(ts - 2)  # the fire time this pass read due: F
+            stop.start()  # the holder stops: it hands its lock over to the other node (after 0.3 s)
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline and not holders_meanwhile:
+                record = nodes.locks.read("pass")
+                if record is not None and record.holder != holder.node_id:
+                    holders_meanwhile.append(record.holder)
+                time.sleep(0.02)
+        return bool(write(job_id, base, ts, state, announce))
+
+    store._replace = advance_during_a_stop
+    wait_for(lambda: struck and any(r[1] >= struck[0] + 2 for r in runs_of("pass")), timeout=12)
+    stop.join(timeout=20)
+    assert not holders_meanwhile, f"lock handed over to {holders_meanwhile[0]} between the pass's read and its run"
+    fires = sorted((round(r[1] - struck[0], 3), r[2] == holder.node_id) for r in runs_of("pass") if r[1] >= struck[0])
+    assert fires[:2] == [(0.0, True), (2.0, False)], f"(fire time - F, run by the giver) from F on: {fires}"
 
 
 # -- the decision, on hand-made records ----------------------------------------------------------------

@@ -73,21 +73,39 @@ class ClaimBatch:
         return entries
 
 
-def run_batch(entries: list[_Entry], start_one: Callable[[_Entry, int | None], None]) -> None:
+def run_batch(
+    entries: list[_Entry], start_one: Callable[[_Entry, int | None], None], counted: Callable[[], None] = lambda: None
+) -> None:
     """Claim the held locks' fire times in one round trip, then start every run.
 
     ``start_one(entry, token)`` submits one run: with the token it won (a pre-claimed run), or with
-    None for the ordinary per-job path.
+    None for the ordinary per-job path. ``counted`` is called once the runs of held locks are
+    counted as running (before the claim's store call), whatever happens.
     """
+    try:
+        manager, claims, elsewhere = _count_runs(entries, start_one)
+    finally:
+        counted()
+    if claims:
+        _claim_and_start(manager, claims, start_one)
+    for entry in elsewhere:
+        _run_here(entry)
+
+
+def _count_runs(
+    entries: list[_Entry], start_one: Callable[[_Entry, int | None], None]
+) -> tuple[Any, list[tuple[_Entry, HeldClaim]], list[_Entry]]:
+    """The lease manager; each run of a held lock counted as running, with its claim; the others
+    started on the ordinary path, or set aside to skip here (held elsewhere)."""
     by_lock: dict[str, list[_Entry]] = {}
     for entry in entries:
         by_lock.setdefault(entry.job.func.lock, []).append(entry)
     manager = entries[0].job.func.context.leases if entries else None
-    if manager is None:
-        return
-    held = manager.held()
     claims: list[tuple[_Entry, HeldClaim]] = []
     elsewhere: list[_Entry] = []
+    if manager is None:
+        return manager, claims, elsewhere
+    held = manager.held()
     for lock, group in by_lock.items():
         token = held.get(lock)
         for entry in group:
@@ -99,10 +117,7 @@ def run_batch(entries: list[_Entry], start_one: Callable[[_Entry, int | None], N
                 continue
             claim = FireClaim.new(entry.job.func.job_id, us_from_datetime(entry.slot))
             claims.append((entry, HeldClaim(lock, token, claim)))
-    if claims:
-        _claim_and_start(manager, claims, start_one)
-    for entry in elsewhere:
-        _run_here(entry)
+    return manager, claims, elsewhere
 
 
 def _held_elsewhere(manager: Any, entry: _Entry) -> bool:

@@ -78,6 +78,10 @@ class JobsKeeper(Protocol):
 
     def held_jobs(self, store: SharedJobStore) -> set[str]: ...
 
+    def begin_pass(self, store: SharedJobStore) -> set[str]: ...
+
+    def due_read(self, due: Collection[str]) -> None: ...
+
     def unrestorable(self, store: SharedJobStore, job_id: str, exc: BaseException) -> None: ...
 
     def guard(self, store: SharedJobStore, job: Any) -> bool: ...
@@ -191,17 +195,23 @@ class SharedJobStore:
         """The due jobs whose lock this node holds (APScheduler's loop runs and advances these)."""
         due: dict[str, bytes] = {}
         self._loop_reads.due = due
-        held = self.shared.held_jobs(self)
+        held = self.shared.begin_pass(self)  # their locks pinned until due_read
         if not held:
             return []
         jobs = []
-        for job_id, state in self._read_due(float(timestamp(now) or 0.0), held):
+        try:
+            rows = self._read_due(float(timestamp(now) or 0.0), held)
+        except BaseException:
+            self.shared.due_read(())
+            raise
+        for job_id, state in rows:
             if job_id in self._loop_errors.pending and self._advance_again(job_id, state):
                 continue  # its fire time ran: held back until its advance is written
             job = self.restore(job_id, state, from_loop=True)
             if job is not None:
                 due[job_id] = state
                 jobs.append(job)
+        self.shared.due_read(due)  # their locks stay pinned until their runs are counted
         return jobs
 
     def get_next_run_time(self) -> datetime | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from apscheduler.events import (
@@ -85,6 +85,7 @@ class SharedJobs:
         self._letting_go: set[str] = set()  # their locks, once the job is gone: the holder forgets the record
         self._warned: dict[str, str] = {}  # job id -> the restore error last warned about
         self._kept = threading.local()  # the job id whose removal by this thread's loop pass was refused
+        self._pass = threading.local()  # the locks this thread's loop pass pinned (begin_pass)
         self._default_executor: type | None = None  # the scheduler's own executor class
         self._my_zone: tuple[str | None] | None = None  # (this node's zone,) once read
         self._listening = False
@@ -268,6 +269,47 @@ class SharedJobs:
         held = leases.held()
         with self._mutex:
             return {job_id for job_id in store._known if (g := self._guards.get(job_id)) is not None and g[1].lock in held}
+
+    def begin_pass(self, store: SharedJobStore) -> set[str]:
+        """:meth:`held_jobs` for a loop pass over ``store``, their locks pinned (no hand-over,
+        release or stop lets them go: :meth:`~mutexcron.heartbeat.LeaseManager.pin`) until
+        :meth:`due_read` says which of them are due."""
+        held = self.held_jobs(store)
+        leases = self.sched._leases
+        self._pass.reading = {}
+        if not held or leases is None:
+            return held
+        with self._mutex:
+            lock_of = {job_id: g[1].lock for job_id in held if (g := self._guards.get(job_id)) is not None}
+        pinned = leases.pin(set(lock_of.values()))
+        self._pass.reading = {job_id: lock for job_id, lock in lock_of.items() if lock in pinned}
+        return {job_id for job_id in held if lock_of.get(job_id) in pinned}
+
+    def due_read(self, due: Collection[str]) -> None:
+        """The jobs of the read :meth:`begin_pass` began that are due (none: the read failed). Their
+        locks stay pinned until their runs are counted (:meth:`take_pins`): the pass writes their
+        next run times before their runs claim, and a lock handed over in between would lose the
+        fire time. The other locks are let go of now."""
+        reading: dict[str, str] = getattr(self._pass, "reading", None) or {}
+        self._pass.reading = {}
+        keep = {reading[job_id] for job_id in due if job_id in reading}
+        leases = self.sched._leases
+        if leases is not None:
+            leases.unpin(set(reading.values()) - keep)
+        self._pass_pins().extend(keep)
+
+    def take_pins(self) -> list[str]:
+        """The locks this thread's loop pass keeps pinned (its caller unpins them): emptied."""
+        pins = self._pass_pins()
+        taken = list(pins)
+        pins.clear()
+        return taken
+
+    def _pass_pins(self) -> list[str]:
+        pins: list[str] | None = getattr(self._pass, "pins", None)
+        if pins is None:
+            pins = self._pass.pins = []
+        return pins
 
     def _lease_locks(self) -> None:
         """Hand the shared jobs' locks to the lease manager while the scheduler runs."""
