@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -138,8 +138,28 @@ def test_jobs_are_guarded_and_the_api_acts_through_the_cluster(tmp_path: Path, n
         request = sched.tasks.get(trigger_code("from_config"), "from_config")  # the code its nodes serve
         assert request is None or request.payload["requested_by"] == "Flask-APScheduler API"
         assert client.post("/scheduler/jobs/nope/run").status_code == 404
+        _a_failed_request_never_answers_a_new_run(sched, client)
     finally:
         scheduler.shutdown()
+
+
+def _a_failed_request_never_answers_a_new_run(sched: Any, client: Any) -> None:
+    """An earlier request that failed (its holder lacked the job) is withdrawn by the next run
+    request: with ``on_conflict="keep"`` the new one would join it, and never run."""
+    from mutexcron.guard.triggers import trigger_code
+    from mutexcron.tasks import Fail
+
+    sched._tasks.stop(5.0)  # no task worker here from now on: requests stay as written
+    store, code = sched.tasks.store, trigger_code("from_config")
+    store.cancel(code, "from_config")
+    store.add(code, "from_config", timedelta(0), {"requested_by": "an earlier click"})
+    claimed = store.claim("another-node", [code], 1, 30.0)
+    assert store.start("another-node", [(code, "from_config", claimed[0].token)]) == 1
+    assert store.complete("another-node", code, "from_config", claimed[0].token, Fail("job not on its holder"))
+    assert client.post("/scheduler/jobs/from_config/run").status_code == 200
+    fresh = store.get(code, "from_config")
+    assert fresh is not None and fresh.state == "queued", fresh
+    assert fresh.payload["requested_by"] == "Flask-APScheduler API"
 
 
 # -- under gunicorn -----------------------------------------------------------------------------------

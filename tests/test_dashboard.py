@@ -328,6 +328,31 @@ def test_a_trigger_whose_fire_time_a_scheduled_run_claimed_past_shows_that_run(t
                                 "fire_time": "2026-01-01T00:00:02+00:00", "merged": True}  # issue 32, C1: said so
 
 
+def test_run_now_withdraws_an_earlier_failed_request_so_the_new_one_runs(tmp_path: Path) -> None:
+    """A failed request (its holder lacked the job) must not answer the next "run now": with
+    ``on_conflict="keep"`` the new request would join it, and the page would show the old failure."""
+    from mutexcron.guard.triggers import trigger_code
+
+    url = f"sqlite:///{tmp_path}/dash.db"
+    populate(url)
+    code, tasks = trigger_code("close_invoices"), task_store_from_url(url)
+    app = create_app(url, action_token=TOKEN)
+    try:
+        tasks.add(code, "close_invoices", timedelta(0), {"requested_by": "an earlier click"})
+        token = tasks.claim("another-node", [code], 1, 30.0)[0].token
+        tasks.start("another-node", [(code, "close_invoices", token)])
+        assert tasks.complete("another-node", code, "close_invoices", token, Fail("job not on its holder"))
+        status, _, body = call(app, "/api/actions/trigger", "POST", {"job": "close_invoices", "by": "carol"},
+                               action_headers(app))  # fmt: skip
+        request = tasks.get(code, "close_invoices")
+    finally:
+        app.close()
+        tasks.close()
+    assert status == 200 and json.loads(body)["message"] == "close_invoices: requested", body
+    assert request is not None and request.state == "queued", request
+    assert request.payload["requested_by"].startswith("carol "), request.payload
+
+
 def test_a_store_url_with_a_query_leaves_the_page_markup_whole(tmp_path: Path) -> None:
     """The store URL in the header is followed by the token form: the body's redaction re-encoded
     the URL's query and swallowed the form (`#token button` never appeared in the browser)."""
