@@ -2,8 +2,8 @@
 action per call: ``python tests/django_site_drive.py ACTION JOB`` (the site on ``PYTHONPATH``).
 
 add / pause / resume / remove: through a paused MutexScheduler on the DjangoJobStore (a process that
-only changes jobs); admin-run: the admin's "run selected jobs" action, as a logged-in superuser;
-executions: the job's DjangoJobExecution rows as JSON."""
+only changes jobs); admin-run: the admin's "run selected jobs" action, as a logged-in superuser; failed-request: a
+failed run request left for the job; executions: the job's DjangoJobExecution rows as JSON."""
 
 import json
 import os
@@ -74,6 +74,26 @@ def admin_run(job: str) -> None:
     print(json.dumps({"status": reply.status_code, "messages": [str(m) for m in get_messages(reply.wsgi_request)]}))
 
 
+def failed_request(job: str) -> None:
+    """Leave a failed run request for ``job`` (as one whose holder lacked the job): the admin's next
+    "run selected jobs" must withdraw it, not join it."""
+    from datetime import timedelta
+
+    from mutexcron.contrib.django import lock_url
+    from mutexcron.guard.triggers import trigger_code
+    from mutexcron.tasks import Fail, task_store_from_url
+
+    store, code = task_store_from_url(lock_url()), trigger_code(job)
+    try:
+        store.add(code, job, timedelta(0), {"requested_by": "an earlier click"})
+        token = store.claim("another-node", [code], 1, 30.0)[0].token
+        store.start("another-node", [(code, job, token)])
+        store.complete("another-node", code, job, token, Fail("job not on its holder"))
+        print(json.dumps({"state": getattr(store.get(code, job), "state", None)}))
+    finally:
+        store.close()
+
+
 def executions(job: str) -> None:
     from django_apscheduler.models import DjangoJobExecution
 
@@ -83,5 +103,6 @@ def executions(job: str) -> None:
 
 if __name__ == "__main__":
     action, job = sys.argv[1], sys.argv[2]
-    actions = {"admin-run": admin_run, "executions": executions, "remove-racing-a-run": remove_racing_a_run}
+    actions = {"admin-run": admin_run, "executions": executions, "remove-racing-a-run": remove_racing_a_run,
+               "failed-request": failed_request}  # fmt: skip
     actions.get(action, lambda j: change(action, j))(job)

@@ -334,9 +334,7 @@ def _reload(server: FlaskAPSchedulerGunicorn) -> dict[str, Any]:
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize(
-    "kind", [pytest.param("sqlite", marks=pytest.mark.sqlite), pytest.param("postgresql", marks=pytest.mark.postgresql)]
-)
+@pytest.mark.parametrize("kind", backend_params_full_matrix(("postgresql",), ("sqlite",)))  # SQLite: the five reloads
 def test_flask_apscheduler_under_gunicorn(kind: str, flask_database: tuple[str, str | None, str], tmp_path: Path) -> None:
     require_modules("flask", "flask_apscheduler", "gunicorn")
     database_url, lock_url, table = flask_database

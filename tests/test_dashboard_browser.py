@@ -35,7 +35,7 @@ from mutexcron.guard.triggers import is_trigger_code
 from mutexcron.locks import Node, lock_store_from_url
 from mutexcron.observability.feed.writer import FLUSH_EVERY
 from mutexcron.tasks import task_store_from_url
-from tests.backends import backend_params, backend_params_full_matrix, drop_store_tables, require_server
+from tests.backends import backend_params_full_matrix, drop_store_tables, require_server
 
 pytestmark = pytest.mark.cluster
 
@@ -133,7 +133,7 @@ def _log_tails(directory: Path, lines: int = 60) -> str:
     return "\n".join(parts)
 
 
-@pytest.fixture(params=backend_params("sqlite", "postgresql"))
+@pytest.fixture(params=backend_params_full_matrix(("sqlite",), ("postgresql",)))  # PostgreSQL: the 500 locks test
 def cluster(request: pytest.FixtureRequest, tmp_path: Path, browser: Any) -> Iterator[Cluster]:
     kind = request.param
     failed_before = request.session.testsfailed
