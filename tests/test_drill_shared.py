@@ -125,3 +125,17 @@ def test_a_sigterm_hand_off_counts_from_the_fire_time_after_the_stopping_nodes_l
 
     assert verdict(1008.0) == [], "the fire time after the stopping node's last run, at once"
     assert verdict(1010.0) and "ran elsewhere after 2.01s" in verdict(1010.0)[0], "1008 ran on no node"
+
+
+
+def test_the_interval_is_read_from_the_latest_fire_times_not_from_before_a_reschedule() -> None:
+    """The drill reschedules a 1 s job to every 2 s. Read from every run, its interval looked like
+    1 s: the fire time after the signal was put 1 s early, and an on-time hand-off measured 1.0 s
+    (limit 1.5 s: any lag above 0.5 s failed it)."""
+    report = SharedDrillReport(nodes=3, lease=2.0, lock_store="x", job_store="y", jobs=["j1"])
+    runs = [Run("j1", "a", float(t), 1, 100.0 + t - 1000, t) for t in range(990, 1000)]  # every 1 s
+    runs += [Run("j1", "a", float(t), 1, 100.0 + t - 1000, t) for t in range(1000, 1006, 2)]  # then every 2 s
+    runs.append(Run("j1", "b", 1006.0, 2, 100.0 + 6 + 0.01, 1006.01))
+    report.strikes.append(Strike("term", "a", 104.5, 1004.5, ["j1"]))  # after the run of 1004
+    analyse(report, runs, [])
+    assert report.failures == [] and report.strikes[0].gaps["j1"] == pytest.approx(0.01), report.strikes[0].gaps

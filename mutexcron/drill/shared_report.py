@@ -178,12 +178,17 @@ def _failover(report: SharedDrillReport, strike: Strike, runs: list[Run]) -> Non
                                    f"{format_gap(gap)} (limit {limit:.1f}s)")  # fmt: skip
 
 
+#: How many of a job's latest fire times before a strike show its interval (the smaller step between
+#: them: one of them may be missing). Older ones may be from before the drill's reschedule.
+RECENT_FIRES = 3
+
+
 def _next_slot(runs: list[Run], job: str, wall: float) -> float | None:
-    """The job's first fire time after ``wall``, from its schedule as its runs show it (the last
-    fire time before, plus its interval), whether or not a node ran it."""
+    """The job's first fire time after ``wall``, from its schedule as its latest runs show it (the
+    last fire time before, plus its interval), whether or not a node ran it."""
     fires = sorted({round(r.fire, 3) for r in runs if r.job == job})
     before = [f for f in fires if f <= wall]
-    steps = [b - a for a, b in itertools.pairwise(fires) if b - a >= 0.5]
+    steps = [b - a for a, b in itertools.pairwise(before[-RECENT_FIRES:]) if b - a >= 0.5]
     if not before or not steps:
         return None
     period = min(steps)
