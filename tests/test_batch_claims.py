@@ -365,7 +365,12 @@ def test_one_winner_per_fire_time_racing_claim_many_and_acquire(ctx: StoreCtx) -
     print(f"\n{ctx.kind}: {len(winners)} fire times won once, {len(missing)} unclaimed, {changes} changes of holder, "
           f"{lost} locks claim_many found lost, {errors} uncertain outcomes ({claim_errors} of claim_many)")
     assert changes >= 10 and lost >= 10, f"not a race: {changes} changes of holder, {lost} lost locks seen by claim_many"
-    assert len(missing) <= 9 * errors, f"unclaimed fire times without an uncertain outcome: {sorted(missing)[:5]}"
+    # A fire time goes unclaimed, rightly, in a round where its lock's holder stalled past its lease
+    # after the other racers had tried it (refused: the lease was live then): its claim_many found
+    # the lock lost, and nobody held it to claim. Any other unclaimed one needs an uncertain outcome.
+    lapsed = {(lock, r) for o in outcomes for lock, r in o["lost_rounds"]}
+    unexplained = sorted(m for m in missing if (m[0], m[2]) not in lapsed)
+    assert len(unexplained) <= 9 * errors, f"unclaimed fire times without a lapse or an uncertain outcome: {unexplained[:5]}"
     # The last fire time of each job is stored with its one winner's nonce: claiming it again with
     # that nonce, as the holder, finds it ours (and only that one).
     nonces = {(lock, job, r): nonce for o in outcomes for lock, job, r, nonce in o["won"]}

@@ -66,14 +66,15 @@ def claim_race(
 
     Returns:
         ``won``: ``[lock, job, round, nonce]`` of every claim this racer was told it won;
-        ``lost``: locks claim_many reported not renewed; ``errors``: uncertain outcomes (contention),
-        ``claim_errors`` of them from claim_many.
+        ``lost``: locks claim_many reported not renewed, and ``lost_rounds``: ``[lock, round]`` of each;
+        ``errors``: uncertain outcomes (contention), ``claim_errors`` of them from claim_many.
     """
     rng = random.Random(seed)
     node_rng = random.Random(node.node_id)  # the same stalls in every racer of this node
     names = [f"{prefix}-{lock}" for lock in RACE_LOCKS]
     held: dict[str, int] = {}
     won: list[list[Any]] = []
+    lost_rounds: list[list[Any]] = []
     lost = errors = claim_errors = 0
     for r in range(rounds):
         barrier.wait(timeout=120)
@@ -105,8 +106,9 @@ def claim_race(
             continue
         won += [[h.lock, h.claim.job_id, r, h.claim.nonce] for h in batch if h.claim.nonce in claimed.won]
         lost += len(held.keys() - claimed.renewed)
+        lost_rounds += [[name, r] for name in held.keys() - claimed.renewed]
         held = {name: token for name, token in held.items() if name in claimed.renewed}
-    return {"won": won, "lost": lost, "errors": errors, "claim_errors": claim_errors}
+    return {"won": won, "lost": lost, "lost_rounds": lost_rounds, "errors": errors, "claim_errors": claim_errors}
 
 
 def claim_race_process(
